@@ -1,0 +1,26 @@
+"""Test setup shared by every suite.
+
+The UCX environment is set before any test imports nixl or ucxx (../shared/reference/feasibility.md §5):
+loopback only, no warnings about variables UCX does not know, reusable listener ports, blocking progress
+(no core spinning at 100%).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _key, _value in {
+    "UCX_NET_DEVICES": "lo",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_CM_REUSEADDR": "y",
+    "UCXPY_PROGRESS_MODE": "blocking",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # ucxx is asyncio-only; trio is not a supported backend.
+    return "asyncio"
