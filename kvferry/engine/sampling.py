@@ -1,0 +1,54 @@
+"""Choosing tokens from logits, and accepting draft tokens.
+
+Greedy is argmax. Seeded sampling uses the Gumbel-max rule with noise drawn from a generator seeded by
+``(seed, output position)`` only: the same request draws the same token at the same position whether it ran
+alone or batched, in any chunking, with or without speculative decoding. That makes seeded sampling a test
+oracle as strong as greedy decoding.
+
+Draft acceptance by the match rule: the target samples its own token at every verified position (greedy or
+seeded) and a draft is accepted while it equals that token. For a deterministic (greedy) drafter this is exact
+speculative sampling: a draft ``d`` is accepted with probability ``p(d)`` and on rejection the target's own
+sample is kept, which is distributed as ``p`` restricted to tokens other than ``d``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvferry.engine.request import Request
+
+__all__ = ["accept_drafts", "sample_tokens"]
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, position) over the 63-bit seed space
+
+
+def _position_seed(seed: int, position: int) -> int:
+    return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def sample_tokens(request: Request, logits: torch.Tensor, first_output_index: int) -> list[int]:
+    """One token per row of ``logits`` ([n, vocab]); row ``i`` is output position ``first_output_index + i``."""
+    if request.sampling.is_greedy:
+        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+    generator = request.generator
+    assert generator is not None and request.sampling.seed is not None
+    scaled = logits.to(torch.float64) / request.sampling.temperature
+    tokens: list[int] = []
+    for i in range(scaled.shape[0]):
+        generator.manual_seed(_position_seed(request.sampling.seed, first_output_index + i))
+        uniform = torch.rand(scaled.shape[-1], generator=generator, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
+        tokens.append(int(torch.argmax(scaled[i] + gumbel)))
+    return tokens
+
+
+def accept_drafts(drafts: Sequence[int], target_tokens: Sequence[int]) -> int:
+    """How many leading drafts match the target's own choices (``target_tokens`` has ``len(drafts) + 1``)."""
+    n = 0
+    for draft, target in zip(drafts, target_tokens, strict=False):
+        if draft != target:
+            break
+        n += 1
+    return n

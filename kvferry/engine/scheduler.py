@@ -1,0 +1,400 @@
+"""The synchronous scheduler: which requests run in the next engine step, with which tokens.
+
+One call to :meth:`Scheduler.schedule` builds a :class:`StepPlan` and performs the cache-manager operations
+it needs (create, resume, grow, suspend), all synchronous and all-or-nothing in the manager. The engine then
+runs the model over the plan and reports back through :meth:`Scheduler.commit` /
+:meth:`Scheduler.finish`.
+
+The rules, in the order :meth:`~Scheduler.schedule` applies them:
+
+1. **Decodes first.** Every DECODING request gets ``1 + k`` tokens (its pending token and ``k`` draft slots),
+   oldest admission first. The configuration guarantees that all of them fit the token budget with at least
+   one token to spare, so a long prompt can never block decodes and prefill always progresses.
+2. **Prefill chunks with what is left**, oldest admission first: each PREFILLING request gets
+   ``min(rest of its prompt, budget left, max_prefill_chunk)`` tokens, cut at the manager's next recurrent
+   snapshot boundary (a snapshot is only valid at the exact token where it was taken, so a chunk must end
+   there).
+3. **Admission**, FIFO from the waiting queue (preempted requests go back to its front): a request is admitted
+   only when the manager can create and resume its cache and give it pages for its first chunk; a failure
+   stops admission for this step (no request overtakes an older one) and leaves nothing held.
+4. **Preemption by suspend.** When the manager runs out of pages for a request, the newest running request
+   that is not yet in this step's plan (and newer than the one asking) is suspended and goes back to the
+   front of the waiting queue; it resumes, in whatever pages and slot the manager then gives it, when
+   admission reaches it again.
+
+A request that cannot make progress even with everything newer preempted, while nothing else runs, can
+never fit: it fails with :class:`~kvferry.errors.PoolExhausted` instead of deadlocking the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import attrs
+from attrs import define, frozen
+
+from kvferry.engine.request import Request, RequestState
+from kvferry.errors import ConfigError, PoolExhausted
+
+__all__ = [
+    "CacheOps",
+    "ItemKind",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStatistics",
+    "StepItem",
+    "StepPlan",
+]
+
+
+class CacheOps(Protocol):
+    """The cache manager as the scheduler drives it (the engine adapts the real manager to this).
+
+    Every method is all-or-nothing: on :class:`~kvferry.errors.PoolExhausted` nothing changed.
+    """
+
+    def create(self, request_id: int, token_ids: Sequence[int]) -> int:
+        """Register a request's cache (not resumed yet); return the prompt tokens reused from the prefix cache."""
+        ...
+
+    def resume(self, request_id: int) -> None:
+        """Give the request a live slot and bring back everything it owns (pages, state, replay state)."""
+        ...
+
+    def grow(self, request_id: int, num_tokens: int) -> None:
+        """Make the request's block table cover ``num_tokens`` tokens."""
+        ...
+
+    def suspend(self, request_id: int) -> None:
+        """Give the slot back, keeping the request's cache (maybe on the host) for a later resume."""
+        ...
+
+    def close(self, request_id: int) -> None:
+        """Free everything the request holds. Idempotent."""
+        ...
+
+    def next_snapshot_boundary(self, request_id: int, position: int) -> int | None:
+        """The first token count ``> position`` where the manager takes a recurrent snapshot, if any."""
+        ...
+
+
+@frozen
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    ``token_budget`` counts every token fed to the target model in one step (prompt chunks, pending tokens,
+    draft tokens). It must exceed ``max_running * (1 + max_spec_k)`` so decodes always fit with room for
+    prefill.
+    """
+
+    token_budget: int = 256
+    max_running: int = 16
+    max_prefill_chunk: int = 64
+    max_spec_k: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("token_budget", "max_running", "max_prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_spec_k < 0:
+            raise ConfigError(f"max_spec_k must be >= 0, got {self.max_spec_k}")
+        if self.token_budget <= self.max_running * (1 + self.max_spec_k):
+            raise ConfigError(
+                f"token_budget {self.token_budget} must exceed max_running * (1 + max_spec_k) = "
+                f"{self.max_running * (1 + self.max_spec_k)} so decodes always fit with room for prefill"
+            )
+
+
+class ItemKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@frozen
+class StepItem:
+    """One request's share of a step.
+
+    PREFILL: feed ``token_ids`` at positions ``start ..``; ``wants_logits`` when the chunk ends the prompt
+    (its last position's logits give the first output token). DECODE: feed the pending token at ``start``
+    plus ``num_drafts`` tokens the drafter proposes at execution time; logits at all ``1 + num_drafts``
+    positions.
+    """
+
+    request: Request = attrs.field(repr=lambda r: str(r.request_id))
+    kind: ItemKind
+    token_ids: tuple[int, ...]
+    start: int
+    num_drafts: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_drafts
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.kind is ItemKind.DECODE or self.start + len(self.token_ids) == self.request.num_prompt
+
+
+@frozen
+class StepPlan:
+    """What the next engine step runs, and what scheduling changed on the way."""
+
+    items: tuple[StepItem, ...]
+    preempted: tuple[Request, ...] = ()
+    failed: tuple[Request, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+class SchedulerStatistics(NamedTuple):
+    #: requests waiting for admission (new or preempted)
+    num_waiting: int
+    #: requests holding a live slot (prefilling or decoding)
+    num_running: int
+    #: steps planned so far
+    num_steps: int
+    #: preemptions so far
+    num_preemptions: int
+    #: tokens planned in the last step
+    last_step_tokens: int
+
+
+@define(eq=False)
+class Scheduler:
+    """FIFO admission, decode-first batching, chunked prefill and preemption over a :class:`CacheOps`.
+
+    Not thread-safe; the engine calls it from its step loop only. Requests are added with :meth:`add`, leave
+    with :meth:`finish` (finished, cancelled or failed: their cache is closed, whatever state they were in).
+    """
+
+    cache: CacheOps
+    config: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    _waiting: deque[Request] = attrs.field(factory=deque, init=False)
+    _running: list[Request] = attrs.field(factory=list, init=False)
+    _created: set[int] = attrs.field(factory=set, init=False)
+    _num_steps: int = attrs.field(default=0, init=False)
+    _num_preemptions: int = attrs.field(default=0, init=False)
+    _last_step_tokens: int = attrs.field(default=0, init=False)
+
+    # --- requests in and out --------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a WAITING request for admission (FIFO)."""
+        if request.state is not RequestState.WAITING:
+            raise ConfigError(f"only WAITING requests can be added, got {request!r}")
+        if request.spec_k > self.config.max_spec_k:
+            raise ConfigError(
+                f"spec_k {request.spec_k} exceeds the engine's max_spec_k {self.config.max_spec_k}"
+            )
+        self._waiting.append(request)
+
+    def finish(self, request: Request, state: RequestState) -> None:
+        """Take ``request`` out (moving it to terminal ``state`` unless it is there) and close its cache.
+
+        Idempotent. Whatever the request held in the manager is freed before this returns.
+        """
+        if not request.state.is_terminal:
+            request.transition(state)
+        if request in self._running:
+            self._running.remove(request)
+        if request in self._waiting:
+            self._waiting.remove(request)
+        if request.request_id in self._created:
+            self._created.discard(request.request_id)
+            self.cache.close(request.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    # --- planning -------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring for the rules); mutates the manager as it goes."""
+        budget = self.config.token_budget
+        items: list[StepItem] = []
+        planned: set[int] = set()
+        preempted: list[Request] = []
+        failed: list[Request] = []
+        blocked: Request | None = None
+
+        for request in [r for r in self._running if r.state is RequestState.DECODING]:
+            if request not in self._running:  # preempted by an older request's growth this step
+                continue
+            item = self._decode_item(request, budget)
+            if not self._grow(request, request.num_computed + item.num_tokens, planned, preempted):
+                blocked = blocked or request
+                continue
+            items.append(item)
+            planned.add(request.request_id)
+            budget -= item.num_tokens
+
+        for request in [r for r in self._running if r.state is RequestState.PREFILLING]:
+            if budget <= 0:
+                break
+            if request not in self._running:
+                continue
+            chunk = self._prefill_item(request, budget, planned, preempted)
+            if chunk is None:
+                blocked = blocked or request
+                continue
+            items.append(chunk)
+            planned.add(request.request_id)
+            budget -= chunk.num_tokens
+
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_running:
+            first = self._admit(self._waiting[0], budget)
+            if first is None:
+                break
+            request = self._waiting.popleft()
+            self._running.append(request)
+            items.append(first)
+            planned.add(request.request_id)
+            budget -= first.num_tokens
+
+        if not items and blocked is not None and not preempted:
+            # nothing runs, nothing newer can be preempted: this request can never fit
+            self.finish(blocked, RequestState.FAILED)
+            blocked.error = PoolExhausted(f"request {blocked.request_id} cannot fit in the cache pools")
+            failed.append(blocked)
+
+        self._num_steps += 1
+        plan = StepPlan(tuple(items), tuple(preempted), tuple(failed))
+        self._last_step_tokens = plan.num_tokens
+        return plan
+
+    def commit(self, request: Request, num_computed: int) -> None:
+        """Record that the cache of ``request`` now holds ``num_computed`` final tokens; PREFILLING -> DECODING
+        when the prompt is done (the engine has appended the first output token by then)."""
+        request.num_computed = num_computed
+        if request.state is RequestState.PREFILLING and request.prefill_done:
+            request.transition(RequestState.DECODING)
+
+    # --- helpers --------------------------------------------------------------------------------------
+
+    def _prefill_end(self, request: Request, budget: int) -> int:
+        start = request.num_computed
+        end = min(request.num_prompt, start + budget, start + self.config.max_prefill_chunk)
+        boundary = self.cache.next_snapshot_boundary(request.request_id, start)
+        if boundary is not None and start < boundary < end:
+            end = boundary
+        return end
+
+    def _prefill_item(
+        self, request: Request, budget: int, planned: set[int], preempted: list[Request]
+    ) -> StepItem | None:
+        end = self._prefill_end(request, budget)
+        if not self._grow(request, end, planned, preempted):
+            return None
+        start = request.num_computed
+        return StepItem(request, ItemKind.PREFILL, request.prompt_ids[start:end], start)
+
+    def _decode_item(self, request: Request, budget: int) -> StepItem:
+        k = max(0, min(request.effective_spec_k(), self.config.max_spec_k, budget - 1))
+        return StepItem(
+            request, ItemKind.DECODE, (request.output_ids[-1],), request.num_computed, num_drafts=k
+        )
+
+    def _admit(self, request: Request, budget: int) -> StepItem | None:
+        """Create (first time), resume and grow the request's cache for its first item of this step.
+
+        All or nothing: when anything does not fit, a new request's cache is closed again and a preempted
+        one is suspended again, so it holds exactly what it held before and keeps its place in the queue.
+        """
+        rid = request.request_id
+        fresh = rid not in self._created
+        resumed = False
+        try:
+            if fresh:
+                reused = self.cache.create(rid, request.prompt_ids)
+                self._created.add(rid)
+                # at least the last prompt token is computed: its logits give the first output token
+                request.reused_tokens = min(reused, request.num_prompt - 1)
+                request.num_computed = request.reused_tokens
+            self.cache.resume(rid)
+            resumed = True
+            if request.prefill_done:
+                item = self._decode_item(request, budget)
+                self.cache.grow(rid, request.num_computed + item.num_tokens)
+            else:
+                end = self._prefill_end(request, budget)
+                self.cache.grow(rid, end)
+                start = request.num_computed
+                item = StepItem(request, ItemKind.PREFILL, request.prompt_ids[start:end], start)
+        except PoolExhausted:
+            if fresh and rid in self._created:
+                self._created.discard(rid)
+                self.cache.close(rid)
+                request.reused_tokens = request.num_computed = 0
+            elif resumed:
+                self.cache.suspend(rid)
+            return None
+        if request.state is RequestState.WAITING:
+            request.transition(RequestState.PREFILLING)
+        else:
+            request.transition(RequestState.DECODING if request.prefill_done else RequestState.PREFILLING)
+        return item
+
+    def _grow(self, request: Request, num_tokens: int, planned: set[int], preempted: list[Request]) -> bool:
+        """Grow ``request`` to ``num_tokens``, preempting newer unplanned requests while pages run out."""
+        while True:
+            try:
+                self.cache.grow(request.request_id, num_tokens)
+                return True
+            except PoolExhausted:
+                victim = self._victim(request, planned)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+                preempted.append(victim)
+
+    def _victim(self, request: Request, planned: set[int]) -> Request | None:
+        position = self._running.index(request)
+        for candidate in reversed(self._running[position + 1 :]):
+            if candidate.request_id not in planned:
+                return candidate
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.suspend(request.request_id)
+        self._running.remove(request)
+        request.transition(RequestState.PREEMPTED)
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        # older than everything still waiting: it goes first when pools free up
+        self._waiting.appendleft(request)
+
+    # --- introspection --------------------------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_steps=self._num_steps,
+            num_preemptions=self._num_preemptions,
+            last_step_tokens=self._last_step_tokens,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<Scheduler [{s.num_running} running, {s.num_waiting} waiting | steps {s.num_steps}, "
+            f"preemptions {s.num_preemptions} | budget {self.config.token_budget}]>"
+        )
