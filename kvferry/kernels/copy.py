@@ -1,0 +1,203 @@
+"""Copies over byte arenas: fixed-size blocks by index, and (offset, length) fragments to and from staging.
+
+Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU).
+A *block view* is a 2-D strided view ``[count, block_bytes]`` of an arena whose rows start ``stride`` bytes
+apart (a pool's slots or pages); ``gather``/``scatter``/``copy``/``zero`` act on its rows by an index tensor.
+
+Every function validates its indices and fragments before it writes anything: a bad input raises
+:class:`~kvferry.errors.ConfigError` and leaves the arena unchanged (an out-of-range index would be a device
+assert on CUDA, which kills the process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvferry.errors import ConfigError
+
+__all__ = [
+    "as_index",
+    "block_view",
+    "copy_blocks",
+    "fragments_tensor",
+    "gather_blocks",
+    "gather_fragments",
+    "scatter_blocks",
+    "scatter_fragments",
+    "zero_blocks",
+]
+
+IndexLike = torch.Tensor | Sequence[int] | np.ndarray
+FragmentsLike = torch.Tensor | np.ndarray | Sequence[tuple[int, int]]
+
+
+def _check_arena(arena: torch.Tensor) -> None:
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
+        raise ConfigError(
+            f"an arena is a contiguous 1-D torch.uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
+        )
+
+
+def block_view(
+    arena: torch.Tensor, *, count: int, stride: int, block_bytes: int, offset: int = 0
+) -> torch.Tensor:
+    """The ``[count, block_bytes]`` view of ``arena`` whose row ``i`` starts at ``offset + i * stride``.
+
+    :raises ~kvferry.errors.ConfigError: if the rows do not fit in the arena.
+    """
+    _check_arena(arena)
+    if count < 0 or block_bytes < 0 or offset < 0 or stride < 0:
+        raise ConfigError("count, block_bytes, offset and stride must be non-negative")
+    if count > 1 and stride < block_bytes:
+        raise ConfigError(f"stride {stride} < block_bytes {block_bytes}: rows would overlap")
+    if count and offset + (count - 1) * stride + block_bytes > arena.numel():
+        raise ConfigError(
+            f"{count} blocks of {block_bytes} bytes at stride {stride} from {offset} exceed the arena "
+            f"({arena.numel()} bytes)"
+        )
+    return arena.as_strided((count, block_bytes), (stride, 1), arena.storage_offset() + offset)
+
+
+def as_index(ids: IndexLike, *, count: int, device: torch.device, unique: bool = False) -> torch.Tensor:
+    """``ids`` as an int64 index tensor on ``device``, checked to lie in ``[0, count)`` (and to be unique).
+
+    :raises ~kvferry.errors.ConfigError: on a non-integer, out-of-range or (with ``unique``) repeated id.
+    """
+    if isinstance(ids, torch.Tensor):
+        index = ids
+    else:
+        try:
+            index = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"ids must be integers: {exc}") from None
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise ConfigError(f"ids must be an integer tensor, got {index.dtype}")
+    index = index.reshape(-1).to(device=device, dtype=torch.int64)
+    if index.numel():
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= count:
+            raise ConfigError(f"ids must lie in [0, {count}), got range [{low}, {high}]")
+        if unique and torch.unique(index).numel() != index.numel():
+            raise ConfigError("destination ids must not repeat")
+    return index
+
+
+def gather_blocks(view: torch.Tensor, ids: IndexLike, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` of a block view, as a new (or the given) contiguous ``[len(ids), block_bytes]`` tensor."""
+    index = as_index(ids, count=view.shape[0], device=view.device)
+    if out is None:
+        return view.index_select(0, index)
+    if out.shape != (index.numel(), view.shape[1]) or out.dtype != view.dtype:
+        raise ConfigError(
+            f"out must be {view.dtype} [{index.numel()}, {view.shape[1]}], got {tuple(out.shape)}"
+        )
+    return torch.index_select(view, 0, index, out=out)
+
+
+def scatter_blocks(view: torch.Tensor, ids: IndexLike, data: torch.Tensor) -> None:
+    """Write ``data[i]`` into row ``ids[i]`` of a block view. ``data`` may live on another device."""
+    index = as_index(ids, count=view.shape[0], device=view.device, unique=True)
+    if data.dtype != view.dtype or tuple(data.shape) != (index.numel(), view.shape[1]):
+        raise ConfigError(
+            f"data must be {view.dtype} [{index.numel()}, {view.shape[1]}], got {data.dtype} {tuple(data.shape)}"
+        )
+    view.index_copy_(0, index, data.to(view.device, non_blocking=True))
+
+
+def copy_blocks(view: torch.Tensor, src: IndexLike, dst: IndexLike) -> None:
+    """Row ``src[i]`` -> row ``dst[i]``; every read happens before any write (overlapping src/dst is fine)."""
+    src_index = as_index(src, count=view.shape[0], device=view.device)
+    dst_index = as_index(dst, count=view.shape[0], device=view.device, unique=True)
+    if src_index.numel() != dst_index.numel():
+        raise ConfigError(f"{src_index.numel()} source ids but {dst_index.numel()} destination ids")
+    view.index_copy_(0, dst_index, view.index_select(0, src_index))
+
+
+def zero_blocks(view: torch.Tensor, ids: IndexLike) -> None:
+    """Zero rows ``ids`` of a block view."""
+    index = as_index(ids, count=view.shape[0], device=view.device)
+    view.index_fill_(0, index, 0)
+
+
+def fragments_tensor(fragments: FragmentsLike) -> torch.Tensor:
+    """Fragments ``[n, 2]`` of ``(offset, length)`` as an int64 CPU tensor.
+
+    :raises ~kvferry.errors.ConfigError: on a wrong shape, a non-integer, a negative offset or length.
+    """
+    if isinstance(fragments, torch.Tensor):
+        table = fragments.detach().to("cpu")
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise ConfigError(f"fragments must be integers, got {table.dtype}")
+        table = table.to(torch.int64)
+    else:
+        try:
+            array = np.asarray(fragments)
+            if array.size == 0:
+                array = array.reshape(0, 2)
+            if not np.issubdtype(array.dtype, np.integer):
+                raise ConfigError(f"fragments must be integers, got {array.dtype}")
+            table = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"fragments must be an [n, 2] integer array: {exc}") from None
+    if table.dim() != 2 or table.shape[1] != 2:
+        raise ConfigError(f"fragments must be [n, 2] (offset, length), got {tuple(table.shape)}")
+    if table.numel() and int(table.min()) < 0:
+        raise ConfigError("fragment offsets and lengths must be non-negative")
+    return table
+
+
+def _byte_index(arena: torch.Tensor, fragments: FragmentsLike, *, disjoint: bool) -> tuple[torch.Tensor, int]:
+    _check_arena(arena)
+    table = fragments_tensor(fragments)
+    offsets, lengths = table[:, 0], table[:, 1]
+    total = int(lengths.sum()) if table.numel() else 0
+    if table.numel():
+        if int((offsets + lengths).max()) > arena.numel():
+            raise ConfigError(f"a fragment ends past the arena ({arena.numel()} bytes)")
+        if disjoint:
+            nonempty = lengths > 0
+            starts, lens = offsets[nonempty], lengths[nonempty]
+            order = torch.argsort(starts)
+            starts, ends = starts[order], (starts + lens)[order]
+            if starts.numel() > 1 and bool((ends[:-1] > starts[1:]).any()):
+                raise ConfigError("destination fragments overlap")
+    # byte i of the staging buffer comes from offsets[f] + (i - first byte of f in staging)
+    first = torch.cumsum(lengths, 0) - lengths
+    index = torch.repeat_interleave(offsets - first, lengths) + torch.arange(total, dtype=torch.int64)
+    return index.to(arena.device), total
+
+
+def gather_fragments(
+    arena: torch.Tensor, fragments: FragmentsLike, staging: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Concatenate the bytes of ``fragments`` (``(offset, length)`` into ``arena``) into one staging buffer.
+
+    :param staging: a 1-D uint8 tensor of at least the total length on the arena's device; a new one is made
+        when None. The result is its first ``total`` bytes.
+    :raises ~kvferry.errors.ConfigError: on a fragment outside the arena or a staging buffer too small.
+    """
+    index, total = _byte_index(arena, fragments, disjoint=False)
+    if staging is None:
+        return arena[index]
+    _check_arena(staging)
+    if staging.numel() < total or staging.device != arena.device:
+        raise ConfigError(f"staging must hold {total} bytes on {arena.device}")
+    out = staging[:total]
+    torch.index_select(arena, 0, index, out=out)
+    return out
+
+
+def scatter_fragments(arena: torch.Tensor, fragments: FragmentsLike, staging: torch.Tensor) -> None:
+    """Write the staging buffer back into ``fragments`` of ``arena``: the inverse of :func:`gather_fragments`.
+
+    :raises ~kvferry.errors.ConfigError: on overlapping destination fragments, a fragment outside the arena or
+        a staging buffer too small; nothing is written then.
+    """
+    index, total = _byte_index(arena, fragments, disjoint=True)
+    _check_arena(staging)
+    if staging.numel() < total:
+        raise ConfigError(f"staging holds {staging.numel()} bytes, fragments need {total}")
+    arena.index_copy_(0, index, staging[:total].to(arena.device, non_blocking=True))
