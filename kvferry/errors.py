@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ClosedResourceError",
     "ConfigError",
+    "EngineClosed",
     "InvalidTransition",
     "KvferryError",
     "MessageTooLarge",
@@ -19,6 +20,7 @@ __all__ = [
     "PoolExhausted",
     "RebalanceRefused",
     "RegionError",
+    "RequestAborted",
     "StaleGeneration",
     "TransferCancelled",
     "TransferError",
@@ -121,3 +123,14 @@ class TransferCancelled(TransferError):
 
 class TransferInDoubt(TransferError):
     """A peer stopped reporting while writes may still be in flight: the destination pages stay quarantined."""
+
+
+# --- engine --------------------------------------------------------------------------------------------
+
+
+class EngineClosed(KvferryError):
+    """The engine is not running (used outside its ``async with`` block, or entered twice)."""
+
+
+class RequestAborted(KvferryError):
+    """A request ended before it finished: the engine closed, or a model step failed; its cache was freed."""
