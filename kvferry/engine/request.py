@@ -116,6 +116,10 @@ def _token_ids(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _token_set(value: Iterable[int]) -> frozenset[int]:
+    return frozenset(int(v) for v in value)
+
+
 @define(eq=False)
 class Request:
     """The engine's runtime record of one generation request.
@@ -128,7 +132,7 @@ class Request:
     request_id: int
     prompt_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
     max_tokens: int
-    stop_ids: frozenset[int] = attrs.field(factory=frozenset, converter=frozenset)
+    stop_ids: frozenset[int] = attrs.field(factory=frozenset, converter=_token_set)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     spec_k: int = 0
     state: RequestState = RequestState.WAITING

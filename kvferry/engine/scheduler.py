@@ -68,6 +68,10 @@ class CacheOps(Protocol):
         """Make the request's block table cover ``num_tokens`` tokens."""
         ...
 
+    def commit(self, request_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
+        """The first ``num_tokens`` of ``token_ids`` now have final cache (prefix hashes, snapshots)."""
+        ...
+
     def suspend(self, request_id: int) -> None:
         """Give the slot back, keeping the request's cache (maybe on the host) for a later resume."""
         ...
@@ -283,6 +287,7 @@ class Scheduler:
     def commit(self, request: Request, num_computed: int) -> None:
         """Record that the cache of ``request`` now holds ``num_computed`` final tokens; PREFILLING -> DECODING
         when the prompt is done (the engine has appended the first output token by then)."""
+        self.cache.commit(request.request_id, num_computed, request.all_ids[:num_computed])
         request.num_computed = num_computed
         if request.state is RequestState.PREFILLING and request.prefill_done:
             request.transition(RequestState.DECODING)

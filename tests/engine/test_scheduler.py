@@ -1,80 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
-from attrs import define, field
+from engine_fakes import FakeCache
 
 from kvferry.engine.request import Request, RequestState
 from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig, StepPlan
 from kvferry.errors import ConfigError, PoolExhausted
 
 S = RequestState
-
-
-@define(eq=False)
-class FakeCache:
-    """Counts pages and slots like the manager; suspend offloads pages (frees them), resume brings them back."""
-
-    num_pages: int
-    num_slots: int
-    tokens_per_block: int = 4
-    snapshot_interval: int | None = None
-    free_pages: int = 0
-    free_slots: int = 0
-    pages: dict[int, int] = field(factory=dict)
-    live: set[int] = field(factory=set)
-    offloaded: dict[int, int] = field(factory=dict)
-    log: list[tuple[str, int]] = field(factory=list)
-
-    def __attrs_post_init__(self) -> None:
-        self.free_pages, self.free_slots = self.num_pages, self.num_slots
-
-    def create(self, request_id: int, token_ids: Sequence[int]) -> int:
-        assert request_id not in self.pages and request_id not in self.offloaded
-        self.pages[request_id] = 0
-        self.log.append(("create", request_id))
-        return 0
-
-    def resume(self, request_id: int) -> None:
-        need = self.offloaded.get(request_id, 0)
-        if self.free_slots < 1 or self.free_pages < need:
-            raise PoolExhausted("fake")
-        self.free_slots -= 1
-        self.free_pages -= need
-        self.pages[request_id] = self.offloaded.pop(request_id, self.pages.get(request_id, 0))
-        self.live.add(request_id)
-        self.log.append(("resume", request_id))
-
-    def grow(self, request_id: int, num_tokens: int) -> None:
-        assert request_id in self.live
-        need = -(-num_tokens // self.tokens_per_block) - self.pages[request_id]
-        if need > self.free_pages:
-            raise PoolExhausted("fake")
-        if need > 0:
-            self.free_pages -= need
-            self.pages[request_id] += need
-
-    def suspend(self, request_id: int) -> None:
-        assert request_id in self.live
-        self.live.discard(request_id)
-        self.free_slots += 1
-        self.free_pages += self.pages[request_id]
-        self.offloaded[request_id] = self.pages.pop(request_id)
-        self.log.append(("suspend", request_id))
-
-    def close(self, request_id: int) -> None:
-        if request_id in self.live:
-            self.live.discard(request_id)
-            self.free_slots += 1
-        self.free_pages += self.pages.pop(request_id, 0)
-        self.offloaded.pop(request_id, None)
-        self.log.append(("close", request_id))
-
-    def next_snapshot_boundary(self, request_id: int, position: int) -> int | None:
-        if self.snapshot_interval is None:
-            return None
-        return (position // self.snapshot_interval + 1) * self.snapshot_interval
 
 
 def run_step(scheduler: Scheduler, plan: StepPlan, next_token: int = 9) -> None:

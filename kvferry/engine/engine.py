@@ -1,0 +1,490 @@
+"""The anyio engine: many concurrent ``generate()`` streams over one step loop.
+
+::
+
+    async with Engine(runner, cache) as engine:
+        async for token in engine.generate(prompt_ids, max_tokens=16, spec_k=2):
+            ...
+
+The engine owns one background task, the step loop, in a task group that lives exactly as long as the
+``async with`` block. Each iteration of the loop:
+
+1. frees what cancelled requests held (the caller left its ``async for``, or a cancel scope hit it);
+2. asks the :class:`~kvferry.engine.scheduler.Scheduler` for a step plan (admission, chunks, preemption);
+3. runs the model step: the drafter proposes ``k`` tokens for every speculative decode, then the target runs
+   every prompt chunk and every ``1 + k`` verify window in one batch. With ``step_in_thread`` (the default)
+   this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
+   ever touched from the loop, between steps;
+4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
+   state, and hands the tokens to each request's stream.
+
+Cancellation: a request is freed at the next step boundary (never while a step that reads its pages runs).
+Leaving the engine's ``async with`` cancels the loop, waits for a running step to end, then (shielded) closes
+every request's cache and ends every open stream with :class:`~kvferry.errors.RequestAborted`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from types import TracebackType
+from typing import NamedTuple, Protocol
+
+import anyio
+import attrs
+import torch
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from attrs import define, frozen
+
+from kvferry.engine.request import Request, RequestState, SamplingParams
+from kvferry.engine.sampling import accept_drafts, sample_tokens
+from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, SchedulerConfig, StepItem, StepPlan
+from kvferry.errors import ConfigError, EngineClosed, KvferryError, RequestAborted
+
+__all__ = [
+    "DraftItem",
+    "Engine",
+    "EngineConfig",
+    "EngineStatistics",
+    "ForwardItem",
+    "Generation",
+    "GenerationStatistics",
+    "ModelRunner",
+]
+
+
+# --- the model as the engine drives it ------------------------------------------------------------------
+
+
+@frozen
+class DraftItem:
+    """Ask the drafter for ``k`` proposals following ``pending_token`` (at position ``start``)."""
+
+    request_id: int
+    pending_token: int
+    start: int
+    k: int
+
+
+@frozen
+class ForwardItem:
+    """Feed ``token_ids`` at positions ``start ..``; return logits for the last ``num_logits`` positions.
+
+    ``num_drafts > 0`` marks a verify window (pending token + drafts): recurrent layers keep the state of
+    the last committed token and record the window's inputs for replay.
+    """
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    num_logits: int
+    num_drafts: int = 0
+
+
+class ModelRunner(Protocol):
+    """The model, its drafter and their caches, as one engine step uses them.
+
+    ``propose`` and ``forward`` run together in one step (maybe in a worker thread); ``record_accepted`` and
+    ``release`` run on the event loop between steps.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
+        """Draft ``item.k`` tokens for each item."""
+        ...
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One target step over every item; ``[num_logits, vocab]`` float logits per item."""
+        ...
+
+    def record_accepted(self, request_id: int, num_accepted: int) -> None:
+        """After a verify window: ``num_accepted`` of its tokens (pending + accepted drafts) are committed."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """Forget per-request host state (the drafter's hidden state). Idempotent."""
+        ...
+
+
+# --- configuration and statistics ------------------------------------------------------------------------
+
+
+@frozen
+class EngineConfig:
+    """Scheduler limits plus how the loop runs model steps."""
+
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    #: run model steps in a worker thread (the event loop keeps serving while torch computes)
+    step_in_thread: bool = True
+
+
+class EngineStatistics(NamedTuple):
+    #: engine steps that ran the model
+    num_steps: int
+    #: tokens handed to callers
+    num_generated: int
+    #: draft tokens proposed / accepted, over every request
+    num_drafted: int
+    num_accepted: int
+    #: requests now waiting / running / finished so far / cancelled so far / failed so far
+    num_waiting: int
+    num_running: int
+    num_finished: int
+    num_cancelled: int
+    num_failed: int
+    #: total seconds spent in the host side (schedule + sample/commit) and in model steps
+    host_seconds: float
+    model_seconds: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+class GenerationStatistics(NamedTuple):
+    request_id: int
+    state: RequestState
+    finish_reason: str | None
+    num_prompt: int
+    num_generated: int
+    reused_tokens: int
+    num_drafted: int
+    num_accepted: int
+    acceptance_rate: float
+    num_preemptions: int
+
+
+# --- one request's stream --------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class Generation:
+    """The tokens of one request, as an async iterable (iterate it once).
+
+    Nothing is submitted until iteration starts. Leaving the ``async for`` early, or a cancel scope around
+    it, cancels the request: whatever it held in the cache manager is freed at the engine's next step
+    boundary, and the engine keeps serving the others. :meth:`statistics` reads the request's counters at
+    any time (also after the end).
+    """
+
+    _engine: Engine
+    request: Request
+    _started: bool = attrs.field(default=False, init=False)
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        if self._started:
+            raise ConfigError("a Generation can be iterated once")
+        self._started = True
+        return self._tokens()
+
+    async def _tokens(self) -> AsyncIterator[int]:
+        receive = self._engine._submit(self.request)
+        try:
+            with receive:
+                async for tokens in receive:
+                    for token in tokens:
+                        yield token
+            if self.request.state is RequestState.FAILED:
+                error = self.request.error
+                if isinstance(error, KvferryError):
+                    raise error
+                raise RequestAborted(f"request {self.request.request_id} failed: {error!r}") from error
+            if self.request.state is not RequestState.FINISHED:
+                raise RequestAborted(f"request {self.request.request_id} ended {self.request.state.name}")
+        finally:
+            # synchronous on purpose: this also runs when the generator is finalised without an event loop turn
+            self._engine._cancel(self.request)
+
+    async def collect(self) -> list[int]:
+        """All tokens, as a list."""
+        return [token async for token in self]
+
+    def statistics(self) -> GenerationStatistics:
+        r = self.request
+        return GenerationStatistics(
+            request_id=r.request_id,
+            state=r.state,
+            finish_reason=r.finish_reason,
+            num_prompt=r.num_prompt,
+            num_generated=len(r.output_ids),
+            reused_tokens=r.reused_tokens,
+            num_drafted=r.num_drafted,
+            num_accepted=r.num_accepted,
+            acceptance_rate=r.acceptance_rate,
+            num_preemptions=r.num_preemptions,
+        )
+
+
+# --- the engine --------------------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class Engine:
+    """Serves :meth:`generate` streams from one step loop over a model runner and a cache manager.
+
+    ``cache`` is the manager (or an adapter of it) the scheduler drives; ``runner`` reads the same caches.
+    ``on_close`` callbacks run (shielded, after every request is freed) when the engine exits.
+    """
+
+    runner: ModelRunner
+    cache: CacheOps
+    config: EngineConfig = attrs.field(factory=EngineConfig)
+    scheduler: Scheduler = attrs.field(init=False)
+    _streams: dict[int, MemoryObjectSendStream[list[int]]] = attrs.field(factory=dict, init=False)
+    _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
+    _to_cancel: list[Request] = attrs.field(factory=list, init=False)
+    _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    _task_group: TaskGroup | None = attrs.field(default=None, init=False)
+    _exit_stack: contextlib.AsyncExitStack | None = attrs.field(default=None, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+    _next_id: int = attrs.field(default=0, init=False)
+    _counts: dict[str, int] = attrs.field(
+        factory=lambda: dict.fromkeys(
+            ("steps", "generated", "drafted", "accepted", "finished", "cancelled", "failed"), 0
+        ),
+        init=False,
+    )
+    _host_seconds: float = attrs.field(default=0.0, init=False)
+    _model_seconds: float = attrs.field(default=0.0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.scheduler = Scheduler(self.cache, self.config.scheduler)
+
+    # --- lifetime -----------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._closed or self._task_group is not None:
+            raise EngineClosed("an Engine can be entered once")
+        async with contextlib.AsyncExitStack() as stack:
+            # callbacks unwind in reverse: the task group ends (a running step finishes) before shutdown frees
+            stack.callback(self._shutdown)
+            self._task_group = await stack.enter_async_context(anyio.create_task_group())
+            await self._task_group.start(self._step_loop)
+            self._exit_stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._exit_stack is not None and self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        return await self._exit_stack.__aexit__(exc_type, exc, tb)
+
+    def _shutdown(self) -> None:
+        # synchronous, so no cancellation can interrupt it
+        self._closed = True
+        for request in list(self._requests.values()):
+            self._end(request, RequestState.CANCELLED)
+        self._to_cancel.clear()
+        self._idle.set()
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int] = (),
+        seed: int | None = None,
+        temperature: float = 1.0,
+        spec_k: int = 0,
+    ) -> Generation:
+        """A stream of generated tokens for ``prompt_ids`` (greedy unless ``seed`` is given).
+
+        Stops after ``max_tokens`` tokens or after a token in ``stop_ids`` (which is yielded). ``spec_k`` drafts
+        per step (0: no speculative decoding; at most the engine's ``max_spec_k``).
+
+        :raises ~kvferry.errors.ConfigError: bad arguments (nothing is submitted)
+        :raises ~kvferry.errors.EngineClosed: the engine is not running
+        """
+        prompt = tuple(int(t) for t in prompt_ids)
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        if spec_k > self.config.scheduler.max_spec_k:
+            raise ConfigError(
+                f"spec_k {spec_k} exceeds the engine's max_spec_k {self.config.scheduler.max_spec_k}"
+            )
+        request = Request(
+            self._next_id,
+            prompt,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            sampling=SamplingParams(seed=seed, temperature=temperature),
+            spec_k=spec_k,
+        )
+        self._next_id += 1
+        return Generation(self, request)
+
+    def _submit(self, request: Request) -> MemoryObjectReceiveStream[list[int]]:
+        if self._closed or self._task_group is None:
+            raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
+        send, receive = anyio.create_memory_object_stream[list[int]](math.inf)
+        self.scheduler.add(request)
+        self._streams[request.request_id] = send
+        self._requests[request.request_id] = request
+        self._busy()
+        return receive
+
+    def _cancel(self, request: Request) -> None:
+        """Mark ``request`` for freeing at the next step boundary (no-op once it ended)."""
+        if request.request_id in self._requests and request not in self._to_cancel:
+            self._to_cancel.append(request)
+            self._busy()
+
+    def _busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        self._wakeup.set()
+
+    def _end(self, request: Request, state: RequestState, error: BaseException | None = None) -> None:
+        """Terminal bookkeeping: close the cache, forget runner state, end the stream."""
+        if request.request_id not in self._requests:
+            return
+        if error is not None and request.error is None:
+            request.error = error
+        self.scheduler.finish(request, state)
+        self.runner.release(request.request_id)
+        del self._requests[request.request_id]
+        send = self._streams.pop(request.request_id)
+        send.close()
+        self._counts[request.state.name.lower()] += 1
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    async def _step_loop(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            self._reap()
+            if not self.scheduler.has_work:
+                self._idle.set()
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            await self._step()
+            # let consumers take their tokens (and cancel) before the next step
+            await anyio.lowlevel.checkpoint()
+
+    def _reap(self) -> None:
+        while self._to_cancel:
+            self._end(self._to_cancel.pop(), RequestState.CANCELLED)
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is waiting or running and every cancellation is processed."""
+        while self.scheduler.has_work or self._to_cancel:
+            await self._idle.wait()
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for request in plan.failed:
+            self._end(request, RequestState.FAILED)
+        if plan.is_empty:
+            self._host_seconds += time.perf_counter() - t0
+            await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
+            return
+        t1 = time.perf_counter()
+        try:
+            if self.config.step_in_thread:
+                drafts, logits = await anyio.to_thread.run_sync(self._run_model, plan)
+            else:
+                drafts, logits = self._run_model(plan)
+        except Exception as exc:
+            # a failed model step fails every request in it; the engine keeps serving the rest
+            for item in plan.items:
+                self._end(item.request, RequestState.FAILED, exc)
+            return
+        t2 = time.perf_counter()
+        self._apply(plan, drafts, logits)
+        self._counts["steps"] += 1
+        self._host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self._model_seconds += t2 - t1
+
+    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], list[torch.Tensor]]:
+        speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
+        drafts: dict[int, tuple[int, ...]] = {}
+        if speculative:
+            proposals = self.runner.propose(
+                [DraftItem(i.request.request_id, i.token_ids[0], i.start, i.num_drafts) for i in speculative]
+            )
+            for item, proposal in zip(speculative, proposals, strict=True):
+                drafts[item.request.request_id] = tuple(proposal)
+        forward = [self._forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
+        return drafts, self.runner.forward(forward)
+
+    @staticmethod
+    def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
+        if item.kind is ItemKind.PREFILL:
+            return ForwardItem(item.request.request_id, item.token_ids, item.start, int(item.wants_logits))
+        tokens = item.token_ids + drafts
+        return ForwardItem(item.request.request_id, tokens, item.start, len(tokens), len(drafts))
+
+    def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: list[torch.Tensor]) -> None:
+        for item, item_logits in zip(plan.items, logits, strict=True):
+            request = item.request
+            if request.request_id not in self._requests:
+                continue  # already ended (cannot happen between schedule and apply, but stay safe)
+            if item.kind is ItemKind.PREFILL:
+                end = item.start + len(item.token_ids)
+                new: list[int] = []
+                if item.wants_logits:
+                    new = sample_tokens(request, item_logits[-1:], len(request.output_ids))
+            else:
+                proposal = drafts.get(request.request_id, ())
+                targets = sample_tokens(request, item_logits, len(request.output_ids))
+                accepted = accept_drafts(proposal, targets)
+                if proposal:
+                    request.record_draft(proposal, accepted)
+                    self._counts["drafted"] += len(proposal)
+                    self._counts["accepted"] += accepted
+                    self.runner.record_accepted(request.request_id, 1 + accepted)
+                new = [*proposal[:accepted], targets[accepted]]
+                end = item.start + 1 + accepted
+            kept = request.append_tokens(new)
+            self._counts["generated"] += len(kept)
+            if kept:
+                try:
+                    self._streams[request.request_id].send_nowait(kept)
+                except anyio.BrokenResourceError:
+                    self._cancel(request)  # the caller is gone; freed at the next boundary
+            if request.finish_reason is not None:
+                self._end(request, RequestState.FINISHED)
+            else:
+                self.scheduler.commit(request, end)
+
+    # --- introspection ------------------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        s = self.scheduler.statistics()
+        c = self._counts
+        return EngineStatistics(
+            num_steps=c["steps"],
+            num_generated=c["generated"],
+            num_drafted=c["drafted"],
+            num_accepted=c["accepted"],
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_finished=c["finished"],
+            num_cancelled=c["cancelled"],
+            num_failed=c["failed"],
+            host_seconds=self._host_seconds,
+            model_seconds=self._model_seconds,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if self._closed else ("running" if self._task_group is not None else "new")
+        return (
+            f"<Engine {state} [{s.num_running} running, {s.num_waiting} waiting | steps {s.num_steps}, "
+            f"tokens {s.num_generated}, accepted {s.num_accepted}/{s.num_drafted}]>"
+        )
