@@ -155,19 +155,21 @@ async def test_closing_the_engine_aborts_open_streams_and_frees_them() -> None:
     engine, cache, _ = make_engine(in_thread=True)
     got: list[int] = []
     errors: list[BaseException] = []
+    three = anyio.Event()
 
     async def consumer() -> None:
         try:
             async for token in engine.generate(PROMPTS[5], max_tokens=10_000):
-                got.append(token)
+                got.append(token)  # noqa: PERF401
+                if len(got) == 3:
+                    three.set()
         except RequestAborted as exc:
             errors.append(exc)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg, engine:
             tg.start_soon(consumer)
-            while len(got) < 3:
-                await anyio.sleep(0.001)
+            await three.wait()
     assert len(errors) == 1 and "CANCELLED" in str(errors[0])
     assert cache.free_pages == 256 and cache.free_slots == 16
     with pytest.raises(EngineClosed):
