@@ -160,7 +160,7 @@ async def test_closing_the_engine_aborts_open_streams_and_frees_them() -> None:
     async def consumer() -> None:
         try:
             async for token in engine.generate(PROMPTS[5], max_tokens=10_000):
-                got.append(token)  # noqa: PERF401
+                got.append(token)
                 if len(got) == 3:
                     three.set()
         except RequestAborted as exc:
