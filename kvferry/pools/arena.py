@@ -12,7 +12,7 @@ Arenas are zero-filled at allocation. Nothing here tracks ownership: that is the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -22,6 +22,9 @@ from kvferry.errors import ConfigError
 from kvferry.kernels.copy import IndexLike, as_index, block_view, copy_blocks, gather_blocks, scatter_blocks
 from kvferry.pools.layout import CacheLayout, GroupKind, Pool, PoolEntry, PoolGroup, Role
 from kvferry.pools.spec import dtype_from_name
+
+if TYPE_CHECKING:
+    from kvferry.pools.pagetable import PageTable
 
 __all__ = ["REPLAY", "CacheArena", "HostPages", "HostSlots"]
 
@@ -331,6 +334,15 @@ class CacheArena:
                 0, 256, (index.numel(), rows.shape[1]), dtype=torch.uint8, generator=generator
             )
             rows.index_copy_(0, index, noise.to(self.device))
+
+    # --- wire ----------------------------------------------------------------------------------------------
+
+    def page_table(self) -> PageTable:
+        """This rank's page table: the layout with each pool's base set to its arena's device address."""
+        from kvferry.pools.pagetable import PageTable
+
+        bases = {name: tensor.data_ptr() for name, tensor in self._pools.items()}
+        return PageTable.from_layout(self.layout, bases)
 
     def statistics(self) -> dict[str, Any]:
         """Device, bytes per pool and in all, counts per group."""

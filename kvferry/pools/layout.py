@@ -119,12 +119,12 @@ class Pool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arena from ``base``: ``num_slots * slot_stride`` for slot-first pools, else up to the
-        end of the last slot's last layer run."""
+        """Bytes of the arena from ``base`` to the end of the last slot's last layer run (``num_slots *
+        slot_stride`` for the slot-first pools we build)."""
         if self.num_slots == 0 or not self.entries:
             return 0
         if self.layer_stride == 0:
-            return self.num_slots * self.slot_stride
+            return (self.num_slots - 1) * self.slot_stride + max(self.slot_stride, self.slot_bytes)
         num_layers = len(self.layer_ids)
         last = (self.num_slots - 1) * self.slot_stride + (num_layers - 1) * self.layer_stride
         return last + self.slot_bytes
