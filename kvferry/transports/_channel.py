@@ -1,0 +1,794 @@
+"""The part every transport shares: a TCP control channel per peer, the handshake, regions, messages,
+notifications, peer loss, and plain copies to peers in the same process.
+
+Each peer has one TCP connection (framed by :data:`~kvferry.transports.wire.FRAME_HEADER`) read by one reader
+task. The connection is also how a dead peer is noticed: the kernel closes a killed process's sockets, the reader
+sees the end of the stream and every wait involving that peer ends with :class:`~kvferry.errors.PeerDisconnected`.
+That is what lets the library data paths (NIXL, UCX) run with their cheaper, hang-prone settings (error handling
+off, shared memory) and still fail within a deadline.
+
+Subclasses supply the data path through the ``_backend_*`` hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from attrs import define, field
+
+from kvferry.errors import (
+    ClosedResourceError,
+    MessageTooLarge,
+    PeerDisconnected,
+    PeerIncompatible,
+    TransferTimeout,
+    TransportError,
+    WireFormatError,
+)
+from kvferry.transports import wire
+from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
+from kvferry.transports.base import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Fragments,
+    Peer,
+    PeerAttribute,
+    PeerState,
+    Registration,
+    Transport,
+    TransportAttribute,
+    TransportStatistics,
+    as_fragments,
+    check_pairing,
+    coalesce,
+    total_bytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ChannelPeer", "ChannelTransport", "Guard"]
+
+log = logging.getLogger("kvferry.transports")
+
+#: internal frames (handshake, regions, write requests) larger than this are a protocol violation
+_MAX_CONTROL_FRAME = 80 << 20
+_DISCARD_CHUNK = 1 << 20
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """``"name://host:port"`` -> (name, host, port)."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if not sep or not colon or not port.isdigit():
+        raise ValueError(f"not a transport address: {address!r} (expected name://host:port)")
+    return scheme, host.strip("[]"), int(port)
+
+
+@define(eq=False)
+class Guard:
+    """Bounds one write: cancelled when the peer is lost, or when no progress is reported for ``stall`` seconds."""
+
+    scope: anyio.CancelScope
+    stall: float
+    reason: BaseException | None = None
+
+    def progress(self) -> None:
+        """Record progress: the stall deadline starts again."""
+        self.scope.deadline = anyio.current_time() + self.stall
+
+
+class ChannelPeer(Peer):
+    """A peer handle of a :class:`ChannelTransport`."""
+
+    __slots__ = (
+        "_state",
+        "backend",
+        "error",
+        "guards",
+        "hello",
+        "incoming",
+        "lost",
+        "messages_in",
+        "messages_out",
+        "notifications_in",
+        "notifications_out",
+        "pending",
+        "regions",
+        "same_process",
+        "send_lock",
+        "stream",
+        "transport",
+    )
+
+    def __init__(self, transport: ChannelTransport, stream: SocketStream, hello: wire.Hello) -> None:
+        self.transport = transport
+        self.stream = stream
+        self.hello = hello
+        self.same_process = (
+            hello.hostname == socket.gethostname()
+            and hello.pid == os.getpid()
+            and hello.pid_namespace == _pid_namespace()
+        )
+        self.regions = RegionTable(hello.regions)
+        self._state = PeerState.CONNECTED
+        self.error: TransportError = PeerDisconnected(f"peer {hello.address} disconnected")
+        self.lost = anyio.Event()
+        self.send_lock = anyio.Lock()
+        self.messages_out: MemoryObjectSendStream[bytes | MessageTooLarge]
+        self.messages_in: MemoryObjectReceiveStream[bytes | MessageTooLarge]
+        self.messages_out, self.messages_in = anyio.create_memory_object_stream[bytes | MessageTooLarge](1024)
+        self.notifications_out: MemoryObjectSendStream[bytes]
+        self.notifications_in: MemoryObjectReceiveStream[bytes]
+        self.notifications_out, self.notifications_in = anyio.create_memory_object_stream[bytes](math.inf)
+        #: writes of ours waiting for the peer's reply, by write id
+        self.pending: dict[int, anyio.abc.ObjectSendStream[wire.WriteReply]] = {}
+        #: writes of the peer's being received into our memory, by write id
+        self.incoming: dict[int, anyio.CancelScope] = {}
+        self.guards: set[Guard] = set()
+        #: what the backend keeps per peer (NIXL agent name, UCX endpoint)
+        self.backend: Any = None
+
+    @property
+    def state(self) -> PeerState:
+        return self._state
+
+    @property
+    def address(self) -> str:
+        return self.hello.address
+
+    async def aclose(self) -> None:
+        await self.transport._lose(self, ClosedResourceError("peer handle was closed"), state=PeerState.CLOSED)
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Any]:
+        return {
+            PeerAttribute.address: lambda: self.hello.address,
+            PeerAttribute.instance_id: lambda: self.hello.instance_id,
+            PeerAttribute.same_process: lambda: self.same_process,
+            PeerAttribute.pid: lambda: self.hello.pid,
+        }
+
+    def __repr__(self) -> str:
+        where = "same process" if self.same_process else f"pid {self.hello.pid}"
+        return (
+            f"<Peer {self.hello.address} [{self._state.value} | {where} | {len(self.regions)} regions, "
+            f"{len(self.pending)} writes out, {len(self.incoming)} in]>"
+        )
+
+
+class ChannelTransport(Transport):
+    """A transport whose control channel is TCP (framed, handshaken) and whose data path is a backend's.
+
+    :param host: interface to listen on (``"127.0.0.1"`` by default; ``"0.0.0.0"`` for other hosts)
+    :param port: port to listen on (0: any free port)
+    :param advertise_host: the host put into :attr:`address` (default: ``host``, or the hostname for 0.0.0.0)
+    :param compat_hash: compared at the handshake; peers with another hash are refused
+    :param max_message_bytes: limit of one incoming control message
+    :param connect_timeout: deadline of :meth:`connect` (TCP connect plus handshake)
+    :param stall_timeout: default stall deadline of writes
+    :param same_process: ``"copy"``: writes to a peer in this process are plain copies (never through the
+        library; NIXL inside one process on a GPU runs at 0.4 GB/s); ``"transport"``: use the library anyway
+    :param coalesce: merge fragments that are contiguous on both sides before writing
+    """
+
+    _uses_tag_prefix: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        compat_hash: bytes = b"",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        connect_timeout: float = 10.0,
+        stall_timeout: float = 30.0,
+        same_process: str = "copy",
+        coalesce: bool = True,
+    ) -> None:
+        if same_process not in ("copy", "transport"):
+            raise ValueError("same_process must be 'copy' or 'transport'")
+        self._host = host
+        self._port = port
+        self._advertise_host = advertise_host
+        self._compat_hash = bytes(compat_hash)
+        self._max_message_bytes = max_message_bytes
+        self._connect_timeout = connect_timeout
+        self._stall_timeout = stall_timeout
+        self._same_process_copy = same_process == "copy"
+        self._coalesce = coalesce
+        self.instance_id = f"{self.name}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.tag_prefix = secrets.randbits(24) if self._uses_tag_prefix else 0
+        self._converter = wire.make_converter()
+        self._state = "new"
+        self._address = ""
+        self._stack = AsyncExitStack()
+        self._tg: TaskGroup | None = None
+        self._listener: anyio.abc.Listener[SocketStream] | None = None
+        self._peers: set[ChannelPeer] = set()
+        self._accepted_out, self._accepted_in = anyio.create_memory_object_stream[ChannelPeer](math.inf)
+        self._registrations: list[TensorRegistration] = []
+        self._own = RegionTable(())
+        self._next_write_id = 1
+        self._writes_in_flight = 0
+        self._writes_completed = 0
+        self._writes_failed = 0
+        self._bytes_written = 0
+        self._messages_sent = 0
+        self._messages_received = 0
+        self._refused = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise ClosedResourceError(f"{self.name} transport was already started")
+        self._state = "starting"
+        try:
+            await self._backend_open()
+            try:
+                self._listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+            except OSError as exc:
+                raise TransportError(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
+            self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+            self._tg.start_soon(self._serve)
+            await self._backend_start_tasks(self._tg)
+            _, port = self._listener.extra(SocketAttribute.local_address)  # type: ignore[misc]
+            host = self._advertise_host or (socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host)
+            self._address = f"{self.name}://{host}:{port}"
+            self._state = "open"
+        except BaseException:
+            await self._shutdown()
+            raise
+        log.debug("%s started at %s", self.instance_id, self._address)
+
+    async def aclose(self) -> None:
+        if self._state in ("closed", "closing"):
+            return
+        self._state = "closing"
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        # The task group is exited here, outside any other cancel scope (it must be exited where it was
+        # entered); everything else runs shielded.
+        with anyio.CancelScope(shield=True):
+            for peer in list(self._peers):
+                await self._lose(peer, ClosedResourceError("transport was closed"), state=PeerState.CLOSED)
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        try:
+            await self._stack.aclose()
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                await self._release()
+
+    async def _release(self) -> None:
+        if self._listener is not None:
+            await self._listener.aclose()
+            self._listener = None
+        self._accepted_out.close()
+        for registration in self._registrations:
+            with suppress(Exception):
+                await self._backend_deregister(registration)
+            registration.deactivate()
+        self._registrations.clear()
+        self._own = RegionTable(())
+        await self._backend_close()
+        self._state = "closed"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ClosedResourceError(f"{self.name} transport is {self._state}, not open")
+
+    @property
+    def address(self) -> str:
+        self._check_open()
+        return self._address
+
+    # --- connections -------------------------------------------------------------------------------------
+
+    def _hello(self) -> wire.Hello:
+        return wire.Hello(
+            transport=self.name,
+            instance_id=self.instance_id,
+            address=self._address,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            pid_namespace=_pid_namespace(),
+            max_message_bytes=self._max_message_bytes,
+            tag_prefix=self.tag_prefix,
+            regions=self._own.regions,
+            backend=self._backend_hello(),
+        )
+
+    def _handshake_frame(self) -> bytes:
+        body = wire.encode(self._converter, self._hello())
+        envelope = wire.Handshake(wire.WIRE_VERSION, self._compat_hash, body)
+        return _frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, envelope))
+
+    def _check_envelope(self, body: bytes) -> wire.Hello:
+        """Decode the envelope, compare, and only then decode the hello."""
+        envelope = wire.decode(self._converter, body, wire.Handshake)
+        if envelope.wire_version != wire.WIRE_VERSION:
+            raise PeerIncompatible(f"peer speaks wire version {envelope.wire_version}, we speak {wire.WIRE_VERSION}")
+        if envelope.compat_hash != self._compat_hash:
+            raise PeerIncompatible(
+                f"compatibility hash differs: peer {envelope.compat_hash.hex()}, ours {self._compat_hash.hex()}"
+            )
+        hello = wire.decode(self._converter, envelope.body, wire.Hello)
+        if hello.transport != self.name:
+            raise PeerIncompatible(f"peer is a {hello.transport!r} transport, we are {self.name!r}")
+        return hello
+
+    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:
+        self._check_open()
+        _, host, port = parse_address(address)
+        deadline = self._connect_timeout if timeout is None else timeout
+        stream: SocketStream | None = None
+        try:
+            with anyio.fail_after(deadline):
+                try:
+                    stream = await anyio.connect_tcp(host, port)
+                except OSError as exc:
+                    raise PeerDisconnected(f"nobody listens at {address}: {exc}") from exc
+                _tune(stream)
+                await stream.send(self._handshake_frame())
+                reader = BufferedByteReceiveStream(stream)
+                kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
+                if kind == wire.FrameKind.REFUSAL:
+                    raise PeerIncompatible(f"{address} refused us: {wire.decode(self._converter, body, wire.Refusal).reason}")
+                if kind != wire.FrameKind.HANDSHAKE:
+                    raise WireFormatError(f"expected a handshake from {address}, got frame kind {kind}")
+                hello = self._check_envelope(body)
+                peer = ChannelPeer(self, stream, hello)
+                self._check_peer_allowed(peer)
+                await self._backend_peer_connected(peer)
+        except TimeoutError as exc:
+            if stream is not None:
+                await _close_quietly(stream)
+            raise PeerDisconnected(f"no handshake from {address} within {deadline} s") from exc
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
+            if stream is not None:
+                await _close_quietly(stream)
+            raise PeerDisconnected(f"{address} closed the connection during the handshake") from exc
+        except BaseException:
+            if stream is not None:
+                await _close_quietly(stream)
+            raise
+        self._peers.add(peer)
+        assert self._tg is not None
+        self._tg.start_soon(self._run_peer, peer, reader)
+        return peer
+
+    def _check_peer_allowed(self, peer: ChannelPeer) -> None:
+        """Subclasses refuse peers they cannot reach (local: other processes)."""
+
+    async def _serve(self) -> None:
+        assert self._listener is not None
+        await self._listener.serve(self._accept_one)
+
+    async def _accept_one(self, stream: SocketStream) -> None:
+        _tune(stream)
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
+                if kind != wire.FrameKind.HANDSHAKE:
+                    raise WireFormatError(f"expected a handshake, got frame kind {kind}")
+                try:
+                    hello = self._check_envelope(body)
+                    peer = ChannelPeer(self, stream, hello)
+                    self._check_peer_allowed(peer)
+                except (PeerIncompatible, WireFormatError) as exc:
+                    self._refused += 1
+                    log.warning("%s refused a connection: %s", self.instance_id, exc)
+                    refusal = wire.encode(self._converter, wire.Refusal(str(exc)))
+                    await stream.send(_frame(wire.FrameKind.REFUSAL, refusal))
+                    return
+                await self._backend_peer_connected(peer)
+                await stream.send(self._handshake_frame())
+        except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, OSError, TransportError) as exc:
+            self._refused += 1
+            log.warning("%s dropped an incoming connection during the handshake: %r", self.instance_id, exc)
+            await _close_quietly(stream)
+            return
+        self._peers.add(peer)
+        self._accepted_out.send_nowait(peer)
+        await self._run_peer(peer, reader)
+
+    async def accept(self) -> Peer:
+        self._check_open()
+        try:
+            return await self._accepted_in.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError) as exc:
+            raise ClosedResourceError(f"{self.name} transport was closed") from exc
+
+    async def _run_peer(self, peer: ChannelPeer, reader: BufferedByteReceiveStream) -> None:
+        """The peer's reader: dispatches frames until the connection ends."""
+        error: TransportError | None = None
+        try:
+            while True:
+                header = await reader.receive_exactly(wire.FRAME_HEADER.size)
+                kind, length = wire.FRAME_HEADER.unpack(header)
+                if kind == wire.FrameKind.MESSAGE:
+                    if length > self._max_message_bytes:
+                        await _discard(reader, length)
+                        await peer.messages_out.send(
+                            MessageTooLarge(f"message of {length} bytes exceeds the limit of {self._max_message_bytes}")
+                        )
+                        continue
+                    body = await reader.receive_exactly(length) if length else b""
+                    self._messages_received += 1
+                    await peer.messages_out.send(body)
+                    continue
+                if length > _MAX_CONTROL_FRAME:
+                    raise WireFormatError(f"control frame of {length} bytes")
+                body = await reader.receive_exactly(length) if length else b""
+                await self._dispatch(peer, kind, body)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            error = PeerDisconnected(f"peer {peer.address} disconnected")
+        except WireFormatError as exc:
+            log.warning("%s: malformed frame from %s: %s", self.instance_id, peer.address, exc)
+            error = exc
+        except PeerDisconnected as exc:
+            error = exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._lose(peer, error or PeerDisconnected(f"peer {peer.address} disconnected"))
+
+    async def _dispatch(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
+        if kind == wire.FrameKind.NOTIFY:
+            peer.notifications_out.send_nowait(body)
+        elif kind == wire.FrameKind.REGIONS:
+            update = wire.decode(self._converter, body, wire.RegionsUpdate)
+            peer.regions = RegionTable(update.regions)
+            if update.backend:
+                await self._backend_regions_updated(peer, update.backend)
+        elif kind == wire.FrameKind.WRITE_REPLY:
+            reply = wire.decode(self._converter, body, wire.WriteReply)
+            waiter = peer.pending.get(reply.write_id)
+            if waiter is not None:
+                with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    waiter.send_nowait(reply)
+        elif kind == wire.FrameKind.GOODBYE:
+            raise PeerDisconnected(f"peer {peer.address} closed the connection")
+        elif kind in (wire.FrameKind.WRITE_REQUEST, wire.FrameKind.WRITE_ABORT):
+            await self._backend_frame(peer, kind, body)
+        else:
+            raise WireFormatError(f"unexpected frame kind {kind}")
+
+    async def _lose(self, peer: ChannelPeer, error: TransportError, *, state: PeerState = PeerState.LOST) -> None:
+        """Mark ``peer`` gone, wake everything waiting on it, release what we hold for it. Idempotent."""
+        if peer._state is not PeerState.CONNECTED:
+            return
+        peer._state = state
+        peer.error = error
+        peer.lost.set()
+        with anyio.CancelScope(shield=True):
+            for guard in list(peer.guards):
+                guard.reason = error
+                guard.scope.cancel()
+            for scope in peer.incoming.values():
+                scope.cancel()
+            for waiter in peer.pending.values():
+                waiter.close()
+            peer.messages_out.close()
+            peer.notifications_out.close()
+            if state is PeerState.CLOSED:
+                with anyio.move_on_after(1.0), suppress(Exception):
+                    async with peer.send_lock:
+                        await peer.stream.send(_frame(wire.FrameKind.GOODBYE, b""))
+            await _close_quietly(peer.stream)
+            try:
+                await self._backend_peer_lost(peer)
+            except Exception:
+                log.exception("%s: releasing peer %s failed", self.instance_id, peer.address)
+            self._peers.discard(peer)
+
+    def _peer(self, peer: Peer) -> ChannelPeer:
+        if not isinstance(peer, ChannelPeer) or peer.transport is not self:
+            raise ValueError(f"{peer!r} is not a peer of this transport")
+        return peer
+
+    def _live_peer(self, peer: Peer) -> ChannelPeer:
+        self._check_open()
+        p = self._peer(peer)
+        if p.state is not PeerState.CONNECTED:
+            raise p.error
+        return p
+
+    async def send_frame(self, peer: ChannelPeer, kind: wire.FrameKind, body: bytes) -> None:
+        """Send one frame; a frame cut midway (cancel, error) makes the peer LOST."""
+        if peer.state is not PeerState.CONNECTED:
+            raise peer.error
+        async with peer.send_lock:
+            try:
+                with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
+                    await peer.stream.send(wire.FRAME_HEADER.pack(kind, len(body)))
+                    if body:
+                        await peer.stream.send(body)
+            except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                error = PeerDisconnected(f"sending to {peer.address} failed: {exc!r}")
+                await self._lose(peer, error)
+                raise error from exc
+
+    # --- messages and notifications ------------------------------------------------------------------
+
+    async def send_message(self, peer: Peer, data: bytes) -> None:
+        p = self._live_peer(peer)
+        if len(data) > p.hello.max_message_bytes:
+            raise MessageTooLarge(f"message of {len(data)} bytes exceeds the peer's limit of {p.hello.max_message_bytes}")
+        await self.send_frame(p, wire.FrameKind.MESSAGE, bytes(data))
+        self._messages_sent += 1
+
+    async def receive_message(self, peer: Peer) -> bytes:
+        self._check_open()
+        p = self._peer(peer)
+        try:
+            item = await p.messages_in.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise p.error from None
+        if isinstance(item, MessageTooLarge):
+            raise item
+        return item
+
+    async def receive_notification(self, peer: Peer) -> bytes:
+        self._check_open()
+        p = self._peer(peer)
+        async with self._backend_waiting():
+            try:
+                return await p.notifications_in.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                raise p.error from None
+
+    # --- registration --------------------------------------------------------------------------------
+
+    async def register(self, regions: torch.Tensor | Sequence[torch.Tensor]) -> Registration:
+        self._check_open()
+        tensors = [regions] if not isinstance(regions, Sequence) else list(regions)
+        registration = TensorRegistration(tensors)
+        for info in registration.infos:
+            if info.device != "cpu" and not self.capabilities.device_memory:
+                raise ValueError(f"{self.name} transport cannot register device memory ({info.device})")
+        blob = await self._backend_register(registration)
+        self._registrations.append(registration)
+        self._own = RegionTable([i for r in self._registrations for i in r.infos])
+        await self._publish_regions(blob)
+        return registration
+
+    async def deregister(self, registration: Registration) -> None:
+        if not isinstance(registration, TensorRegistration) or registration not in self._registrations:
+            return
+        with anyio.CancelScope(shield=True):
+            self._registrations.remove(registration)
+            self._own = RegionTable([i for r in self._registrations for i in r.infos])
+            registration.deactivate()
+            if self._state == "open":
+                await self._publish_regions(b"")
+            await self._backend_deregister(registration)
+
+    async def _publish_regions(self, blob: bytes) -> None:
+        update = wire.encode(self._converter, wire.RegionsUpdate(self._own.regions, blob))
+        for peer in list(self._peers):
+            with suppress(TransportError):
+                await self.send_frame(peer, wire.FrameKind.REGIONS, update)
+
+    # --- writes --------------------------------------------------------------------------------------
+
+    def new_write_id(self) -> int:
+        write_id = self._next_write_id
+        self._next_write_id += 1
+        return write_id
+
+    @asynccontextmanager
+    async def guard(self, peer: ChannelPeer, stall: float) -> AsyncIterator[Guard]:
+        """Run the body until done, the peer is lost (its error is raised) or it stalls (TransferTimeout)."""
+        if peer.state is not PeerState.CONNECTED:
+            raise peer.error
+        with anyio.CancelScope(deadline=anyio.current_time() + stall) as scope:
+            guard = Guard(scope, stall)
+            peer.guards.add(guard)
+            try:
+                yield guard
+            finally:
+                peer.guards.discard(guard)
+        if scope.cancelled_caught:
+            if guard.reason is not None:
+                raise guard.reason
+            raise TransferTimeout(f"write to {peer.address} made no progress for {stall} s")
+
+    async def write(
+        self,
+        peer: Peer,
+        src: npt.ArrayLike,
+        dst: npt.ArrayLike,
+        notify: bytes | None = None,
+        *,
+        stall_timeout: float | None = None,
+    ) -> None:
+        p = self._live_peer(peer)
+        src_f, dst_f = as_fragments(src), as_fragments(dst)
+        check_pairing(src_f, dst_f)
+        self._own.locate(src_f, "source")
+        p.regions.locate(dst_f, f"destination at {p.address}")
+        if self._coalesce:
+            src_f, dst_f = coalesce(src_f, dst_f)
+        stall = self._stall_timeout if stall_timeout is None else stall_timeout
+        self._writes_in_flight += 1
+        try:
+            if p.same_process and (self._same_process_copy or not self.capabilities.cross_process):
+                async with self.guard(p, stall):
+                    await CopyPlan(src_f, self._own, dst_f, p.regions).run()
+                if notify is not None:
+                    await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
+            else:
+                await self._backend_write(p, src_f, dst_f, notify, stall)
+        except BaseException:
+            self._writes_failed += 1
+            raise
+        finally:
+            self._writes_in_flight -= 1
+        self._writes_completed += 1
+        self._bytes_written += total_bytes(src_f)
+
+    @property
+    def own_regions(self) -> RegionTable:
+        return self._own
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def statistics(self) -> TransportStatistics:
+        return TransportStatistics(
+            peers=len(self._peers),
+            registrations=len(self._registrations),
+            registered_bytes=sum(r.nbytes for r in self._registrations),
+            writes_in_flight=self._writes_in_flight,
+            incoming_writes=sum(len(p.incoming) for p in self._peers),
+            writes_completed=self._writes_completed,
+            writes_failed=self._writes_failed,
+            bytes_written=self._bytes_written,
+            messages_sent=self._messages_sent,
+            messages_received=self._messages_received,
+            refused_connections=self._refused,
+            backend_handles=self._backend_handles(),
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        where = self._address or "-"
+        return (
+            f"<{type(self).__name__} {where} [{self._state} | {s.peers} peers | {s.registrations} registrations, "
+            f"{s.registered_bytes} bytes | writes: {s.writes_in_flight} in flight, {s.incoming_writes} incoming, "
+            f"{s.writes_completed} done, {s.writes_failed} failed | {s.backend_handles} library handles]>"
+        )
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Any]:
+        return {
+            TransportAttribute.name: lambda: self.name,
+            TransportAttribute.address: lambda: self.address,
+            TransportAttribute.instance_id: lambda: self.instance_id,
+            **self._backend_extra(),
+        }
+
+    # --- backend hooks (defaults: no library) --------------------------------------------------------
+
+    async def _backend_open(self) -> None:
+        """Open the library (called first in start)."""
+
+    async def _backend_start_tasks(self, task_group: TaskGroup) -> None:
+        """Start background tasks (e.g. NIXL polling) in the transport's task group."""
+
+    async def _backend_close(self) -> None:
+        """Close the library (called last in aclose, after every peer and registration is released)."""
+
+    def _backend_hello(self) -> bytes:
+        return b""
+
+    async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
+        """A peer passed the handshake; raise to refuse it."""
+
+    async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+        """Release what the backend holds for ``peer``."""
+
+    async def _backend_register(self, registration: TensorRegistration) -> bytes:
+        """Register with the library; return metadata peers need for it (may be empty)."""
+        return b""
+
+    async def _backend_deregister(self, registration: TensorRegistration) -> None:
+        """Deregister from the library."""
+
+    async def _backend_regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
+        """The peer registered memory; ``blob`` is what its backend published for it."""
+
+    async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
+        raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
+
+    async def _backend_write(
+        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+    ) -> None:
+        raise PeerIncompatible(f"{self.name} transport cannot write to another process")
+
+    @asynccontextmanager
+    async def _backend_waiting(self) -> AsyncIterator[None]:
+        """Held while someone waits for a notification (NIXL polls faster then)."""
+        yield
+
+    def _backend_handles(self) -> int:
+        return 0
+
+    def _backend_extra(self) -> dict[Any, Any]:
+        return {}
+
+
+# --- framing -------------------------------------------------------------------------------------------
+
+
+def _frame(kind: wire.FrameKind, body: bytes) -> bytes:
+    return wire.FRAME_HEADER.pack(kind, len(body)) + body
+
+
+async def _read_frame(reader: BufferedByteReceiveStream, limit: int) -> tuple[int, bytes]:
+    kind, length = wire.FRAME_HEADER.unpack(await reader.receive_exactly(wire.FRAME_HEADER.size))
+    if length > limit:
+        raise WireFormatError(f"frame of {length} bytes exceeds {limit}")
+    return kind, (await reader.receive_exactly(length) if length else b"")
+
+
+async def _discard(reader: BufferedByteReceiveStream, length: int) -> None:
+    """Skip ``length`` bytes without holding more than one chunk."""
+    while length:
+        n = min(length, _DISCARD_CHUNK)
+        await reader.receive_exactly(n)
+        length -= n
+
+
+def _tune(stream: SocketStream) -> None:
+    """Notice a silently vanished host within ~10 s (a killed process is noticed at once: its socket closes)."""
+    raw = stream.extra(SocketAttribute.raw_socket)
+    with suppress(OSError, AttributeError):
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
+
+
+async def _close_quietly(stream: SocketStream) -> None:
+    with anyio.CancelScope(shield=True), suppress(Exception):
+        await stream.aclose()
+
+
+def fragments_bytes(fragments: Fragments) -> bytes:
+    return np.ascontiguousarray(fragments, dtype="<u8").tobytes()
+
+
+def fragments_from_bytes(data: bytes) -> Fragments:
+    if len(data) % 16:
+        raise WireFormatError("fragment bytes are not a whole number of (address, length) rows")
+    rows = np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.uint64)
+    try:
+        return as_fragments(rows)
+    except ValueError as exc:
+        raise WireFormatError(f"malformed fragments: {exc}") from exc

@@ -1,0 +1,419 @@
+"""The transport interface: an abstract async resource that moves bytes between processes.
+
+A :class:`Transport` listens at an :attr:`~Transport.address`, connects to peers (:meth:`~Transport.connect`,
+:meth:`~Transport.accept`), registers memory (:meth:`~Transport.register`), carries small control messages
+(:meth:`~Transport.send_message` / :meth:`~Transport.receive_message`) and writes fragments of registered memory
+into a peer's registered memory (:meth:`~Transport.write`), delivering a notification to the peer only after
+the data has landed (:meth:`~Transport.receive_notification`).
+
+Fragments are numpy arrays of shape ``(n, 2)``, one row ``(address, length)`` per contiguous range, never
+Python lists of tuples. Row ``i`` of the source goes to row ``i`` of the destination, so both arrays have the
+same lengths row by row. :func:`as_fragments`, :func:`coalesce`, :func:`tensor_fragments` and
+:func:`page_fragments` build and normalise them.
+
+Backend specifics are typed attributes (anyio's mechanism): ``transport.extra(TransportAttribute.nixl_agent_name)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABCMeta, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+from anyio import TypedAttributeProvider, TypedAttributeSet, typed_attribute
+from attrs import frozen
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    import torch
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "Capabilities",
+    "Fragments",
+    "Peer",
+    "PeerAttribute",
+    "PeerState",
+    "Registration",
+    "Transport",
+    "TransportAttribute",
+    "TransportStatistics",
+    "as_fragments",
+    "coalesce",
+    "page_fragments",
+    "tensor_fragments",
+    "total_bytes",
+]
+
+#: ``(n, 2)`` uint64 array of ``(address, length)`` rows.
+Fragments = npt.NDArray[np.uint64]
+
+#: Default limit of one control message, in bytes (either side may lower it).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+# --- fragments -----------------------------------------------------------------------------------------
+
+
+def as_fragments(fragments: npt.ArrayLike) -> Fragments:
+    """Return ``fragments`` as a C-contiguous ``(n, 2)`` uint64 array of ``(address, length)`` rows.
+
+    Accepts int64 or uint64 arrays (and anything numpy turns into one). No row may have length 0 or a negative
+    value, and no range may wrap around the address space.
+
+    :raises ValueError: if the shape or values are not fragments.
+    """
+    array = np.asarray(fragments)
+    if array.ndim != 2 or array.shape[1] != 2:
+        raise ValueError(f"fragments must have shape (n, 2), got {array.shape}")
+    if array.dtype.kind == "i":
+        if array.size and int(array.min()) < 0:
+            raise ValueError("fragments hold a negative address or length")
+    elif array.dtype.kind != "u":
+        raise ValueError(f"fragments must be an integer array, got {array.dtype}")
+    out = np.ascontiguousarray(array, dtype=np.uint64)
+    if out.size:
+        if not bool(np.all(out[:, 1] > 0)):
+            raise ValueError("fragments hold a zero-length range")
+        if not bool(np.all(out[:, 0] + out[:, 1] > out[:, 0])):
+            raise ValueError("a fragment wraps around the address space")
+    return out
+
+
+def total_bytes(fragments: Fragments) -> int:
+    """The number of bytes the fragments cover (sum of lengths)."""
+    return int(fragments[:, 1].sum(dtype=np.uint64)) if len(fragments) else 0
+
+
+def coalesce(src: Fragments, dst: Fragments) -> tuple[Fragments, Fragments]:
+    """Merge consecutive rows that are contiguous on both sides.
+
+    Row ``i+1`` merges into row ``i`` when ``src[i].end == src[i+1].address`` and the same holds for ``dst``.
+    Order is kept; rows are never reordered (a reordering could merge more, but changes nothing the caller can
+    observe only when the ranges do not overlap, which we do not assume).
+
+    :raises ValueError: if ``src`` and ``dst`` do not pair row by row.
+    """
+    check_pairing(src, dst)
+    n = len(src)
+    if n <= 1:
+        return src, dst
+    joins = (src[:-1, 0] + src[:-1, 1] == src[1:, 0]) & (dst[:-1, 0] + dst[:-1, 1] == dst[1:, 0])
+    if not joins.any():
+        return src, dst
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(src[:, 1], starts).astype(np.uint64)
+    new_src = np.stack([src[starts, 0], lengths], axis=1)
+    new_dst = np.stack([dst[starts, 0], lengths], axis=1)
+    return np.ascontiguousarray(new_src), np.ascontiguousarray(new_dst)
+
+
+def check_pairing(src: Fragments, dst: Fragments) -> None:
+    """:raises ValueError: unless ``src`` and ``dst`` have the same number of rows and equal lengths per row."""
+    if src.shape != dst.shape:
+        raise ValueError(f"source and destination fragments differ in shape: {src.shape} != {dst.shape}")
+    if len(src) and not np.array_equal(src[:, 1], dst[:, 1]):
+        raise ValueError("source and destination fragments differ in length row by row")
+
+
+def tensor_fragments(tensor: torch.Tensor) -> Fragments:
+    """One fragment covering a contiguous tensor's bytes."""
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    nbytes = tensor.numel() * tensor.element_size()
+    return as_fragments(np.array([[tensor.data_ptr(), nbytes]], dtype=np.uint64))
+
+
+def page_fragments(base: int, page_bytes: int, page_ids: npt.ArrayLike, *, offset: int = 0) -> Fragments:
+    """Fragments of pages ``base + page_ids[i] * page_bytes + offset``, each ``page_bytes`` long."""
+    ids = np.asarray(page_ids, dtype=np.uint64).reshape(-1)
+    addresses = np.uint64(base + offset) + ids * np.uint64(page_bytes)
+    return as_fragments(np.stack([addresses, np.full_like(addresses, page_bytes)], axis=1))
+
+
+# --- descriptions ------------------------------------------------------------------------------------------
+
+
+@frozen
+class Capabilities:
+    """What a transport can do; callers choose paths by these, never by class."""
+
+    #: the writer moves bytes without the receiver's CPU taking part (RDMA WRITE, CMA, cuda_ipc)
+    one_sided_write: bool
+    #: CUDA tensors can be registered and written
+    device_memory: bool
+    #: peers may live in other processes
+    cross_process: bool
+    #: peers may live on other hosts
+    cross_host: bool
+
+
+class TransportAttribute(TypedAttributeSet):
+    """Transport-specific facts, read with ``transport.extra(TransportAttribute.X)``."""
+
+    #: the name it was loaded by: ``"nixl"``, ``"ucx"`` or ``"local"``
+    name: str = typed_attribute()
+    #: the address peers connect to
+    address: str = typed_attribute()
+    #: this transport's unique id (also its NIXL agent name)
+    instance_id: str = typed_attribute()
+    #: the NIXL agent name (nixl only)
+    nixl_agent_name: str = typed_attribute()
+    #: UCX error handling mode of the NIXL UCX backend (nixl only)
+    nixl_error_handling: str = typed_attribute()
+    #: the UCX worker address bytes peers create endpoints from (ucx only)
+    ucx_worker_address: bytes = typed_attribute()
+
+
+class PeerAttribute(TypedAttributeSet):
+    """Facts about a connected peer, read with ``peer.extra(PeerAttribute.X)``."""
+
+    #: the peer's transport address
+    address: str = typed_attribute()
+    #: the peer's unique id
+    instance_id: str = typed_attribute()
+    #: the peer runs in this process: writes are plain copies, never routed through a library
+    same_process: bool = typed_attribute()
+    #: the peer's process id (as it reported it)
+    pid: int = typed_attribute()
+
+
+class PeerState(enum.Enum):
+    """Where a peer handle stands."""
+
+    CONNECTED = "connected"
+    #: the peer went away (or sent something malformed); every call raises the recorded error
+    LOST = "lost"
+    #: closed by us (``peer.aclose()`` or the transport's aclose)
+    CLOSED = "closed"
+
+
+class Peer(TypedAttributeProvider, metaclass=ABCMeta):
+    """A handle to a connected peer, returned by :meth:`Transport.connect` and :meth:`Transport.accept`.
+
+    Pass it to the transport's methods. ``await peer.aclose()`` disconnects it (idempotent).
+    """
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def state(self) -> PeerState:
+        """CONNECTED, LOST or CLOSED."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Disconnect from the peer; idempotent. Waits in the peer's own receive calls end with
+        :class:`~kvferry.errors.ClosedResourceError`. A cancel leaves the peer closed all the same."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class Registration(metaclass=ABCMeta):
+    """Memory registered with a transport; returned by :meth:`Transport.register`.
+
+    It keeps the tensors alive until :meth:`Transport.deregister` (or the transport's aclose).
+    """
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The registered tensors, in the order given."""
+
+    @property
+    @abstractmethod
+    def active(self) -> bool:
+        """False once deregistered."""
+
+    def fragments(self) -> Fragments:
+        """One ``(address, length)`` row per registered tensor."""
+        rows = [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+        return as_fragments(np.array(rows, dtype=np.uint64).reshape(-1, 2))
+
+
+class TransportStatistics(NamedTuple):
+    """A snapshot of a transport's state (``transport.statistics()``)."""
+
+    #: peers connected now
+    peers: int
+    #: registrations held now
+    registrations: int
+    #: bytes registered now
+    registered_bytes: int
+    #: writes started and not yet finished (ours)
+    writes_in_flight: int
+    #: writes into our memory being received now (two-sided transports)
+    incoming_writes: int
+    #: writes completed since start
+    writes_completed: int
+    #: writes that failed since start
+    writes_failed: int
+    #: bytes written by completed writes since start
+    bytes_written: int
+    #: control messages sent / received since start
+    messages_sent: int
+    messages_received: int
+    #: incoming connections refused (wrong wire version or compatibility hash, bad handshake)
+    refused_connections: int
+    #: library handles held now (NIXL xfer/dlist handles, UCX endpoints); 0 after aclose
+    backend_handles: int
+
+
+class Transport(TypedAttributeProvider, metaclass=ABCMeta):
+    """An abstract async resource that moves bytes between registered memory of peers.
+
+    Use it as an async context manager (``async with get_transport("nixl")() as t:``), or call :meth:`start`
+    and :meth:`aclose` from the same task. Background work (the listener, one reader per peer, NIXL polling)
+    runs in a task group owned by the transport and ends with :meth:`aclose`.
+
+    Every wait on the network is bounded: a peer that dies is noticed through its control connection and
+    every call involving it raises :class:`~kvferry.errors.PeerDisconnected`; writes also have a stall
+    deadline (:class:`~kvferry.errors.TransferTimeout`).
+    """
+
+    __slots__ = ()
+
+    #: the name it is loaded by
+    name: ClassVar[str]
+    #: what it can do
+    capabilities: ClassVar[Capabilities]
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Open the library, start listening and the background tasks.
+
+        A cancel leaves nothing running: what was opened is closed again.
+
+        :raises ~kvferry.errors.TransportError: if the library or the listener cannot start.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Disconnect every peer, deregister every region, release every library handle, stop every task.
+
+        Idempotent; runs shielded from cancellation, so a cancel cannot leave handles behind.
+        """
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """The address peers pass to :meth:`connect` (``"<name>://host:port"``).
+
+        :raises ~kvferry.errors.ClosedResourceError: before :meth:`start` or after :meth:`aclose`.
+        """
+
+    @abstractmethod
+    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:
+        """Connect to the transport listening at ``address`` and shake hands.
+
+        The handshake compares wire version and compatibility hash before anything else is decoded.
+        A cancel leaves no connection behind.
+
+        :raises ~kvferry.errors.PeerDisconnected: if nobody answers at ``address`` within the timeout.
+        :raises ~kvferry.errors.PeerIncompatible: if the peer speaks another wire version, has another
+            compatibility hash or is another kind of transport.
+        """
+
+    @abstractmethod
+    async def accept(self) -> Peer:
+        """Wait for the next peer that connected to us and return its handle.
+
+        A cancel loses nothing: the next call returns the same peer.
+        """
+
+    @abstractmethod
+    async def register(self, regions: torch.Tensor | Sequence[torch.Tensor]) -> Registration:
+        """Register contiguous CPU or CUDA tensors so that they can be written from and into.
+
+        Peers learn about the new regions before any message we send after this call returns (the control
+        channel is ordered), so register first, then tell the peer where to write.
+
+        :raises ValueError: if a tensor is not contiguous or lives on a device this transport cannot use.
+        :raises ~kvferry.errors.TransportError: if the library refuses the registration.
+        """
+
+    @abstractmethod
+    async def deregister(self, registration: Registration) -> None:
+        """Deregister; idempotent. Peers stop accepting writes into it. Shielded from cancellation."""
+
+    @abstractmethod
+    async def send_message(self, peer: Peer, data: bytes) -> None:
+        """Send one control message (bytes) to ``peer``.
+
+        A cancel may leave the message sent or not; the channel stays usable only if it was not cut midway
+        (a cut channel is closed and the peer is LOST).
+
+        :raises ~kvferry.errors.MessageTooLarge: if ``data`` exceeds the peer's limit (nothing is sent).
+        :raises ~kvferry.errors.PeerDisconnected: if the peer is gone.
+        """
+
+    @abstractmethod
+    async def receive_message(self, peer: Peer) -> bytes:
+        """Receive the next control message from ``peer``. A cancel loses no message.
+
+        :raises ~kvferry.errors.MessageTooLarge: if the next message exceeded our limit; it was discarded
+            without being read into memory, and the next call returns the message after it.
+        :raises ~kvferry.errors.PeerDisconnected: once the peer is gone and its messages are drained.
+        """
+
+    @abstractmethod
+    async def write(
+        self,
+        peer: Peer,
+        src: npt.ArrayLike,
+        dst: npt.ArrayLike,
+        notify: bytes | None = None,
+        *,
+        stall_timeout: float | None = None,
+    ) -> None:
+        """Write registered memory (``src`` fragments, ours) into the peer's registered memory (``dst``).
+
+        Returns when the bytes have landed in the peer's memory. ``notify`` (if not None) is delivered to the
+        peer's :meth:`receive_notification` only after all of the data has landed.
+
+        A cancel may leave some, all or none of the bytes written and the notification undelivered; nothing
+        is written after the cancel returns except what the library had already posted.
+
+        :raises ~kvferry.errors.RegionError: if a source range is not inside our registered memory or a
+            destination range is not inside memory the peer registered; nothing was written.
+        :raises ~kvferry.errors.PeerDisconnected: if the peer is gone or dies during the write.
+        :raises ~kvferry.errors.TransferTimeout: if the write makes no progress within ``stall_timeout``.
+        :raises ValueError: if the fragment arrays are malformed or do not pair.
+        """
+
+    @abstractmethod
+    async def receive_notification(self, peer: Peer) -> bytes:
+        """Wait for the next write notification from ``peer``; its data has landed. A cancel loses nothing.
+
+        :raises ~kvferry.errors.PeerDisconnected: once the peer is gone and its notifications are drained.
+        """
+
+    @abstractmethod
+    def statistics(self) -> TransportStatistics:
+        """A snapshot of the transport's state."""
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Any]:
+        return {}

@@ -1,0 +1,454 @@
+"""``ucx``: UCXX (asyncio), two-sided. A write is announced on the control channel, checked by the receiver, then
+sent as tagged messages that the receiving transport places into its registered memory.
+
+How a write travels:
+
+1. the writer sends a ``WriteRequest`` (destination fragments, how they are cut, the notification);
+2. the receiver checks that every destination range lies inside memory it registered, *before* anything is
+   posted; a range outside is refused (``RegionError`` at the writer) and nothing is written;
+3. the receiver answers READY with a tag base, and posts receives: fragments of at least ``zero_copy_bytes`` go
+   straight into their destination (UCX rendezvous, zero-copy), shorter ones arrive packed in messages of at
+   most ``pack_bytes`` and are scattered;
+4. when every byte has landed, the receiver queues the notification and answers DONE; only then does the
+   writer's ``write`` return.
+
+Endpoints are made from worker addresses with UCX error handling off, which is what lets UCX use shared memory
+and CMA (tens of GB/s instead of ~1.6 over the listener's TCP). In that mode a receive from a dead peer never
+ends by itself (feasibility.md §3), so every wait here is raced against the peer's control connection (the
+kernel closes a dead process's sockets) and against a stall deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+import ucxx
+import ucxx.exceptions as ucx_errors
+from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
+from kvferry.transports import wire
+from kvferry.transports._channel import ChannelPeer, ChannelTransport, fragments_bytes, fragments_from_bytes
+from kvferry.transports._memory import RegionTable, byte_view
+from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
+
+__all__ = ["UcxTransport", "transport_class"]
+
+log = logging.getLogger("kvferry.transports.ucx")
+
+_MAX_MESSAGES = 1 << 20
+
+
+def translate(exc: BaseException, what: str) -> TransportError:
+    """A UCXX exception as one of ours."""
+    if isinstance(
+        exc,
+        ucx_errors.UCXConnectionResetError
+        | ucx_errors.UCXShmemSegmentError
+        | ucx_errors.UCXCanceledError
+        | ucx_errors.UCXCloseError
+        | ucx_errors.UCXNotConnectedError
+        | ucx_errors.UCXUnreachableError
+        | ucx_errors.UCXEndpointTimeoutError,
+    ):
+        return PeerDisconnected(f"{what}: {type(exc).__name__}: {exc}")
+    return TransportError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def plan_messages(lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int) -> list[tuple[int, int, bool]]:
+    """Cut rows into messages: ``(first_row, end_row, packed)``; both sides compute the same plan."""
+    plan: list[tuple[int, int, bool]] = []
+    start, packed_bytes = -1, 0
+    for row, length in enumerate(lengths.tolist()):
+        if length >= zero_copy_bytes:
+            if start >= 0:
+                plan.append((start, row, True))
+                start = -1
+            plan.append((row, row + 1, False))
+            continue
+        if start >= 0 and packed_bytes + length > pack_bytes:
+            plan.append((start, row, True))
+            start = -1
+        if start < 0:
+            start, packed_bytes = row, 0
+        packed_bytes += length
+    if start >= 0:
+        plan.append((start, len(lengths), True))
+    if len(plan) > _MAX_MESSAGES:
+        raise ValueError(f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {len(plan)}")
+    return plan
+
+
+class _Views:
+    """Byte views of registered ranges, made once per write."""
+
+    def __init__(self, table: RegionTable, fragments: Fragments, what: str) -> None:
+        self.table = table
+        self.fragments = fragments
+        self.index = table.locate(fragments, what)
+        self._cache: dict[int, Any] = {}
+
+    def row(self, row: int) -> Any:
+        i = int(self.index[row])
+        view = self._cache.get(i)
+        if view is None:
+            view = self._cache[i] = byte_view(self.table.regions[i])
+        offset = int(self.fragments[row, 0]) - self.table.regions[i].address
+        return view[offset : offset + int(self.fragments[row, 1])]
+
+    def staging(self, start: int, end: int) -> Any:
+        nbytes = int(self.fragments[start:end, 1].sum())
+        device = self.table.regions[int(self.index[start])].device
+        if device == "cpu":
+            return np.empty(nbytes, dtype=np.uint8)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _pages(self, start: int, end: int) -> tuple[Any, Any] | None:
+        """Rows of one length, inside one region, at offsets that are multiples of it: a page table.
+
+        Then the region is an array of pages and gather/scatter are single indexed copies.
+        """
+        index = self.index[start:end]
+        lengths = self.fragments[start:end, 1]
+        if not (bool((index == index[0]).all()) and bool((lengths == lengths[0]).all())):
+            return None
+        length = int(lengths[0])
+        region = self.table.regions[int(index[0])]
+        offsets = self.fragments[start:end, 0] - np.uint64(region.address)
+        if bool((offsets % np.uint64(length)).any()):
+            return None
+        i = int(index[0])
+        view = self._cache.get(i)
+        if view is None:
+            view = self._cache[i] = byte_view(region)
+        pages = view[: (region.length // length) * length].reshape(-1, length)
+        ids = (offsets // np.uint64(length)).astype(np.int64)
+        if not isinstance(pages, np.ndarray):
+            import torch
+
+            return pages, torch.from_numpy(ids).to(pages.device)
+        return pages, ids
+
+    def gather(self, start: int, end: int) -> Any:
+        buffer = self.staging(start, end)
+        paged = self._pages(start, end)
+        if paged is not None:
+            pages, ids = paged
+            if isinstance(pages, np.ndarray):
+                np.take(pages, ids, axis=0, out=buffer.reshape(len(ids), -1))
+            else:
+                buffer.view(len(ids), -1).copy_(pages.index_select(0, ids))
+            return buffer
+        position = 0
+        for row in range(start, end):
+            piece = self.row(row)
+            n = len(piece)
+            _copy(buffer[position : position + n], piece)
+            position += n
+        return buffer
+
+    def scatter(self, buffer: Any, start: int, end: int) -> None:
+        paged = self._pages(start, end)
+        if paged is not None:
+            pages, ids = paged
+            if isinstance(pages, np.ndarray):
+                pages[ids] = buffer.reshape(len(ids), -1)
+            else:
+                pages.index_copy_(0, ids, buffer.view(len(ids), -1))
+            return
+        position = 0
+        for row in range(start, end):
+            piece = self.row(row)
+            n = len(piece)
+            _copy(piece, buffer[position : position + n])
+            position += n
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        dst[...] = src
+        return
+    import torch
+
+    d = dst if isinstance(dst, torch.Tensor) else torch.from_numpy(dst)
+    s = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
+    d.copy_(s)
+
+
+async def _windowed(
+    count: int, window: int, start: Callable[[int], tuple[Coroutine[Any, Any, Any], Any]], done: Callable[[int, Any], None]
+) -> None:
+    """Run ``start(k)`` for k in 0..count, at most ``window`` at once, calling ``done(k, context)`` in order.
+
+    The futures are asyncio's (ucxx is asyncio only). Whatever is still pending when this ends early is cancelled.
+    """
+    pending: deque[tuple[int, asyncio.Future[Any], Any]] = deque()
+    try:
+        for k in range(count):
+            coroutine, context = start(k)
+            pending.append((k, asyncio.ensure_future(coroutine), context))
+            while len(pending) >= window:
+                j, future, ctx = pending.popleft()
+                await future
+                done(j, ctx)
+        while pending:
+            j, future, ctx = pending.popleft()
+            await future
+            done(j, ctx)
+    finally:
+        for _, future, _ in pending:
+            future.cancel()
+        for _, future, _ in pending:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                try:
+                    await future
+                except BaseException:  # noqa: S110 - cancelled or failed: either way it is over
+                    pass
+
+
+class UcxTransport(ChannelTransport):
+    """UCXX between processes, two-sided; the receiver checks and places every write.
+
+    Takes the :class:`~kvferry.transports._channel.ChannelTransport` options, and:
+
+    :param endpoint_error_handling: UCX endpoint error handling. Off (default) allows shared memory and CMA;
+        dead peers are noticed through the control channel either way.
+    :param progress_mode: UCXX progress mode if this transport initialises UCXX (default: ``UCXPY_PROGRESS_MODE``
+        or ``"blocking"``, which costs no CPU while idle)
+    :param zero_copy_bytes: fragments at least this long travel as their own message, straight into place
+    :param pack_bytes: shorter fragments are packed into messages of at most this size
+    :param window: messages in flight per write
+    """
+
+    name = "ucx"
+    capabilities = Capabilities(one_sided_write=False, device_memory=True, cross_process=True, cross_host=True)
+    _uses_tag_prefix = True
+
+    def __init__(
+        self,
+        *,
+        endpoint_error_handling: bool = False,
+        progress_mode: str | None = None,
+        zero_copy_bytes: int = 256 << 10,
+        pack_bytes: int = 4 << 20,
+        window: int = 32,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self._endpoint_error_handling = endpoint_error_handling
+        self._progress_mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+        self._zero_copy_bytes = zero_copy_bytes
+        self._pack_bytes = pack_bytes
+        self._window = window
+        self._worker_address = b""
+        self._next_incoming = 0
+        self._endpoints = 0
+
+    async def _backend_open(self) -> None:
+        try:
+            ucxx.init(progress_mode=self._progress_mode)
+        except RuntimeError:
+            pass  # already initialised in this process (by us or the application): share it
+        try:
+            ucxx.continuous_ucx_progress()
+            self._worker_address = bytes(ucxx.get_worker_address())
+        except ucx_errors.UCXError as exc:
+            raise translate(exc, "starting UCXX") from exc
+
+    def _backend_hello(self) -> bytes:
+        return self._worker_address
+
+    def _ucx_peer(self, peer: ChannelPeer) -> bool:
+        return not (peer.same_process and self._same_process_copy)
+
+    async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
+        if not self._ucx_peer(peer):
+            return
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                address = ucxx.get_ucx_address_from_buffer(peer.hello.backend)
+                peer.backend = await ucxx.create_endpoint_from_worker_address(
+                    address, endpoint_error_handling=self._endpoint_error_handling
+                )
+        except TimeoutError as exc:
+            raise PeerDisconnected(f"no UCX endpoint to {peer.address} within {self._connect_timeout} s") from exc
+        except ucx_errors.UCXError as exc:
+            raise WireFormatError(f"cannot reach the UCX worker address of {peer.address}: {exc}") from exc
+        self._endpoints += 1
+
+    async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+        endpoint, peer.backend = peer.backend, None
+        if endpoint is None:
+            return
+        self._endpoints -= 1
+        try:
+            # abort, not close: close waits for the peer, which may be dead (error handling is off)
+            endpoint.abort()
+        except ucx_errors.UCXError as exc:
+            log.debug("aborting the endpoint to %s: %s", peer.address, exc)
+
+    # --- writer --------------------------------------------------------------------------------------
+
+    async def _backend_write(
+        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+    ) -> None:
+        endpoint = peer.backend
+        if endpoint is None:
+            raise peer.error
+        plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
+        views = _Views(self.own_regions, src, "source")
+        write_id = self.new_write_id()
+        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
+        peer.pending[write_id] = replies_out
+        request = wire.WriteRequest(write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify)
+        announced = finished = False
+        try:
+            async with self.guard(peer, stall) as guard:
+
+                async def reply() -> wire.WriteReply:
+                    try:
+                        return await replies_in.receive()
+                    except anyio.EndOfStream:
+                        raise peer.error from None
+
+                await self.send_frame(peer, wire.FrameKind.WRITE_REQUEST, wire.encode(self._converter, request))
+                announced = True
+                answer = await reply()
+                _raise_for(answer, peer, wire.WriteStatus.READY)
+                guard.progress()
+
+                def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
+                    first, end, packed = plan[k]
+                    buffer = views.gather(first, end) if packed else views.row(first)
+                    return endpoint.send(buffer, tag=answer.tag + k, force_tag=True), buffer
+
+                try:
+                    await _windowed(len(plan), self._window, start, lambda k, buffer: guard.progress())
+                except ucx_errors.UCXError as exc:
+                    raise translate(exc, f"sending to {peer.address}") from exc
+                answer = await reply()
+                finished = True
+                _raise_for(answer, peer, wire.WriteStatus.DONE)
+        finally:
+            peer.pending.pop(write_id, None)
+            replies_out.close()
+            replies_in.close()
+            if announced and not finished and peer.lost.is_set() is False:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    try:
+                        abort = wire.encode(self._converter, wire.WriteAbort(write_id))
+                        await self.send_frame(peer, wire.FrameKind.WRITE_ABORT, abort)
+                    except TransportError:
+                        pass
+
+    # --- receiver ------------------------------------------------------------------------------------
+
+    async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
+        if kind == wire.FrameKind.WRITE_ABORT:
+            abort = wire.decode(self._converter, body, wire.WriteAbort)
+            scope = peer.incoming.get(abort.write_id)
+            if scope is not None:
+                scope.cancel()
+            return
+        request = wire.decode(self._converter, body, wire.WriteRequest)
+        dst = fragments_from_bytes(request.dst)
+        try:
+            # Every destination range is checked before anything is posted: a refused write writes nothing.
+            views = _Views(self.own_regions, dst, f"destination of a write from {peer.address}")
+            plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
+            if request.pack_bytes > 1 << 30:
+                raise ValueError(f"packed messages of {request.pack_bytes} bytes")
+        except (RegionError, ValueError) as exc:
+            status = wire.WriteStatus.REGION if isinstance(exc, RegionError) else wire.WriteStatus.FAILED
+            await self._reply(peer, wire.WriteReply(request.write_id, status, str(exc)))
+            return
+        if request.write_id in peer.incoming:
+            raise WireFormatError(f"{peer.address} reused write id {request.write_id}")
+        scope = anyio.CancelScope()
+        peer.incoming[request.write_id] = scope
+        assert self._tg is not None
+        self._tg.start_soon(self._receive, peer, request, views, plan, scope)
+
+    async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
+        try:
+            await self.send_frame(peer, wire.FrameKind.WRITE_REPLY, wire.encode(self._converter, reply))
+        except TransportError:
+            pass  # the peer is gone; its writer learns that from the control channel
+
+    async def _receive(
+        self,
+        peer: ChannelPeer,
+        request: wire.WriteRequest,
+        views: _Views,
+        plan: list[tuple[int, int, bool]],
+        scope: anyio.CancelScope,
+    ) -> None:
+        tag = (self.tag_prefix << 40) | ((self._next_incoming & 0xFFFFF) << 20)
+        self._next_incoming += 1
+        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        try:
+            with scope:
+                scope.deadline = anyio.current_time() + self._stall_timeout
+                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.READY, tag=tag))
+
+                def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
+                    first, end, packed = plan[k]
+                    buffer = views.staging(first, end) if packed else views.row(first)
+                    return ucxx.recv(buffer, tag + k), buffer
+
+                def done(k: int, buffer: Any) -> None:
+                    scope.deadline = anyio.current_time() + self._stall_timeout
+                    first, end, packed = plan[k]
+                    if packed:
+                        views.scatter(buffer, first, end)
+
+                try:
+                    await _windowed(len(plan), self._window, start, done)
+                except ucx_errors.UCXError as exc:
+                    status, detail = wire.WriteStatus.FAILED, str(translate(exc, "receiving"))
+                else:
+                    if any(v.device != "cpu" for v in views.table.regions):
+                        import torch
+
+                        await anyio.to_thread.run_sync(torch.cuda.synchronize)
+                    if request.notify is not None:
+                        try:
+                            peer.notifications_out.send_nowait(request.notify)
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                            pass
+                    status, detail = wire.WriteStatus.DONE, ""
+            if scope.cancelled_caught and scope.deadline <= anyio.current_time():
+                status, detail = wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+        finally:
+            peer.incoming.pop(request.write_id, None)
+            with anyio.CancelScope(shield=True):
+                if peer.state.value == "connected":
+                    await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
+
+    def _backend_handles(self) -> int:
+        return self._endpoints
+
+    def _backend_extra(self) -> dict[Any, Any]:
+        return {TransportAttribute.ucx_worker_address: lambda: self._worker_address}
+
+
+def _raise_for(reply: wire.WriteReply, peer: ChannelPeer, expected: wire.WriteStatus) -> None:
+    if reply.status is expected:
+        return
+    if reply.status is wire.WriteStatus.REGION:
+        raise RegionError(f"{peer.address} refused the write: {reply.detail}")
+    if reply.status is wire.WriteStatus.TIMEOUT:
+        raise TransferTimeout(f"{peer.address} received nothing for its stall deadline: {reply.detail}")
+    raise TransportError(f"{peer.address} failed the write ({reply.status.value}): {reply.detail}")
+
+
+transport_class = UcxTransport

@@ -1,0 +1,135 @@
+"""A peer process for the cross-process transport tests, driven by JSON lines on stdin/stdout.
+
+Run as ``python tests/transports/peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
+prints ``{"address": ...}`` and then answers one command per line (see ``_COMMANDS``). Every connection that
+reaches it is accepted in the background; commands act on the latest one. Offsets are relative to a named
+buffer's start; addresses are absolute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from kvferry.transports import Peer, Transport, get_transport
+
+
+class PeerServer:
+    def __init__(self, transport: Transport, device: str) -> None:
+        self.transport = transport
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.peer: Peer | None = None
+        self.peer_ready = anyio.Event()
+
+    async def accept_forever(self) -> None:
+        while True:
+            self.peer = await self.transport.accept()
+            self.peer_ready.set()
+
+    async def current_peer(self) -> Peer:
+        await self.peer_ready.wait()
+        assert self.peer is not None
+        return self.peer
+
+    def digest(self, name: str, fragments: list[list[int]]) -> str:
+        data = self.buffers[name].cpu().numpy()
+        h = hashlib.sha256()
+        for offset, length in fragments:
+            h.update(data[offset : offset + length].tobytes())
+        return h.hexdigest()
+
+    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "alloc":
+            generator = torch.Generator().manual_seed(cmd.get("seed", 0))
+            if cmd.get("fill") == "random":
+                t = torch.randint(0, 256, (cmd["size"],), dtype=torch.uint8, generator=generator)
+            else:
+                t = torch.zeros(cmd["size"], dtype=torch.uint8)
+            t = t.to(self.device)
+            self.buffers[cmd["name"]] = t
+            await self.transport.register(t)
+            if self.peer is not None:
+                # The control channel is ordered: once this message arrives, the peer knows the region.
+                await self.transport.send_message(self.peer, json.dumps({"registered": cmd["name"]}).encode())
+            return {"address": t.data_ptr()}
+        if op == "digest":
+            return {"sha": self.digest(cmd["name"], cmd["fragments"])}
+        if op == "wait_notify":
+            peer = await self.current_peer()
+            with anyio.fail_after(cmd.get("timeout", 30)):
+                notify = await self.transport.receive_notification(peer)
+            # The digest is taken the moment the notification arrives: the data must be there already.
+            return {"notify": notify.hex(), "sha": self.digest(cmd["name"], cmd["fragments"])}
+        if op == "write":
+            peer = await self.current_peer()
+            base = self.buffers[cmd["src"]].data_ptr()
+            src = np.array([[base + o, n] for o, n in cmd["src_fragments"]], dtype=np.uint64).reshape(-1, 2)
+            dst = np.array(cmd["dst_fragments"], dtype=np.uint64).reshape(-1, 2)
+            notify = bytes.fromhex(cmd["notify"]) if cmd.get("notify") is not None else None
+            try:
+                with anyio.fail_after(cmd.get("timeout", 30)):
+                    await self.transport.write(peer, src, dst, notify)
+            except Exception as exc:
+                return {"error": type(exc).__name__, "message": str(exc)}
+            return {"ok": True}
+        if op == "send":
+            await self.transport.send_message(await self.current_peer(), bytes.fromhex(cmd["data"]))
+            return {"ok": True}
+        if op == "recv":
+            peer = await self.current_peer()
+            try:
+                with anyio.fail_after(cmd.get("timeout", 30)):
+                    data = await self.transport.receive_message(peer)
+            except Exception as exc:
+                return {"error": type(exc).__name__, "message": str(exc)}
+            return {"data": data.hex()}
+        if op == "stats":
+            return {"stats": self.transport.statistics()._asdict(), "pid": os.getpid()}
+        if op == "crash":
+            os._exit(9)
+        raise ValueError(f"unknown op {op!r}")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compat", default="")
+    args = parser.parse_args()
+    factory = get_transport(args.name)
+    options: dict[str, Any] = {"compat_hash": bytes.fromhex(args.compat)}
+    async with factory(**options) as transport, anyio.create_task_group() as tg:
+        server = PeerServer(transport, args.device)
+        tg.start_soon(server.accept_forever)
+        print("@@" + json.dumps({"address": transport.address, "pid": os.getpid()}), flush=True)
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline)
+            if not line or json.loads(line)["op"] == "exit":
+                break
+            try:
+                reply = await server.handle(json.loads(line))
+            except Exception as exc:
+                reply = {"error": type(exc).__name__, "message": str(exc)}
+            print("@@" + json.dumps(reply), flush=True)
+        tg.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    for key, value in {
+        "UCX_NET_DEVICES": "lo",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "UCX_CM_REUSEADDR": "y",
+        "UCXPY_PROGRESS_MODE": "blocking",
+    }.items():
+        os.environ.setdefault(key, value)
+    anyio.run(main)
