@@ -436,6 +436,7 @@ class Engine:
                 continue  # already ended (cannot happen between schedule and apply, but stay safe)
             if item.kind is ItemKind.PREFILL:
                 end = item.start + len(item.token_ids)
+                pending = 0
                 new: list[int] = []
                 if item.wants_logits:
                     new = sample_tokens(request, item_logits[-1:], len(request.output_ids))
@@ -450,6 +451,8 @@ class Engine:
                     self.runner.record_accepted(request.request_id, 1 + accepted)
                 new = [*proposal[:accepted], targets[accepted]]
                 end = item.start + 1 + accepted
+                # a verify step leaves the accepted tokens in the replay buffers, not in the slot
+                pending = 1 + accepted if proposal else 0
             kept = request.append_tokens(new)
             self._counts["generated"] += len(kept)
             if kept:
@@ -460,7 +463,7 @@ class Engine:
             if request.finish_reason is not None:
                 self._end(request, RequestState.FINISHED)
             else:
-                self.scheduler.commit(request, end)
+                self.scheduler.commit(request, end, num_pending_replay=pending)
 
     # --- introspection ------------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from kvferry.errors import ConfigError, PoolExhausted
 __all__ = [
     "CacheOps",
     "ItemKind",
+    "ResumeInfo",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStatistics",
@@ -50,38 +51,53 @@ __all__ = [
 ]
 
 
+class ResumeInfo(Protocol):
+    """What a resume reports (the manager's ``Resumed``)."""
+
+    @property
+    def reused_tokens(self) -> int: ...
+
+    @property
+    def num_committed_tokens(self) -> int: ...
+
+    @property
+    def first(self) -> bool: ...
+
+
 class CacheOps(Protocol):
-    """The cache manager as the scheduler drives it (the engine adapts the real manager to this).
+    """The cache manager as the scheduler drives it (:class:`kvferry.pools.manager.CacheManager` is one).
 
     Every method is all-or-nothing: on :class:`~kvferry.errors.PoolExhausted` nothing changed.
     """
 
-    def create(self, request_id: int, token_ids: Sequence[int]) -> int:
-        """Register a request's cache (not resumed yet); return the prompt tokens reused from the prefix cache."""
+    def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
+        """Register a request's cache, SUSPENDED, matching its prompt against the prefix cache."""
         ...
 
-    def resume(self, request_id: int) -> None:
-        """Give the request a live slot and bring back everything it owns (pages, state, replay state)."""
+    def resume(self, request_id: int) -> ResumeInfo:
+        """Give the request a live slot and pages (the whole prompt on the first resume) and bring back what
+        it owns (pages, state, replay state)."""
         ...
 
-    def grow(self, request_id: int, num_tokens: int) -> None:
-        """Make the request's block table cover ``num_tokens`` tokens."""
+    def grow(self, request_id: int, capacity: int) -> None:
+        """Make the request's block table cover ``capacity`` tokens."""
         ...
 
-    def commit(self, request_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
-        """The first ``num_tokens`` of ``token_ids`` now have final cache (prefix hashes, snapshots)."""
+    def commit(self, request_id: int, token_ids: Sequence[int], *, num_pending_replay: int = 0) -> None:
+        """``token_ids`` (the ones after those committed before) now have final KV; the last
+        ``num_pending_replay`` of the committed tokens are still in the replay buffers, not in the slot."""
+        ...
+
+    def next_snapshot_boundary(self, request_id: int) -> int | None:
+        """The next token count past the live slot's where the manager wants a recurrent snapshot."""
         ...
 
     def suspend(self, request_id: int) -> None:
-        """Give the slot back, keeping the request's cache (maybe on the host) for a later resume."""
+        """Give the slot back, keeping the request's cache (maybe moved to the host) for a later resume."""
         ...
 
-    def close(self, request_id: int) -> None:
+    def close(self, request_id: int) -> object:
         """Free everything the request holds. Idempotent."""
-        ...
-
-    def next_snapshot_boundary(self, request_id: int, position: int) -> int | None:
-        """The first token count ``> position`` where the manager takes a recurrent snapshot, if any."""
         ...
 
 
@@ -110,6 +126,15 @@ class SchedulerConfig:
                 f"token_budget {self.token_budget} must exceed max_running * (1 + max_spec_k) = "
                 f"{self.max_running * (1 + self.max_spec_k)} so decodes always fit with room for prefill"
             )
+
+
+def _token_range(request: Request, lo: int, hi: int) -> Sequence[int]:
+    """``request.all_ids[lo:hi]`` without building the whole sequence (this runs for every request, every step)."""
+    prompt, n = request.prompt_ids, request.num_prompt
+    if hi <= n:
+        return prompt[lo:hi]
+    outputs = request.output_ids[max(lo - n, 0) : hi - n]
+    return [*prompt[lo:n], *outputs] if lo < n else outputs
 
 
 class ItemKind(enum.Enum):
@@ -266,6 +291,8 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running:
             first = self._admit(self._waiting[0], budget)
             if first is None:
+                if not items and not self._running:
+                    blocked = blocked or self._waiting[0]  # alone and still refused: it can never fit
                 break
             request = self._waiting.popleft()
             self._running.append(request)
@@ -284,10 +311,15 @@ class Scheduler:
         self._last_step_tokens = plan.num_tokens
         return plan
 
-    def commit(self, request: Request, num_computed: int) -> None:
-        """Record that the cache of ``request`` now holds ``num_computed`` final tokens; PREFILLING -> DECODING
-        when the prompt is done (the engine has appended the first output token by then)."""
-        self.cache.commit(request.request_id, num_computed, request.all_ids[:num_computed])
+    def commit(self, request: Request, num_computed: int, *, num_pending_replay: int = 0) -> None:
+        """Record that the cache of ``request`` now holds ``num_computed`` final tokens (the last
+        ``num_pending_replay`` of them still in the replay buffers); PREFILLING -> DECODING when the prompt is
+        done (the engine has appended the first output token by then)."""
+        self.cache.commit(
+            request.request_id,
+            _token_range(request, request.num_computed, num_computed),
+            num_pending_replay=num_pending_replay,
+        )
         request.num_computed = num_computed
         if request.state is RequestState.PREFILLING and request.prefill_done:
             request.transition(RequestState.DECODING)
@@ -297,7 +329,7 @@ class Scheduler:
     def _prefill_end(self, request: Request, budget: int) -> int:
         start = request.num_computed
         end = min(request.num_prompt, start + budget, start + self.config.max_prefill_chunk)
-        boundary = self.cache.next_snapshot_boundary(request.request_id, start)
+        boundary = self.cache.next_snapshot_boundary(request.request_id)
         if boundary is not None and start < boundary < end:
             end = boundary
         return end
@@ -328,13 +360,13 @@ class Scheduler:
         resumed = False
         try:
             if fresh:
-                reused = self.cache.create(rid, request.prompt_ids)
+                self.cache.create(rid, request.prompt_ids)
                 self._created.add(rid)
-                # at least the last prompt token is computed: its logits give the first output token
-                request.reused_tokens = min(reused, request.num_prompt - 1)
-                request.num_computed = request.reused_tokens
-            self.cache.resume(rid)
+            info = self.cache.resume(rid)
             resumed = True
+            if info.first:
+                request.reused_tokens = info.reused_tokens
+                request.num_computed = info.num_committed_tokens
             if request.prefill_done:
                 item = self._decode_item(request, budget)
                 self.cache.grow(rid, request.num_computed + item.num_tokens)

@@ -5,10 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from attrs import define, field
+from attrs import define, field, frozen
 
 from kvferry.engine.engine import DraftItem, ForwardItem
 from kvferry.errors import PoolExhausted
+
+
+@frozen
+class FakeResumed:
+    reused_tokens: int
+    num_committed_tokens: int
+    first: bool
 
 
 @define(eq=False)
@@ -30,13 +37,14 @@ class FakeCache:
     def __attrs_post_init__(self) -> None:
         self.free_pages, self.free_slots = self.num_pages, self.num_slots
 
-    def create(self, request_id: int, token_ids: Sequence[int]) -> int:
+    def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
         assert request_id not in self.pages and request_id not in self.offloaded
         self.pages[request_id] = 0
+        self.committed[request_id] = 0
         self.log.append(("create", request_id))
-        return 0
 
-    def resume(self, request_id: int) -> None:
+    def resume(self, request_id: int) -> FakeResumed:
+        first = ("resume", request_id) not in self.log
         need = self.offloaded.get(request_id, 0)
         if self.free_slots < 1 or self.free_pages < need:
             raise PoolExhausted("fake")
@@ -45,6 +53,7 @@ class FakeCache:
         self.pages[request_id] = self.offloaded.pop(request_id, self.pages.get(request_id, 0))
         self.live.add(request_id)
         self.log.append(("resume", request_id))
+        return FakeResumed(0, self.committed[request_id], first)
 
     def grow(self, request_id: int, num_tokens: int) -> None:
         assert request_id in self.live
@@ -55,10 +64,12 @@ class FakeCache:
             self.free_pages -= need
             self.pages[request_id] += need
 
-    def commit(self, request_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
-        assert request_id in self.live and len(token_ids) >= num_tokens
-        assert num_tokens <= self.pages[request_id] * self.tokens_per_block
-        self.committed[request_id] = num_tokens
+    def commit(self, request_id: int, token_ids: Sequence[int], *, num_pending_replay: int = 0) -> None:
+        assert request_id in self.live
+        total = self.committed[request_id] + len(token_ids)
+        assert total <= self.pages[request_id] * self.tokens_per_block
+        assert 0 <= num_pending_replay <= len(token_ids)
+        self.committed[request_id] = total
 
     def suspend(self, request_id: int) -> None:
         assert request_id in self.live
@@ -74,9 +85,11 @@ class FakeCache:
             self.free_slots += 1
         self.free_pages += self.pages.pop(request_id, 0)
         self.offloaded.pop(request_id, None)
+        self.committed.pop(request_id, None)
         self.log.append(("close", request_id))
 
-    def next_snapshot_boundary(self, request_id: int, position: int) -> int | None:
+    def next_snapshot_boundary(self, request_id: int) -> int | None:
+        position = self.committed[request_id]
         if self.snapshot_interval is None:
             return None
         return (position // self.snapshot_interval + 1) * self.snapshot_interval

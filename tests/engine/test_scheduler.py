@@ -195,3 +195,15 @@ def test_spec_k_above_the_engine_limit_is_refused() -> None:
     with pytest.raises(ConfigError):
         scheduler.add(make(1, 2, spec_k=3))
     assert not scheduler.has_work
+
+
+def test_a_prompt_that_can_never_be_admitted_fails_instead_of_waiting_forever() -> None:
+    cache = FakeCache(num_pages=2, num_slots=2, tokens_per_block=4)
+    scheduler = Scheduler(cache, SchedulerConfig(token_budget=32, max_running=2))
+    huge, small = make(1, 20), make(2, 3)
+    scheduler.add(huge)
+    scheduler.add(small)
+    plan = scheduler.schedule()
+    assert plan.failed == (huge,) and huge.state is S.FAILED and not plan.items
+    plan = scheduler.schedule()
+    assert [i.request for i in plan.items] == [small]
