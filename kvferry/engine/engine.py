@@ -82,6 +82,8 @@ class ForwardItem:
     start: int
     num_logits: int
     num_drafts: int = 0
+    #: the request speculates: the runner keeps the target's hidden states for its drafter
+    keep_hidden: bool = False
 
 
 class ModelRunner(Protocol):
@@ -424,10 +426,14 @@ class Engine:
 
     @staticmethod
     def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
+        request = item.request
+        keep = request.spec_k > 0
         if item.kind is ItemKind.PREFILL:
-            return ForwardItem(item.request.request_id, item.token_ids, item.start, int(item.wants_logits))
+            return ForwardItem(
+                request.request_id, item.token_ids, item.start, int(item.wants_logits), 0, keep
+            )
         tokens = item.token_ids + drafts
-        return ForwardItem(item.request.request_id, tokens, item.start, len(tokens), len(drafts))
+        return ForwardItem(request.request_id, tokens, item.start, len(tokens), len(drafts), keep)
 
     def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: list[torch.Tensor]) -> None:
         for item, item_logits in zip(plan.items, logits, strict=True):

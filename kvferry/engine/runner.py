@@ -1,0 +1,297 @@
+"""The real model and the real cache manager behind the engine, and the factory that builds an engine of them.
+
+- :class:`LockstepCache` drives one :class:`~kvferry.pools.manager.CacheManager` per tensor-parallel rank (each
+  rank owns its own arena) through the same operations, so every rank holds the same page and slot ids.
+- :class:`PagedRunner` runs :class:`~kvferry.engine.model.Model` steps over the managers' block tables and
+  slots, feeds the drafter the target's hidden states, and records verify outcomes (``num_accepted``) in the
+  replay state through the managers.
+- :func:`build_engine` builds an :class:`~kvferry.engine.engine.Engine` for the ``tiny`` preset (seeded random
+  weights) or a local NemotronH checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+from attrs import define, frozen
+
+from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
+from kvferry.engine.model import Model, SequenceInput
+from kvferry.engine.scheduler import SchedulerConfig
+from kvferry.engine.weights import ModelWeights, tiny_args
+from kvferry.errors import ConfigError, KvferryError
+from kvferry.pools.arena import CacheArena
+from kvferry.pools.layout import CacheLayout
+from kvferry.pools.manager import CacheManager, CacheManagerStatistics, Resumed
+from kvferry.pools.spec import ModelSpec, dtype_from_name, preset
+
+__all__ = ["EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
+
+
+# --- cache: one manager per rank, in lockstep -------------------------------------------------------------
+
+
+@define(eq=False)
+class LockstepCache:
+    """The scheduler's :class:`~kvferry.engine.scheduler.CacheOps` over one manager per TP rank.
+
+    Every operation runs on rank 0 first; only when it succeeded does it run on the others, which hold
+    identical bookkeeping and so must succeed the same way. A PoolExhausted therefore changes nothing on any
+    rank.
+    """
+
+    managers: tuple[CacheManager, ...]
+
+    @property
+    def primary(self) -> CacheManager:
+        return self.managers[0]
+
+    def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
+        for m in self.managers:
+            m.create(request_id, prompt_token_ids)
+
+    def resume(self, request_id: int) -> Resumed:
+        first = self.primary.resume(request_id)
+        for m in self.managers[1:]:
+            if m.resume(request_id) != first:
+                raise KvferryError(f"bug: ranks disagree on the resume of request {request_id}")
+        return first
+
+    def grow(self, request_id: int, capacity: int) -> None:
+        for m in self.managers:
+            m.grow(request_id, capacity)
+
+    def commit(self, request_id: int, token_ids: Sequence[int], *, num_pending_replay: int = 0) -> None:
+        for m in self.managers:
+            m.commit(request_id, token_ids, num_pending_replay=num_pending_replay)
+
+    def next_snapshot_boundary(self, request_id: int) -> int | None:
+        return self.primary.next_snapshot_boundary(request_id)
+
+    def suspend(self, request_id: int) -> None:
+        for m in self.managers:
+            m.suspend(request_id)
+
+    def close(self, request_id: int) -> None:
+        for m in self.managers:
+            m.close(request_id)
+
+    def set_num_accepted(self, request_id: int, num_accepted: int) -> None:
+        for m in self.managers:
+            m.set_num_accepted(request_id, num_accepted)
+
+    def block_table(self, request_id: int) -> tuple[int, ...]:
+        return tuple(self.primary.block_table(request_id))
+
+    def draft_block_table(self, request_id: int) -> tuple[int, ...]:
+        return tuple(self.primary.draft_block_table(request_id))
+
+    def slot_id(self, request_id: int) -> int:
+        slot = self.primary.slot_id(request_id)
+        return 0 if slot is None else slot
+
+    def statistics(self) -> CacheManagerStatistics:
+        return self.primary.statistics()
+
+    def __repr__(self) -> str:
+        return f"<LockstepCache tp={len(self.managers)} {self.primary!r}>"
+
+
+# --- the model runner ---------------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class _Fed:
+    # target hidden states of tokens fed since the drafter last ran, for the drafter's next proposal
+    start: int
+    token_ids: list[int]
+    hidden: torch.Tensor
+
+
+@define(eq=False)
+class PagedRunner:
+    """Runs the paged model (and its drafter) for the engine over a :class:`LockstepCache`.
+
+    For requests that speculate, the target's hidden states of every fed token are kept (host memory of this
+    object, not cache pages) until the drafter consumes them at the request's next proposal; a verify window
+    keeps only its accepted rows.
+    """
+
+    model: Model
+    cache: LockstepCache
+    drafter: Any = None
+    _fed: dict[int, list[_Fed]] = attrs.field(factory=dict, init=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.spec.vocab_size
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        batch = [
+            SequenceInput(
+                token_ids=item.token_ids,  # type: ignore[arg-type,unused-ignore]
+                start=item.start,
+                block_table=self.cache.block_table(item.request_id),  # type: ignore[arg-type,unused-ignore]
+                slot=self.cache.slot_id(item.request_id),
+                verify=item.num_drafts > 0,
+                all_logits=item.num_logits > 1,
+            )
+            for item in items
+        ]
+        out = self.model.step(batch)
+        logits = []
+        for item, item_logits, hidden in zip(items, out.logits, out.hidden, strict=True):
+            logits.append(item_logits[item_logits.shape[0] - item.num_logits :])
+            if item.keep_hidden and self.drafter is not None:
+                self._fed.setdefault(item.request_id, []).append(
+                    _Fed(item.start, list(item.token_ids), hidden.detach().clone())
+                )
+        return logits
+
+    def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
+        if self.drafter is None:
+            raise ConfigError("speculative decoding needs a drafter; this engine has none")
+        from kvferry.engine.drafter import DraftInput  # type: ignore[import-not-found,unused-ignore]
+
+        by_k: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            by_k.setdefault(item.k, []).append(index)
+        proposals: list[tuple[int, ...]] = [()] * len(items)
+        for k, indices in by_k.items():
+            inputs = []
+            for index in indices:
+                item = items[index]
+                fed = self._fed.pop(item.request_id, [])
+                if not fed:
+                    raise ConfigError(f"request {item.request_id}: no target hidden state to draft from")
+                tokens = [t for f in fed for t in f.token_ids]
+                inputs.append(
+                    DraftInput(
+                        hidden=torch.cat([f.hidden for f in fed]),
+                        next_tokens=(*tokens[1:], item.pending_token),
+                        start=fed[0].start,
+                        draft_block_table=self.cache.draft_block_table(item.request_id),
+                    )
+                )
+            for index, proposal in zip(indices, self.drafter.propose(inputs, k), strict=True):
+                proposals[index] = tuple(int(t) for t in proposal)
+        return proposals
+
+    def record_accepted(self, request_id: int, num_accepted: int) -> None:
+        self.cache.set_num_accepted(request_id, num_accepted)
+        fed = self._fed.get(request_id)
+        if fed:
+            last = fed[-1]
+            fed[-1] = _Fed(last.start, last.token_ids[:num_accepted], last.hidden[:num_accepted])
+
+    def release(self, request_id: int) -> None:
+        self._fed.pop(request_id, None)
+
+    def __repr__(self) -> str:
+        return f"<PagedRunner {self.model!r} drafter={self.drafter is not None} speculating={len(self._fed)}>"
+
+
+# --- the factory --------------------------------------------------------------------------------------------
+
+
+@frozen
+class EngineOptions:
+    """Everything :func:`build_engine` sizes. Counts of pages and slots include the reserved id 0."""
+
+    tp: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    device: str = "cpu"
+    num_pages: int = 512
+    num_slots: int = 0  # 0: 2 * max_running + 1 (live slots plus room for prefix snapshots)
+    num_draft_pages: int = 0  # 0: as many draft pages as target pages cover the same tokens
+    max_running: int = 16
+    token_budget: int = 0  # 0: max_running * (1 + max_spec_k) + max_prefill_chunk
+    max_prefill_chunk: int = 64
+    max_spec_k: int = 0
+    snapshot_interval: int = 0
+    enable_reuse: bool = True
+    step_in_thread: bool = True
+
+
+class BuiltEngine(NamedTuple):
+    engine: Engine
+    runner: PagedRunner
+    cache: LockstepCache
+    arenas: tuple[CacheArena, ...]
+
+
+def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, ModelSpec]:
+    dtype = dtype_from_name(options.dtype)
+    if str(model) == "tiny":
+        spec = preset("tiny").with_dtype(options.dtype)
+        return ModelWeights.seeded(tiny_args(spec), options.seed, dtype), spec
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"--model must be 'tiny' or a checkpoint directory; {path} is not a directory")
+    weights = ModelWeights.from_checkpoint(path, dtype)
+    tiny = preset("tiny")
+    assert tiny.drafter is not None
+    spec = weights.args.model_spec(
+        name=path.name, tokens_per_block=32, dtype=options.dtype, drafter=tiny.drafter
+    ).with_dtype(options.dtype)
+    return weights, spec
+
+
+def build_engine(model: str | Path = "tiny", options: EngineOptions | None = None) -> BuiltEngine:
+    """An engine over the paged reference model: ``"tiny"`` (seeded random weights) or a checkpoint directory.
+
+    Each of ``options.tp`` simulated ranks gets its own arena and manager. With ``max_spec_k > 0`` the drafter
+    is built too (its own paged KV). The engine is not started: use ``async with built.engine:``.
+
+    :raises ~kvferry.errors.ConfigError: on an unknown model, a bad directory or sizes that cannot work.
+    """
+    options = options or EngineOptions()
+    weights, spec = _load(model, options)
+    speculative = options.max_spec_k > 0
+    if not speculative:
+        spec = spec.without_drafter()
+    num_slots = options.num_slots or 2 * options.max_running + 1
+    num_draft_pages = 0
+    if spec.drafter is not None:
+        per_page = spec.tokens_per_block / spec.drafter.tokens_per_block
+        num_draft_pages = options.num_draft_pages or int(options.num_pages * per_page) + 1
+    arenas = []
+    for rank in range(options.tp):
+        layout = CacheLayout.build(
+            spec.shard(options.tp, rank),
+            num_pages=options.num_pages,
+            num_slots=num_slots,
+            num_draft_pages=num_draft_pages,
+            max_replay_tokens=options.max_spec_k + 1,
+        )
+        arenas.append(CacheArena(layout, options.device))
+    managers = [
+        CacheManager.for_arena(
+            arena,
+            max_batch_size=options.max_running,
+            snapshot_interval=options.snapshot_interval,
+            enable_reuse=options.enable_reuse,
+        )
+        for arena in arenas
+    ]
+    cache = LockstepCache(tuple(managers))
+    target = Model.build(weights.to(dtype_from_name(options.dtype), options.device), spec, arenas)
+    drafter = None
+    if speculative:
+        from kvferry.engine.drafter import Drafter  # type: ignore[import-not-found,unused-ignore]
+
+        drafter = Drafter.build(target, None)
+    runner = PagedRunner(target, cache, drafter)
+    budget = options.token_budget or (
+        options.max_running * (1 + options.max_spec_k) + options.max_prefill_chunk
+    )
+    config = EngineConfig(
+        SchedulerConfig(budget, options.max_running, options.max_prefill_chunk, options.max_spec_k),
+        step_in_thread=options.step_in_thread,
+    )
+    return BuiltEngine(Engine(runner, cache, config), runner, cache, tuple(arenas))

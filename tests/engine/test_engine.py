@@ -1,0 +1,206 @@
+"""The engine over the real paged model and the real cache manager: the token-equality oracles of DESIGN.md."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+
+from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
+
+torch.set_num_threads(1)  # the tiny model's kernels are far faster on one thread than on two busy ones
+
+
+# lengths cross the tiny preset's 4-token blocks and the model's 8-token scan chunks
+PROMPTS: list[tuple[int, ...]] = [
+    tuple(b"a"),
+    tuple(b"hey"),
+    tuple(b"hello"),
+    tuple(b"kv ferry!"),
+    tuple(b"hybrid caches."),
+    tuple(b"the quick brown fox jumps"),
+]
+MAX_TOKENS = [9, 7, 12, 6, 10, 8]
+
+
+def options(**kwargs: object) -> EngineOptions:
+    base: dict[str, object] = {
+        "dtype": "float64",
+        "num_pages": 128,
+        "max_running": 8,
+        "step_in_thread": False,
+    }
+    base.update(kwargs)
+    return EngineOptions(**base)  # type: ignore[arg-type]
+
+
+def free_counts(built: BuiltEngine) -> list[tuple[int, int, int]]:
+    out = []
+    for m in built.cache.managers:
+        s = m.statistics()
+        out.append((s.pages_free, s.slots_free, s.draft_pages_free))
+    return out
+
+
+def assert_all_free(built: BuiltEngine, initial: list[tuple[int, int, int]]) -> None:
+    for m in built.cache.managers:
+        s = m.statistics()
+        assert s.pages_used == 0 and s.slots_live == 0 and s.draft_pages_used == 0
+        assert s.requests_active == 0 and s.requests_suspended == 0
+        m.reset_prefix_cache()  # cached blocks and snapshots are the prefix cache's, not leaks
+    assert free_counts(built) == initial
+
+
+async def run_all(
+    built: BuiltEngine,
+    prompts: Sequence[Sequence[int]] = PROMPTS,
+    max_tokens: Sequence[int] = MAX_TOKENS,
+    *,
+    spec_k: int = 0,
+    seed: int | None = None,
+    sequential: bool = False,
+) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        generation = built.engine.generate(prompts[i], max_tokens=max_tokens[i], spec_k=spec_k, seed=seed)
+        results[i] = await generation.collect()
+
+    with anyio.fail_after(60):
+        async with built.engine:
+            if sequential:
+                for i in range(len(prompts)):
+                    await one(i)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone() -> list[list[int]]:
+    """Each prompt on its own (sequential, no reuse): the reference of every batched run."""
+    return asyncio.run(
+        run_all(build_engine("tiny", options(enable_reuse=False)), sequential=True)
+    )  # pytest-asyncio's loop is per test; this fixture runs its own
+
+
+def test_the_engine_equals_transformers_generate() -> None:
+    pytest.importorskip("transformers")
+    from kvferry.engine.weights import ModelWeights, hf_generate, hf_model, tiny_args
+    from kvferry.pools.spec import preset
+
+    spec = preset("tiny").with_dtype("float64")
+    weights = ModelWeights.seeded(tiny_args(spec), 0, torch.float64)
+    built = build_engine("tiny", options())
+    tokens = asyncio.run(run_all(built, PROMPTS[3:4], [6]))
+    assert tokens[0] == hf_generate(hf_model(weights), PROMPTS[3], 6)[0]
+
+
+@pytest.mark.asyncio
+async def test_batched_equals_alone(alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options(enable_reuse=False))
+    initial = free_counts(built)
+    assert await run_all(built) == alone
+    assert built.engine.statistics().num_steps < sum(MAX_TOKENS)  # it really batched
+    assert_all_free(built, initial)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 64])
+@pytest.mark.asyncio
+async def test_every_prefill_chunk_size_gives_the_same_tokens(chunk: int, alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options(max_prefill_chunk=chunk, enable_reuse=False))
+    assert await run_all(built) == alone
+
+
+@pytest.mark.asyncio
+async def test_garbage_in_free_pages_and_slots_changes_nothing(alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options(num_pages=64, enable_reuse=False))
+    for arena in built.arenas:
+        for group in arena.layout.pool_groups:
+            arena.fill_garbage(group.name, range(group.num_slots), seed=7)
+        arena.fill_garbage("replay", range(arena.layout.num_slots), seed=8)
+    assert await run_all(built) == alone
+
+
+@pytest.mark.asyncio
+async def test_preemption_under_tight_pools_gives_the_same_tokens(alone: list[list[int]]) -> None:
+    # 12 usable pages of 4 tokens: the six requests need ~24 together, so some are suspended and resumed
+    built = build_engine("tiny", options(num_pages=13, max_prefill_chunk=4, enable_reuse=False))
+    initial = free_counts(built)
+    assert await run_all(built) == alone
+    assert built.engine.scheduler.statistics().num_preemptions > 0
+    stats = built.cache.statistics()
+    assert (
+        stats.offloads > 0 and stats.restores == stats.offloads
+    )  # suspended requests went to the host and back
+    assert_all_free(built, initial)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.asyncio
+async def test_tensor_parallel_gives_the_same_tokens(tp: int, alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options(tp=tp, enable_reuse=False))
+    assert await run_all(built) == alone
+
+
+@pytest.mark.asyncio
+async def test_prefix_reuse_gives_the_same_tokens_and_reports_reused_tokens(alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options())
+    shared = PROMPTS[5]  # 25 tokens: 6 full blocks
+    longer = (*shared, *b" over the lazy dog")
+    reference = await run_all(build_engine("tiny", options(enable_reuse=False)), [longer], [8])
+    generations = []
+    async with built.engine:
+        generations.append(built.engine.generate(shared, max_tokens=8))
+        assert await generations[0].collect() == alone[5]
+        generations.append(built.engine.generate(longer, max_tokens=8))
+        assert [await generations[1].collect()] == reference
+    assert generations[0].statistics().reused_tokens == 0
+    # the whole shared prompt up to its last full block is reused: KV pages and the recurrent snapshot
+    assert generations[1].statistics().reused_tokens == 24
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    one = await run_all(build_engine("tiny", options()), PROMPTS[:3], [8, 8, 8], seed=3, sequential=True)
+    many = await run_all(build_engine("tiny", options()), PROMPTS[:3], [8, 8, 8], seed=3)
+    greedy = await run_all(build_engine("tiny", options()), PROMPTS[:3], [8, 8, 8])
+    assert one == many and one != greedy
+
+
+@pytest.mark.asyncio
+async def test_random_cancellation_returns_every_pool_to_its_initial_counts() -> None:
+    built = build_engine("tiny", options(num_pages=24, max_prefill_chunk=3, step_in_thread=True))
+    initial = free_counts(built)
+    rng = random.Random(0)
+    tasks_before = len(asyncio.all_tasks())
+
+    async def consumer(i: int) -> None:
+        generation = built.engine.generate(PROMPTS[i % len(PROMPTS)], max_tokens=10)
+        stop_after = rng.randrange(0, 10)
+        if rng.random() < 0.5:
+            with anyio.move_on_after(rng.random() * 0.05):
+                await generation.collect()
+        else:
+            n = 0
+            async for _ in generation:
+                n += 1
+                if n > stop_after:
+                    break
+
+    with anyio.fail_after(60):
+        async with built.engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(consumer, i)
+            await built.engine.wait_idle()
+            assert built.engine.statistics().num_cancelled > 0
+            assert not built.runner._fed
+    assert len(asyncio.all_tasks()) == tasks_before
+    assert_all_free(built, initial)
