@@ -75,20 +75,11 @@ def _structure_bytes(value: Any, _cls: type) -> bytes:
     return value
 
 
-def _is_enum(cls: Any) -> bool:
-    return isinstance(cls, type) and issubclass(cls, enum.Enum)
-
-
-def _enum_hook(cls: type[enum.Enum]) -> Callable[[Any, type], enum.Enum]:
-    values = {member.value: member for member in cls}
-    value_types = {type(v) for v in values}
-
-    def structure(value: Any, _cls: type) -> enum.Enum:
-        if type(value) not in value_types or value not in values:
-            raise ValueError(f"{value!r} is not a {cls.__name__}")
-        return values[value]
-
-    return structure
+def _structure_enum(value: Any, cls: type[enum.Enum]) -> enum.Enum:
+    for member in cls:
+        if type(member.value) is type(value) and member.value == value:
+            return member
+    raise ValueError(f"{value!r} is not a {cls.__name__}")
 
 
 def _is_container(cls: Any) -> bool:
@@ -98,12 +89,15 @@ def _is_container(cls: Any) -> bool:
 def make_converter() -> cattrs.Converter:
     """A strict converter: exact scalar types, int64 range, lists for sequences, no extra keys."""
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    # Scalars dispatch by class and so would also catch subclasses (a StrEnum is a str, an IntEnum an int):
+    # enums get a hook of their own, registered on each enum base that sits before str/int in the MRO.
     converter.register_structure_hook(int, _structure_int)
     converter.register_structure_hook(float, _structure_float)
     converter.register_structure_hook(str, _structure_str)
     converter.register_structure_hook(bool, _structure_bool)
     converter.register_structure_hook(bytes, _structure_bytes)
-    converter.register_structure_hook_factory(_is_enum, _enum_hook)
+    for base in (enum.Enum, enum.StrEnum, enum.IntEnum, enum.IntFlag):
+        converter.register_structure_hook(base, _structure_enum)
 
     def container_hook(cls: Any) -> Callable[[Any, type], Any]:
         origin, args = get_origin(cls), get_args(cls)

@@ -70,9 +70,14 @@ def as_index(ids: IndexLike, *, count: int, device: torch.device, unique: bool =
         index = ids
     else:
         try:
-            index = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1))
+            array = np.asarray(ids)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"ids must be integers: {exc}") from None
+        if array.size == 0:
+            array = np.zeros(0, dtype=np.int64)
+        if not np.issubdtype(array.dtype, np.integer) or array.dtype == np.uint64:
+            raise ConfigError(f"ids must be integers, got {array.dtype}")
+        index = torch.from_numpy(np.ascontiguousarray(array.reshape(-1), dtype=np.int64))
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise ConfigError(f"ids must be an integer tensor, got {index.dtype}")
     index = index.reshape(-1).to(device=device, dtype=torch.int64)
@@ -129,19 +134,21 @@ def fragments_tensor(fragments: FragmentsLike) -> torch.Tensor:
     """
     if isinstance(fragments, torch.Tensor):
         table = fragments.detach().to("cpu")
-        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+        if table.numel() == 0:
+            table = torch.zeros((0, 2), dtype=torch.int64)
+        elif table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
             raise ConfigError(f"fragments must be integers, got {table.dtype}")
         table = table.to(torch.int64)
     else:
         try:
             array = np.asarray(fragments)
-            if array.size == 0:
-                array = array.reshape(0, 2)
-            if not np.issubdtype(array.dtype, np.integer):
-                raise ConfigError(f"fragments must be integers, got {array.dtype}")
-            table = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"fragments must be an [n, 2] integer array: {exc}") from None
+        if array.size == 0:
+            array = np.zeros((0, 2), dtype=np.int64)
+        if not np.issubdtype(array.dtype, np.integer) or array.dtype == np.uint64:
+            raise ConfigError(f"fragments must be int64, got {array.dtype}")
+        table = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
     if table.dim() != 2 or table.shape[1] != 2:
         raise ConfigError(f"fragments must be [n, 2] (offset, length), got {tuple(table.shape)}")
     if table.numel() and int(table.min()) < 0:

@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import msgpack
+import pytest
+from attrs import frozen
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry import wire
+from kvferry.errors import WireFormatError
+
+
+class Color(enum.StrEnum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@frozen
+class Inner:
+    size: int
+    ratio: float
+    flag: bool
+    data: bytes
+
+
+@frozen
+class Message:
+    name: str
+    color: Color
+    pair: tuple[int, str]
+    items: tuple[Inner, ...]
+    table: dict[str, int]
+    maybe: int | None = None
+
+    def validate(self) -> None:
+        if self.pair[0] > 100:
+            raise WireFormatError("pair[0] too big")
+        if self.name == "boom":
+            raise IndexError("a bug in a validator must still become WireFormatError")
+
+
+def _message() -> Message:
+    return Message(
+        name="m",
+        color=Color.BLUE,
+        pair=(3, "x"),
+        items=(Inner(size=1, ratio=0.5, flag=True, data=b"\x00\x01"), Inner(2, 2.0, False, b"")),
+        table={"a": 1},
+    )
+
+
+def _raw() -> dict[str, object]:
+    return msgpack.unpackb(wire.encode(_message()), raw=False)  # type: ignore[no-any-return]
+
+
+def test_round_trip() -> None:
+    message = _message()
+    assert wire.decode(wire.encode(message), Message) == message
+    assert wire.decode(bytearray(wire.encode(message)), Message) == message
+    assert wire.WIRE_VERSION >= 1
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("items", 0, "size"), True),  # bool for int
+        (("items", 0, "size"), 1.0),
+        (("items", 0, "size"), "1"),
+        (("items", 0, "size"), 1 << 63),  # outside int64
+        (("items", 0, "flag"), 1),  # int for bool
+        (("items", 0, "ratio"), "0.5"),
+        (("items", 0, "data"), "text"),
+        (("name",), 5),
+        (("color",), "green"),
+        (("color",), 0),
+        (("pair",), [1, "x", 2]),
+        (("pair",), "ab"),
+        (("items",), {"size": 1}),
+        (("table",), [["a", 1]]),
+        (("table",), {"a": "1"}),
+        (("maybe",), "x"),
+        (("pair",), [101, "x"]),  # validate() refuses
+        (("name",), "boom"),  # validate() raises a bug: still WireFormatError
+    ],
+)
+def test_strict_types(path: tuple[object, ...], value: object) -> None:
+    raw = _raw()
+    target: object = raw
+    for key in path[:-1]:
+        target = target[key]  # type: ignore[index]
+    target[path[-1]] = value  # type: ignore[index]
+    with pytest.raises(WireFormatError):
+        wire.decode(msgpack.packb(raw), Message)
+
+
+def test_optional_and_default() -> None:
+    raw = _raw()
+    raw["maybe"] = 7
+    assert wire.decode(msgpack.packb(raw), Message).maybe == 7
+    del raw["maybe"]
+    assert wire.decode(msgpack.packb(raw), Message).maybe is None
+    raw["items"][0]["ratio"] = 2  # type: ignore[index]
+    assert wire.decode(msgpack.packb(raw), Message).items[0].ratio == 2.0
+
+
+def test_extra_and_missing_keys() -> None:
+    raw = _raw()
+    raw["surprise"] = 1
+    with pytest.raises(WireFormatError):
+        wire.decode(msgpack.packb(raw), Message)
+    raw = _raw()
+    del raw["name"]
+    with pytest.raises(WireFormatError):
+        wire.decode(msgpack.packb(raw), Message)
+
+
+def test_encode_failure_is_typed() -> None:
+    with pytest.raises(WireFormatError):
+        wire.encode(object())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_never_escape(data: bytes) -> None:
+    with contextlib.suppress(WireFormatError):
+        wire.decode(data, Message)
