@@ -279,7 +279,10 @@ class Engine:
     ) -> bool | None:
         assert self._exit_stack is not None and self._task_group is not None
         self._task_group.cancel_scope.cancel()
-        return await self._exit_stack.__aexit__(exc_type, exc, tb)
+        # the body's own exception is not handed to the task group: the caller gets it as raised, not wrapped
+        # in an ExceptionGroup (the loop, cancelled above, ends without an error of its own)
+        await self._exit_stack.__aexit__(None, None, None)
+        return None
 
     def _shutdown(self) -> None:
         # synchronous, so no cancellation can interrupt it

@@ -201,3 +201,14 @@ async def test_bad_arguments_are_refused_before_anything_is_submitted() -> None:
         with pytest.raises(ConfigError):
             engine.generate([1], max_tokens=0)
         assert engine.statistics().num_waiting == 0
+
+
+async def test_an_error_in_the_engine_block_propagates_unwrapped_and_frees_everything() -> None:
+    engine, cache, _ = make_engine()
+    with pytest.raises(KeyError, match="boom"):
+        async with engine:
+            generation = engine.generate(PROMPTS[0], max_tokens=100)
+            async for _ in generation:
+                raise KeyError("boom")
+    assert cache.free_pages == 256 and cache.free_slots == 16
+    assert generation.statistics().state is RequestState.CANCELLED
