@@ -1,0 +1,642 @@
+"""Transfer sessions: a synchronous core that decides, and an async edge that performs the I/O.
+
+One transfer moves one request's cache from the context engine's ranks (the *writers*) into pages and a slot
+the generation engine allocated. Its life, per DESIGN.md "Disaggregation protocol":
+
+- the receiver (:class:`ReceiveSession`) sends a :class:`~.protocol.ReceiveRequest`;
+- each writer (:class:`SendSession`, one per request on the context side, with a chunk list per writer)
+  pushes its chunks with ``transport.write(..., notify=<its ChunkResult>)``; the transport delivers the notify
+  only after the data landed. A failed write is reported as FAILED on the control channel, a chunk never
+  posted because of a cancel as CANCELLED, and a writer with nothing to write reports one empty chunk: every
+  writer reports every chunk;
+- the receiver completes only when every expected writer reported all of its chunks. Never on a timeout.
+
+Cancellation is two-phase. A cancel stops posting; a receiver that cancels while writers are still to report
+keeps its pages *quarantined* (out of the pools, never reallocated) until they have all reported, or until
+the transport says the peer is gone (its process died: nothing more can land). A stall deadline turns a
+silent peer into :class:`~kvferry.errors.TransferInDoubt` with the pages still quarantined.
+
+The cores (:class:`SendSession`, :class:`ReceiveSession`) do no I/O and never block; :class:`Receiver` and
+:func:`send` drive them over a :class:`~kvferry.transports.Transport`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+import anyio
+import attrs
+import numpy as np
+from attrs import define, frozen
+
+from kvferry.engine.disagg.protocol import (
+    CancelTransfer,
+    ChunkResult,
+    ChunkStatus,
+    ReceiveRequest,
+    encode_control,
+)
+from kvferry.errors import (
+    ClosedResourceError,
+    InvalidTransition,
+    KvferryError,
+    PeerDisconnected,
+    TransferCancelled,
+    TransferError,
+    TransferInDoubt,
+    TransportError,
+    WireFormatError,
+)
+from kvferry.transports import Fragments, Peer, Transport, coalesce, total_bytes
+
+__all__ = [
+    "Chunk",
+    "PageHold",
+    "ReceiveSession",
+    "ReceiveState",
+    "Receiver",
+    "SendSession",
+    "TransferStatistics",
+    "send",
+    "split_chunks",
+]
+
+log = logging.getLogger("kvferry.disagg")
+
+
+# --- chunks ---------------------------------------------------------------------------------------------
+
+
+@frozen(eq=False)
+class Chunk:
+    """One write of one writer: ``src`` fragments (the writer's memory) into ``dst`` (rank ``dst_rank``'s)."""
+
+    dst_rank: int
+    src: Fragments
+    dst: Fragments
+
+    @property
+    def nbytes(self) -> int:
+        return total_bytes(self.src)
+
+    def __repr__(self) -> str:
+        return f"<Chunk -> rank {self.dst_rank}: {len(self.src)} fragments, {self.nbytes} bytes>"
+
+
+def split_chunks(dst_rank: int, src: Fragments, dst: Fragments, *, max_bytes: int) -> list[Chunk]:
+    """Coalesce ``src -> dst`` and cut it into chunks of at most ``max_bytes`` (a longer fragment is one chunk).
+
+    Chunks are the unit of posting, of reporting and of cancellation.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    src, dst = coalesce(src, dst)
+    if not len(src):
+        return []
+    ends = np.cumsum(src[:, 1].astype(np.int64))
+    chunk_of = (ends - 1) // max_bytes
+    # a new chunk starts where the running total crosses a max_bytes boundary
+    starts = np.flatnonzero(np.concatenate(([True], chunk_of[1:] != chunk_of[:-1])))
+    bounds = [*starts.tolist(), len(src)]
+    return [
+        Chunk(dst_rank, np.ascontiguousarray(src[a:b]), np.ascontiguousarray(dst[a:b]))
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+class TransferStatistics(NamedTuple):
+    """What one transfer moved, as the receiver counted it from the writers' reports."""
+
+    session_id: int
+    nbytes: int
+    fragments: int
+    chunks: int
+    writers: int
+    seconds: float
+
+
+# --- the sender's core ------------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class SendSession:
+    """The context side of one transfer: which chunks each writer posts, and what it reported.
+
+    ``plan[writer]`` lists that writer's chunks (may be empty: it then reports one empty chunk). Not
+    thread-safe; one task per writer calls :meth:`next_post` / :meth:`finish_post` in turn.
+    """
+
+    session_id: int
+    plan: Mapping[int, Sequence[Chunk]]
+    cancelled: bool = False
+    _next: dict[int, int] = attrs.field(factory=dict, init=False)
+    _in_flight: set[tuple[int, int]] = attrs.field(factory=set, init=False)
+    _reports: dict[tuple[int, int], ChunkResult] = attrs.field(factory=dict, init=False)
+
+    def num_chunks(self, writer: int) -> int:
+        return max(1, len(self.plan[writer]))
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.plan))
+
+    def result(self, writer: int, chunk: int, status: ChunkStatus, detail: str = "") -> ChunkResult:
+        """The report of ``chunk`` with ``status`` (its byte and fragment counts filled in)."""
+        chunks = self.plan[writer]
+        nbytes = fragments = 0
+        if status is ChunkStatus.OK and chunks:
+            nbytes, fragments = chunks[chunk].nbytes, len(chunks[chunk].src)
+        return ChunkResult(
+            self.session_id, writer, chunk, self.num_chunks(writer), status, nbytes, fragments, detail[:4000]
+        )
+
+    def next_post(self, writer: int) -> tuple[int, Chunk | None] | None:
+        """The next chunk ``writer`` should post (``None`` chunk: the one empty report), or None when it is
+        done or cancelled. Marks it in flight until :meth:`finish_post`."""
+        index = self._next.get(writer, 0)
+        if self.cancelled or index >= self.num_chunks(writer):
+            return None
+        self._next[writer] = index + 1
+        self._in_flight.add((writer, index))
+        chunks = self.plan[writer]
+        return index, (chunks[index] if chunks else None)
+
+    def finish_post(self, writer: int, chunk: int, report: ChunkResult) -> None:
+        """Record how a posted chunk ended (the report was, or is about to be, sent)."""
+        self._in_flight.discard((writer, chunk))
+        self._reports[writer, chunk] = report
+
+    def cancel(self) -> None:
+        """Post nothing more. Chunks in flight end as they end; the rest are reported CANCELLED."""
+        self.cancelled = True
+
+    def unposted(self, writer: int) -> list[ChunkResult]:
+        """CANCELLED reports of ``writer``'s chunks that were never posted (recorded as reported)."""
+        out = []
+        for index in range(self._next.get(writer, 0), self.num_chunks(writer)):
+            report = self.result(writer, index, ChunkStatus.CANCELLED, "cancelled before posting")
+            self._reports[writer, index] = report
+            out.append(report)
+        self._next[writer] = self.num_chunks(writer)
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def finished(self) -> bool:
+        """Every chunk of every writer has a report and nothing is in flight (the source may be freed)."""
+        return not self._in_flight and all(
+            (w, c) in self._reports for w in self.plan for c in range(self.num_chunks(w))
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and all(r.status is ChunkStatus.OK for r in self._reports.values())
+
+    def statistics(self) -> dict[str, int]:
+        reports = self._reports.values()
+        return {
+            "chunks": sum(self.num_chunks(w) for w in self.plan),
+            "reported": len(self._reports),
+            "in_flight": len(self._in_flight),
+            "bytes": sum(r.nbytes for r in reports if r.status is ChunkStatus.OK),
+            "fragments": sum(r.fragments for r in reports if r.status is ChunkStatus.OK),
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "cancelled" if self.cancelled else ("finished" if self.finished else "sending")
+        return (
+            f"<SendSession {self.session_id} {state} [{s['reported']}/{s['chunks']} reported, "
+            f"{s['in_flight']} in flight, {s['bytes']} bytes]>"
+        )
+
+
+# --- the receiver's core ----------------------------------------------------------------------------------
+
+
+class ReceiveState(enum.Enum):
+    #: pages allocated, nothing asked yet
+    ALLOCATED = "allocated"
+    #: receive request sent; writers reporting
+    REQUESTED = "requested"
+    #: cancelled while writers were still to report: pages quarantined until they have
+    CANCELLING = "cancelling"
+    #: the stall deadline passed with writers still to report: pages quarantined until they do
+    IN_DOUBT = "in_doubt"
+    #: every writer reported every chunk OK: the pages hold the request's cache
+    COMPLETE = "complete"
+    #: every writer reported and some chunk failed, or the peer is gone
+    FAILED = "failed"
+    #: cancelled, and nothing can land any more
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (ReceiveState.COMPLETE, ReceiveState.FAILED, ReceiveState.CANCELLED)
+
+
+class CancelAction(enum.Enum):
+    #: nothing was asked or everything has reported: free the pages now
+    FREE = "free"
+    #: writers may still write: quarantine the pages and tell the sender to stop
+    QUARANTINE = "quarantine"
+    #: already ended (or already cancelling): nothing to do
+    NOTHING = "nothing"
+
+
+_TRANSITIONS: dict[ReceiveState, frozenset[ReceiveState]] = {
+    ReceiveState.ALLOCATED: frozenset({ReceiveState.REQUESTED, ReceiveState.CANCELLED, ReceiveState.FAILED}),
+    ReceiveState.REQUESTED: frozenset(
+        {
+            ReceiveState.COMPLETE,
+            ReceiveState.FAILED,
+            ReceiveState.CANCELLING,
+            ReceiveState.CANCELLED,
+            ReceiveState.IN_DOUBT,
+        }
+    ),
+    ReceiveState.CANCELLING: frozenset({ReceiveState.CANCELLED}),
+    ReceiveState.IN_DOUBT: frozenset({ReceiveState.CANCELLED}),
+    ReceiveState.COMPLETE: frozenset(),
+    ReceiveState.FAILED: frozenset(),
+    ReceiveState.CANCELLED: frozenset(),
+}
+
+
+@define(eq=False)
+class ReceiveSession:
+    """The generation side of one transfer: which writers must report, and what they reported.
+
+    ``writers`` are the context ranks; each one reports every one of its chunks (it says how many it has in
+    each report). The session completes only when all have reported; see the module docstring.
+    """
+
+    session_id: int
+    key: str
+    writers: tuple[int, ...]
+    state: ReceiveState = ReceiveState.ALLOCATED
+    detail: str = ""
+    _num_chunks: dict[int, int] = attrs.field(factory=dict, init=False)
+    _reports: dict[tuple[int, int], ChunkResult] = attrs.field(factory=dict, init=False)
+
+    def _move(self, dst: ReceiveState) -> None:
+        if dst not in _TRANSITIONS[self.state]:
+            raise InvalidTransition(f"receive session {self.session_id}: {self.state.name} -> {dst.name}")
+        self.state = dst
+
+    def requested(self) -> None:
+        """The receive request was sent (ALLOCATED -> REQUESTED)."""
+        self._move(ReceiveState.REQUESTED)
+
+    def on_result(self, report: ChunkResult) -> None:
+        """Record one writer's report; moves to COMPLETE / FAILED / CANCELLED once every writer reported.
+
+        :raises ~kvferry.errors.WireFormatError: a report from a writer we do not expect, or whose chunk
+            count disagrees with its earlier reports (the session fails; nothing else changes).
+        """
+        if report.writer not in self.writers:
+            raise WireFormatError(f"session {self.session_id}: report from unexpected writer {report.writer}")
+        known = self._num_chunks.setdefault(report.writer, report.num_chunks)
+        if known != report.num_chunks:
+            raise WireFormatError(
+                f"session {self.session_id}: writer {report.writer} said {known} chunks, now {report.num_chunks}"
+            )
+        key = (report.writer, report.chunk)
+        earlier = self._reports.get(key)
+        if earlier is None or earlier.status is ChunkStatus.OK:
+            self._reports[key] = report  # a later failure of the same chunk wins over its success
+        if report.status is not ChunkStatus.OK and not self.detail:
+            self.detail = (
+                f"writer {report.writer} chunk {report.chunk}: {report.status.value} {report.detail}"
+            )
+        if self.all_reported:
+            self._settle()
+
+    @property
+    def all_reported(self) -> bool:
+        return len(self._num_chunks) == len(self.writers) and len(self._reports) == sum(
+            self._num_chunks.values()
+        )
+
+    @property
+    def outstanding(self) -> int:
+        """Writers that have not reported every chunk yet."""
+        done = {w for w, n in self._num_chunks.items() if all((w, c) in self._reports for c in range(n))}
+        return len(self.writers) - len(done)
+
+    def _settle(self) -> None:
+        if self.state in (ReceiveState.CANCELLING, ReceiveState.IN_DOUBT):
+            self._move(ReceiveState.CANCELLED)
+        elif self.state is ReceiveState.REQUESTED:
+            statuses = {r.status for r in self._reports.values()}
+            if statuses == {ChunkStatus.OK}:
+                self._move(ReceiveState.COMPLETE)
+            elif ChunkStatus.FAILED in statuses:
+                self._move(ReceiveState.FAILED)
+            else:
+                self._move(ReceiveState.CANCELLED)
+
+    def cancel(self) -> CancelAction:
+        """The receiver gives up on the transfer (its caller was cancelled)."""
+        if self.state is ReceiveState.ALLOCATED:
+            self._move(ReceiveState.CANCELLED)
+            return CancelAction.FREE
+        if self.state is ReceiveState.REQUESTED:
+            self._move(ReceiveState.CANCELLING)
+            return CancelAction.QUARANTINE
+        if self.state is ReceiveState.COMPLETE or self.state is ReceiveState.FAILED:
+            return CancelAction.FREE  # everyone reported: nothing can land any more
+        return CancelAction.NOTHING
+
+    def stalled(self) -> bool:
+        """The stall deadline passed; True (-> IN_DOUBT, pages stay quarantined) if writers are still out."""
+        if self.state is ReceiveState.REQUESTED and not self.all_reported:
+            self._move(ReceiveState.IN_DOUBT)
+            return True
+        return False
+
+    def peer_lost(self, reason: str) -> None:
+        """The transport confirmed the sender is gone: nothing more can land (FAILED, or CANCELLED if we
+        had already given up)."""
+        if self.state in (ReceiveState.CANCELLING, ReceiveState.IN_DOUBT):
+            self._move(ReceiveState.CANCELLED)
+        elif self.state in (ReceiveState.ALLOCATED, ReceiveState.REQUESTED):
+            self.detail = self.detail or reason
+            self._move(ReceiveState.FAILED)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing can land in the pages any more."""
+        return self.state.is_terminal
+
+    def statistics(self, seconds: float = 0.0) -> TransferStatistics:
+        ok = [r for r in self._reports.values() if r.status is ChunkStatus.OK]
+        return TransferStatistics(
+            self.session_id,
+            sum(r.nbytes for r in ok),
+            sum(r.fragments for r in ok),
+            sum(1 for r in ok if r.nbytes),
+            len(self.writers),
+            seconds,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReceiveSession {self.session_id} {self.key!r} {self.state.name} "
+            f"[{len(self._reports)} reports, {self.outstanding}/{len(self.writers)} writers out]>"
+        )
+
+
+# --- the receiver's async edge ------------------------------------------------------------------------------
+
+
+class PageHold(Protocol):
+    """What the receiver holds for one transfer (a manager request's pages, draft pages and slot)."""
+
+    def free(self) -> None:
+        """Return everything to the pools now (nothing can land any more)."""
+        ...
+
+    def quarantine(self) -> Callable[[], None]:
+        """Take everything out of the pools (never reallocated); the returned callable returns it."""
+        ...
+
+
+@define(eq=False)
+class _Live:
+    session: ReceiveSession
+    hold: PageHold
+    changed: anyio.Event = attrs.field(factory=anyio.Event)
+    release: Callable[[], None] | None = None
+
+
+@define(eq=False)
+class Receiver:
+    """The generation side's transfers from one context peer.
+
+    Feed it the peer's reports (:meth:`on_result`, from the link's reader tasks) and the peer's loss
+    (:meth:`peer_lost`); call :meth:`receive` once per request. Quarantined pages of cancelled or in-doubt
+    transfers are released here when their writers report or the peer is gone, so they outlive
+    :meth:`receive`.
+    """
+
+    transport: Transport
+    peer: Peer
+    writers: tuple[int, ...]
+    stall_timeout: float = 30.0
+    _sessions: dict[int, _Live] = attrs.field(factory=dict, init=False)
+    _next_id: int = attrs.field(default=1, init=False)
+    _lost: str | None = attrs.field(default=None, init=False)
+    _counts: dict[str, int] = attrs.field(
+        factory=lambda: dict.fromkeys(("complete", "failed", "cancelled", "in_doubt", "bytes"), 0), init=False
+    )
+
+    def new_session(self, key: str, hold: PageHold) -> ReceiveSession:
+        """A session for ``key``, holding ``hold`` (freed or quarantined as the transfer ends)."""
+        session = ReceiveSession(self._next_id, key, self.writers)
+        self._next_id += 1
+        self._sessions[session.session_id] = _Live(session, hold)
+        return session
+
+    async def receive(self, session: ReceiveSession, request: ReceiveRequest) -> TransferStatistics:
+        """Send ``request`` and wait until every writer has reported every chunk.
+
+        On success the pages hold the request's cache and stay with the caller. Otherwise the hold is freed
+        (everyone reported, or the peer is gone) or quarantined (writers still out) before this raises.
+
+        A cancel sends :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until
+        the writers report or the peer is gone.
+
+        :raises ~kvferry.errors.TransferError: a chunk failed, or the peer went away.
+        :raises ~kvferry.errors.TransferCancelled: the sender cancelled.
+        :raises ~kvferry.errors.TransferInDoubt: no report within ``stall_timeout`` seconds while writers are
+            still out; the pages stay quarantined.
+        """
+        live = self._sessions[session.session_id]
+        started = time.perf_counter()
+        try:
+            if self._lost is not None:
+                session.peer_lost(self._lost)
+            else:
+                await self.transport.send_message(self.peer, encode_control(request))
+                session.requested()
+            while not session.settled:
+                live.changed = anyio.Event()
+                with anyio.move_on_after(self.stall_timeout):
+                    await live.changed.wait()
+                if not live.changed.is_set() and not session.settled:
+                    session.stalled()
+                    self._counts["in_doubt"] += 1
+                    self._quarantine(live, notify=False)
+                    raise TransferInDoubt(
+                        f"transfer {session.session_id} ({session.key}): no report for {self.stall_timeout}s "
+                        f"with {session.outstanding} writers out; its pages stay quarantined"
+                    )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abandon(live)
+            raise
+        seconds = time.perf_counter() - started
+        if session.state is ReceiveState.COMPLETE:
+            self._sessions.pop(session.session_id, None)
+            self._counts["complete"] += 1
+            stats = session.statistics(seconds)
+            self._counts["bytes"] += stats.nbytes
+            return stats
+        self._finish(live)
+        if session.state is ReceiveState.CANCELLED:
+            raise TransferCancelled(
+                f"transfer {session.session_id} ({session.key}) cancelled: {session.detail}"
+            )
+        raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {session.detail}")
+
+    async def _abandon(self, live: _Live) -> None:
+        session = live.session
+        if live.release is not None or session.session_id not in self._sessions:
+            return  # already quarantined (in doubt) or already finished
+        action = session.cancel()
+        if action is CancelAction.QUARANTINE:
+            self._quarantine(live, notify=True)
+            with anyio.move_on_after(1.0), _suppress_transport():
+                await self.transport.send_message(
+                    self.peer, encode_control(CancelTransfer(session.session_id, "receiver cancelled"))
+                )
+        else:
+            self._finish(live)
+
+    def _quarantine(self, live: _Live, *, notify: bool) -> None:
+        if live.release is None:
+            live.release = live.hold.quarantine()
+
+    def _finish(self, live: _Live) -> None:
+        """The session is over and nothing can land: give its pages back and forget it."""
+        self._sessions.pop(live.session.session_id, None)
+        state = live.session.state
+        if state is ReceiveState.FAILED:
+            self._counts["failed"] += 1
+        elif state is ReceiveState.CANCELLED:
+            self._counts["cancelled"] += 1
+        if live.release is not None:
+            live.release()
+        else:
+            live.hold.free()
+
+    def on_result(self, report: ChunkResult) -> None:
+        """A writer's report (a notification or a control message) arrived."""
+        live = self._sessions.get(report.session_id)
+        if live is None:
+            log.debug("report for unknown or finished session %s", report.session_id)
+            return
+        try:
+            live.session.on_result(report)
+        except WireFormatError as exc:
+            log.warning("bad report from the context peer: %s", exc)
+            live.session.peer_lost(f"bad report: {exc}")  # no longer trusted: fail the session
+        live.changed.set()
+        if live.session.settled and live.release is not None:
+            self._finish(live)  # a cancelled / in-doubt session: its writers are done, release the pages
+
+    def peer_lost(self, reason: str) -> None:
+        """The transport says the peer is gone: every session settles and quarantines are released."""
+        self._lost = reason
+        for live in list(self._sessions.values()):
+            live.session.peer_lost(reason)
+            live.changed.set()
+            if live.release is not None:
+                self._finish(live)
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def statistics(self) -> dict[str, int]:
+        quarantined = sum(1 for live in self._sessions.values() if live.release is not None)
+        return {**self._counts, "sessions": len(self._sessions), "quarantined": quarantined}
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<Receiver {len(self.writers)} writers [{s['sessions']} sessions, {s['quarantined']} quarantined"
+            f"{', peer lost' if self._lost else ''} | {s['complete']} complete, {s['failed']} failed]>"
+        )
+
+
+class _suppress_transport:
+    """Swallow transport errors of a best-effort message (the peer may be gone)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        return exc_type is not None and issubclass(exc_type, (TransportError, KvferryError))
+
+
+# --- the sender's async edge --------------------------------------------------------------------------------
+
+
+async def send(
+    transport: Transport,
+    peer: Peer,
+    session: SendSession,
+    *,
+    stall_timeout: float | None = None,
+) -> None:
+    """Push every writer's chunks of ``session`` (writers concurrently, each writer's chunks in order).
+
+    Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
+    FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
+    reported CANCELLED. Returns when every posted write has ended and every report was sent (or the peer is
+    gone): then the source pages may be freed. Never raises for a failed chunk (it is reported instead).
+
+    :raises ~kvferry.errors.PeerDisconnected: the peer went away (nothing more can be reported).
+    """
+    lost: list[BaseException] = []
+
+    async def report(result: ChunkResult) -> None:
+        if lost:
+            return
+        try:
+            await transport.send_message(peer, encode_control(result))
+        except (PeerDisconnected, ClosedResourceError) as exc:
+            lost.append(exc)
+
+    async def writer(w: int) -> None:
+        while not lost and (item := session.next_post(w)) is not None:
+            index, chunk = item
+            ok = session.result(w, index, ChunkStatus.OK)
+            if chunk is None:
+                session.finish_post(w, index, ok)
+                await report(ok)
+                continue
+            try:
+                await transport.write(
+                    peer, chunk.src, chunk.dst, encode_control(ok), stall_timeout=stall_timeout
+                )
+            except (PeerDisconnected, ClosedResourceError) as exc:
+                session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(exc)))
+                lost.append(exc)
+            except (TransportError, TransferError, ValueError) as exc:
+                failed = session.result(w, index, ChunkStatus.FAILED, f"{type(exc).__name__}: {exc}")
+                session.finish_post(w, index, failed)
+                await report(failed)
+            else:
+                session.finish_post(w, index, ok)
+        if lost:
+            session.unposted(w)
+            return
+        for cancelled in session.unposted(w):
+            await report(cancelled)
+
+    async with anyio.create_task_group() as tg:
+        for w in session.writers:
+            tg.start_soon(writer, w)
+    if lost:
+        raise PeerDisconnected(f"transfer {session.session_id}: {lost[0]}")

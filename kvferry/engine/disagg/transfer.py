@@ -1,0 +1,159 @@
+"""From a receive request to each writer's chunks: which bytes of the context ranks go where on the receiver.
+
+:func:`plan_transfer` is the one entry point the roles use. It maps the request's pages and slot per group
+from the context ranks' page tables onto the generation ranks' (the receiver's block ids and slot come from
+its :class:`~.protocol.ReceiveRequest`, validated here against the receiver's page tables), and cuts every
+writer's fragments into chunks.
+
+The byte mapping is D1's :class:`~.mapping.PeerMap` (any TP pair, elected writers for duplicated heads). Each
+(context rank, generation rank) pair that overlaps is one *writer* of the session protocol: it reports every
+chunk, an empty write included. Bounced (staged) writes are not used yet: every plan is a direct write.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap, RequestCache, TokenRange
+from kvferry.engine.disagg.protocol import ReceiveRequest
+from kvferry.engine.disagg.session import Chunk, split_chunks
+from kvferry.errors import WireFormatError
+from kvferry.pools.layout import GroupKind
+from kvferry.pools.manager import CacheManager
+from kvferry.pools.pagetable import PageTable
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ManagerHold",
+    "WriterPlan",
+    "check_request",
+    "plan_transfer",
+    "token_blocks",
+]
+
+#: Chunks are cut at this many bytes (the unit of posting, reporting and cancellation).
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+#: writer (context rank) -> its chunks, in posting order
+WriterPlan = dict[int, list[Chunk]]
+
+
+def token_blocks(token_start: int, token_end: int, tokens_per_block: int) -> range:
+    """Indices (into a block table) of the blocks that hold tokens ``[token_start, token_end)``."""
+    return range(token_start // tokens_per_block, math.ceil(token_end / tokens_per_block))
+
+
+def check_request(request: ReceiveRequest, tables: Sequence[PageTable], groups: Sequence[str]) -> None:
+    """Check a peer's receive request against its own page tables (``tables``: the receiver's).
+
+    :raises ~kvferry.errors.WireFormatError: a missing or extra group, too few blocks for the token range,
+        a block id or slot outside the receiver's pools.
+    """
+    table = tables[0]
+    paged = {g.name for g in table.pool_groups if g.kind is GroupKind.PAGED and g.name in groups}
+    state = [g for g in table.pool_groups if g.kind is GroupKind.STATE and g.name in groups]
+    if {b.group for b in request.blocks} != paged:
+        raise WireFormatError(
+            f"receive request names groups {[b.group for b in request.blocks]}, expected {sorted(paged)}"
+        )
+    for b in request.blocks:
+        group = table.pool_group(b.group)
+        tpb = table.layer_group(b.group).tokens_per_block
+        if len(b.block_ids) < math.ceil(request.token_end / tpb):
+            raise WireFormatError(
+                f"group {b.group}: {len(b.block_ids)} blocks for {request.token_end} tokens"
+            )
+        if max(b.block_ids) >= group.num_slots:
+            raise WireFormatError(f"group {b.group}: block id {max(b.block_ids)} >= {group.num_slots}")
+    for group in state:
+        if not 0 < request.slot < group.num_slots:
+            raise WireFormatError(f"state slot {request.slot} outside [1, {group.num_slots})")
+
+
+def writer_id(src_rank: int, dst_rank: int, dst_tp: int) -> int:
+    """The ``writer`` of a :class:`~.protocol.ChunkResult`: one per (context rank, generation rank) pair."""
+    return src_rank * dst_tp + dst_rank
+
+
+def expected_writers(peer_map: PeerMap) -> tuple[int, ...]:
+    """Every (context rank, generation rank) pair that reports for every request, as writer ids."""
+    return tuple(
+        sorted(
+            writer_id(s, d, peer_map.dst_tp)
+            for d in range(peer_map.dst_tp)
+            for s in peer_map.expected_writers(d)
+        )
+    )
+
+
+def plan_transfer(
+    peer_map: PeerMap,
+    src_ranks: Sequence[int],
+    src_blocks: Mapping[str, Sequence[int]],
+    src_slot: int | None,
+    request: ReceiveRequest,
+    dst_tables: Sequence[PageTable],
+    *,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> WriterPlan:
+    """The chunks of every writer (context rank ``s`` in ``src_ranks`` x each generation rank it overlaps)
+    for ``request``; a writer with nothing to send (elected out) gets an empty list and reports an empty write.
+
+    ``src_blocks``: the context request's block table per paged group (the same on every context rank);
+    ``src_slot``: its state slot. Draft groups move only when the request names draft blocks.
+
+    :raises ~kvferry.errors.WireFormatError: the request does not fit the receiver's page tables.
+    :raises ~kvferry.errors.ConfigError: the context request's ids do not cover the range.
+    """
+    groups = [g.name for g in dst_tables[0].pool_groups]
+    if request.block_ids("draft") is None:
+        groups = [g for g in groups if g != "draft"]
+    check_request(request, dst_tables, groups)
+    draft = request.block_ids("draft") is not None
+    tokens = TokenRange(
+        request.token_start, request.token_end, draft_start=0 if draft else request.token_end, state=True
+    )
+    dst_slot = request.slot if request.slot > 0 else None
+    dst = RequestCache({b.group: b.block_ids for b in request.blocks}, dst_slot)
+    src = RequestCache({k: list(v) for k, v in src_blocks.items()}, src_slot)
+    plan: WriterPlan = {}
+    for s in src_ranks:
+        for d in peer_map.targets(s):
+            rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=BouncePolicy.never())
+            chunks = (
+                []
+                if rank_plan.empty
+                else split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
+            )
+            plan[writer_id(s, d, peer_map.dst_tp)] = chunks
+    return plan
+
+
+class ManagerHold:
+    """A :class:`~.session.PageHold` over one request in one cache manager per receiving rank.
+
+    :meth:`free` closes the request everywhere; :meth:`quarantine` closes it with ``quarantine=True`` (pages,
+    draft pages and slot stay out of the pools) and returns the callable that releases them.
+    """
+
+    def __init__(self, managers: Sequence[CacheManager], request_id: object) -> None:
+        self.managers = tuple(managers)
+        self.request_id = request_id
+
+    def free(self) -> None:
+        for manager in self.managers:
+            manager.close(self.request_id)
+
+    def quarantine(self) -> Callable[[], None]:
+        tickets = [(m, m.close(self.request_id, quarantine=True)) for m in self.managers]
+
+        def release() -> None:
+            for manager, ticket in tickets:
+                if ticket is not None:
+                    manager.release(ticket)
+
+        return release
+
+    def __repr__(self) -> str:
+        return f"<ManagerHold {self.request_id!r} on {len(self.managers)} ranks>"

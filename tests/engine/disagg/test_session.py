@@ -1,0 +1,382 @@
+"""Sessions: the synchronous cores, and whole transfers between two sides of one process over the local
+transport (bit-exact pages, poisoned receivers, cancellation at every step, stalls, peer loss)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from kvferry.engine.disagg.link import pump
+from kvferry.engine.disagg.mapping import PeerMap
+from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus
+from kvferry.engine.disagg.session import (
+    Chunk,
+    Receiver,
+    ReceiveSession,
+    ReceiveState,
+    SendSession,
+    send,
+    split_chunks,
+)
+from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, plan_transfer
+from kvferry.errors import (
+    PeerDisconnected,
+    TransferCancelled,
+    TransferError,
+    TransferInDoubt,
+    WireFormatError,
+)
+from kvferry.transports import Peer, Transport
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import Side, connected, make_side, tiny_spec, whole_cache
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ok(session: int, writer: int, chunk: int, n: int, status: ChunkStatus = ChunkStatus.OK) -> ChunkResult:
+    return ChunkResult(session, writer, chunk, n, status, 8, 1)
+
+
+# --- cores --------------------------------------------------------------------------------------------------
+
+
+def test_split_chunks_keeps_every_byte_and_honours_the_limit() -> None:
+    src = np.array([[0, 10], [100, 10], [110, 30], [500, 64]], dtype=np.uint64)
+    dst = np.array([[1000, 10], [2000, 10], [2010, 30], [3000, 64]], dtype=np.uint64)
+    chunks = split_chunks(2, src, dst, max_bytes=40)
+    # [100,10]+[110,30] coalesce into one 40-byte row; the 64-byte row is a chunk of its own
+    assert [c.src.tolist() for c in chunks] == [[[0, 10]], [[100, 40]], [[500, 64]]]
+    assert [c.dst.tolist() for c in chunks] == [[[1000, 10]], [[2000, 40]], [[3000, 64]]]
+    assert all(c.dst_rank == 2 for c in chunks)
+    assert split_chunks(0, src, dst, max_bytes=1 << 20)[0].nbytes == 114
+
+
+def test_receive_session_completes_only_when_every_writer_reported_everything() -> None:
+    s = ReceiveSession(7, "k", (0, 1))
+    s.requested()
+    s.on_result(ok(7, 0, 0, 2))
+    s.on_result(ok(7, 1, 0, 1))
+    assert s.state is ReceiveState.REQUESTED and s.outstanding == 1
+    s.on_result(ok(7, 0, 1, 2))
+    assert s.state is ReceiveState.COMPLETE
+    assert s.statistics().nbytes == 24
+
+
+def test_receive_session_failure_waits_for_every_writer() -> None:
+    s = ReceiveSession(1, "k", (0, 1))
+    s.requested()
+    s.on_result(ok(1, 0, 0, 1, ChunkStatus.FAILED))
+    assert s.state is ReceiveState.REQUESTED  # writer 1 may still write
+    s.on_result(ok(1, 1, 0, 1))
+    assert s.state is ReceiveState.FAILED and "writer 0" in s.detail
+
+
+def test_receive_session_refuses_strangers_and_inconsistent_counts() -> None:
+    s = ReceiveSession(1, "k", (0,))
+    s.requested()
+    with pytest.raises(WireFormatError):
+        s.on_result(ok(1, 3, 0, 1))
+    s.on_result(ok(1, 0, 0, 2))
+    with pytest.raises(WireFormatError):
+        s.on_result(ok(1, 0, 1, 3))
+    assert s.state is ReceiveState.REQUESTED
+
+
+def test_receive_session_cancel_paths() -> None:
+    fresh = ReceiveSession(1, "k", (0,))
+    assert fresh.cancel().value == "free" and fresh.state is ReceiveState.CANCELLED
+    asked = ReceiveSession(2, "k", (0,))
+    asked.requested()
+    assert asked.cancel().value == "quarantine" and asked.state is ReceiveState.CANCELLING
+    asked.on_result(ok(2, 0, 0, 1))  # the late report settles it
+    assert asked.state is ReceiveState.CANCELLED
+    stalled = ReceiveSession(3, "k", (0,))
+    stalled.requested()
+    assert stalled.stalled() and stalled.state is ReceiveState.IN_DOUBT
+    stalled.peer_lost("gone")
+    assert stalled.state is ReceiveState.CANCELLED
+
+
+def test_send_session_cancel_reports_the_unposted() -> None:
+    chunk = Chunk(0, np.array([[0, 8]], dtype=np.uint64), np.array([[0, 8]], dtype=np.uint64))
+    s = SendSession(4, {0: [chunk, chunk, chunk], 1: []})
+    assert s.next_post(0) == (0, chunk)
+    assert s.next_post(1) == (0, None)
+    s.finish_post(1, 0, s.result(1, 0, ChunkStatus.OK))
+    s.cancel()
+    assert s.next_post(0) is None and not s.finished  # chunk 0 is still in flight
+    s.finish_post(0, 0, s.result(0, 0, ChunkStatus.OK))
+    cancelled = s.unposted(0)
+    assert [(r.chunk, r.status) for r in cancelled] == [
+        (1, ChunkStatus.CANCELLED),
+        (2, ChunkStatus.CANCELLED),
+    ]
+    assert s.finished and not s.ok
+
+
+# --- transfers over the local transport ------------------------------------------------------------------
+
+
+class GatedTransport:
+    """Wraps a transport: writes wait for ``gate`` (so a test can act while a write is posted)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.gate = anyio.Event()
+        self.posted = 0
+        self.drop_notify = False
+
+    async def write(self, peer: Peer, src: Any, dst: Any, notify: bytes | None = None, **kw: Any) -> None:
+        self.posted += 1
+        await self.gate.wait()
+        await self.inner.write(peer, src, dst, None if self.drop_notify else notify, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+PROMPT = list(range(3, 40))  # 37 tokens: 10 attention blocks of 4, 5 draft blocks of 8
+
+
+def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int = 1 << 20) -> Any:
+    request = gen.receive_request(sid, "r", "g", len(PROMPT))
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    plan = plan_transfer(
+        peer_map,
+        range(ctx.tp),
+        ctx.blocks("c"),
+        ctx.slot("c"),
+        request,
+        [a.page_table() for a in gen.arenas],
+        max_chunk_bytes=max_chunk_bytes,
+    )
+    return request, plan
+
+
+def writers(ctx: Side, gen: Side) -> tuple[int, ...]:
+    return expected_writers(
+        PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    )
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
+@pytest.mark.asyncio
+async def test_transfer_is_bit_exact_and_ignores_poison(ctx_tp: int, gen_tp: int) -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, ctx_tp), make_side(spec, gen_tp)
+    ctx.fake_prefill("c", PROMPT, seed=11)
+    before = gen.free_counts()
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        gen.create("g", PROMPT)
+        for m_arena, m in zip(gen.arenas, gen.managers, strict=True):  # poison the receiving pages
+            m_arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
+            m_arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
+            m_arena.fill_garbage("mamba2", [m.slot_id("g")], seed=97)
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=4096)
+        assert sum(len(v) for v in plan.values()) > 2 * gen_tp
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump, gen.transport, to_ctx, receiver)
+            stats_box = []
+
+            async def run_send() -> None:
+                await send(ctx.transport, to_gen, SendSession(session.session_id, plan))  # type: ignore[arg-type]
+
+            tg.start_soon(run_send)
+            stats_box.append(await receiver.receive(session, request))
+            tg.cancel_scope.cancel()
+        stats = stats_box[0]
+    src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(gen, "g", len(PROMPT))
+    assert src.keys() == dst.keys()
+    for key in src:
+        assert not (src[key] == -12345).all(-1).any(), key  # every element assembled from some rank
+        assert torch.equal(src[key], dst[key]), key
+    assert stats.nbytes > 0 and stats.writers == len(writers(ctx, gen))
+    assert receiver.statistics()["sessions"] == 0
+    ManagerHold(gen.managers, "g").free()
+    assert gen.free_counts() == before
+
+
+async def run_pair(ctx: Side, gen: Side, body: Any, *, gated: bool = False, stall: float = 10.0) -> Any:
+    """Run ``body(receiver, sender transport, ctx's peer, task group)`` with the receiver's pump running; at
+    the end the context side drops the connection and the pump settles what is left (peer gone)."""
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        sender_transport: Any = GatedTransport(ctx.transport) if gated else ctx.transport
+        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=stall)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump, gen.transport, to_ctx, receiver)
+            result = await body(receiver, sender_transport, to_gen, tg)
+            await to_gen.aclose()
+        assert receiver.lost
+        return result
+
+
+@pytest.mark.asyncio
+async def test_cancel_before_the_receive_request_frees_everything() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    before = gen.free_counts()
+
+    async def body(receiver: Receiver, *_: Any) -> None:
+        gen.create("g", PROMPT)
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request = gen.receive_request(session.session_id, "r", "g", len(PROMPT))
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await receiver.receive(session, request)
+        assert session.state is ReceiveState.CANCELLED
+        assert gen.free_counts() == before
+
+    await run_pair(ctx, gen, body)
+    assert gen.free_counts() == before
+
+
+def attention_rows(side: Side, ids: list[int]) -> torch.Tensor:
+    arena = side.arenas[0]
+    pool = arena.pool_tensor("attention")
+    return pool.view(arena.layout.pool_group("attention").num_slots, -1)[ids].clone()
+
+
+@pytest.mark.parametrize("where", ["during_writes", "after_writes_before_result"])
+@pytest.mark.asyncio
+async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_lands(where: str) -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    ctx_before, gen_before = ctx.free_counts(), gen.free_counts()
+    ctx.fake_prefill("c", PROMPT, seed=5)
+
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        gated = GatedTransport(ctx.transport)
+        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        gen.create("g", PROMPT)
+        quarantined = list(gen.managers[0].block_table("g"))
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=2048)
+        assert len(plan[0]) > 3
+        send_session = SendSession(session.session_id, plan)
+
+        async def on_ctx_message(message: Any) -> None:  # the context side obeys CancelTransfer
+            if message.session_id == send_session.session_id:
+                send_session.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=on_ctx_message))  # type: ignore[arg-type]
+            if where == "during_writes":
+                tg.start_soon(pump, gen.transport, to_ctx, receiver)
+                tg.start_soon(send, gated, to_gen, send_session)
+                with anyio.CancelScope() as scope:
+                    tg.start_soon(_cancel_when, scope, lambda: gated.posted >= 1)
+                    await receiver.receive(session, request)
+            else:
+                # every write lands (notifications queue up unread), then the receiver is cancelled
+                gated.gate.set()
+                with anyio.CancelScope() as scope:
+                    tg.start_soon(_cancel_when, scope, lambda: send_session.finished)
+                    tg.start_soon(send, gated, to_gen, send_session)
+                    await receiver.receive(session, request)
+            assert scope.cancelled_caught
+            # the caller is gone; its pages are out of the pools, not free
+            assert receiver.statistics()["quarantined"] == 1
+            stats = gen.managers[0].statistics()
+            assert stats.quarantines == 1 and stats.pages_quarantined == len(quarantined)
+            # take everything that is free: none of it is a quarantined page; poison it
+            gen.managers[0].create("other", list(range(1, 4 * stats.pages_free + 1)), reuse=False)
+            gen.managers[0].resume("other")
+            taken = list(gen.managers[0].block_table("other"))
+            assert not set(taken) & set(quarantined)
+            gen.arenas[0].fill_garbage("attention", taken, seed=3)
+            poisoned = attention_rows(gen, taken)
+            if where == "after_writes_before_result":
+                tg.start_soon(pump, gen.transport, to_ctx, receiver)  # now the reports arrive
+            gated.gate.set()
+            with anyio.fail_after(10):
+                while receiver.statistics()["quarantined"] or not send_session.finished:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert torch.equal(attention_rows(gen, taken), poisoned)  # no late write reached them
+            if where == "during_writes":
+                assert any(r.status is ChunkStatus.CANCELLED for r in send_session._reports.values())
+            gen.managers[0].close("other")
+            tg.cancel_scope.cancel()
+    for m in ctx.managers:
+        m.close("c")
+    assert gen.free_counts() == gen_before
+    assert ctx.free_counts() == ctx_before
+
+
+async def _cancel_when(scope: anyio.CancelScope, condition: Any) -> None:
+    while not condition():  # noqa: ASYNC110 (polls state no event exposes)
+        await anyio.sleep(0.002)
+    scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_stall_gives_in_doubt_and_keeps_pages_quarantined() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    before = gen.free_counts()
+
+    async def body(receiver: Receiver, *_: Any) -> None:
+        gen.create("g", PROMPT)
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request = gen.receive_request(session.session_id, "r", "g", len(PROMPT))
+        with pytest.raises(TransferInDoubt):
+            await receiver.receive(session, request)  # nobody sends
+        assert gen.managers[0].statistics().quarantines == 1
+        # a late report from the (slow) writer releases the pages
+        receiver.on_result(ChunkResult(session.session_id, 0, 0, 1, ChunkStatus.OK))
+        assert gen.free_counts() == before
+
+    await run_pair(ctx, gen, body, stall=0.2)
+
+
+@pytest.mark.asyncio
+async def test_peer_lost_fails_the_transfer_and_frees() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    before = gen.free_counts()
+
+    async def body(receiver: Receiver, transport: Any, to_gen: Peer, tg: Any) -> None:
+        gen.create("g", PROMPT)
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request = gen.receive_request(session.session_id, "r", "g", len(PROMPT))
+
+        async def vanish() -> None:
+            await anyio.sleep(0.05)
+            await to_gen.aclose()  # the context side drops the connection
+
+        tg.start_soon(vanish)
+        with pytest.raises(TransferError) as info:
+            await receiver.receive(session, request)
+        assert not isinstance(info.value, (TransferCancelled, TransferInDoubt))
+        assert receiver.lost
+
+    await run_pair(ctx, gen, body)
+    assert gen.free_counts() == before
+
+
+@pytest.mark.asyncio
+async def test_send_reports_peer_loss() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    ctx.fake_prefill("c", PROMPT, seed=1)
+
+    async def body(receiver: Receiver, transport: Any, to_gen: Peer, tg: Any) -> None:
+        gen.create("g", PROMPT)
+        _request, plan = plan_for(ctx, gen, 9)
+        await to_gen.aclose()
+        with pytest.raises(PeerDisconnected):
+            await send(transport, to_gen, SendSession(9, plan))
+        ManagerHold(gen.managers, "g").free()
+
+    await run_pair(ctx, gen, body)
