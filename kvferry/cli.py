@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) went away: not an error of ours; silence the flush at exit too
+        sys.stderr.close()
+        return 0
     return result
 
 

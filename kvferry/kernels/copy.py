@@ -1,6 +1,6 @@
 """Copies over byte arenas: fixed-size blocks by index, and (offset, length) fragments to and from staging.
 
-Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU).
+Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);\nfragment gathers and scatters on CUDA use the Triton kernel of :mod:`kvferry.kernels.fragment_copy_triton`.
 A *block view* is a 2-D strided view ``[count, block_bytes]`` of an arena whose rows start ``stride`` bytes
 apart (a pool's slots or pages); ``gather``/``scatter``/``copy``/``zero`` act on its rows by an index tensor.
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvferry.errors import ConfigError
+from kvferry.kernels import fragment_copy_triton
 
 __all__ = [
     "as_index",
@@ -156,7 +157,10 @@ def fragments_tensor(fragments: FragmentsLike) -> torch.Tensor:
     return table
 
 
-def _byte_index(arena: torch.Tensor, fragments: FragmentsLike, *, disjoint: bool) -> tuple[torch.Tensor, int]:
+def _checked_fragments(
+    arena: torch.Tensor, fragments: FragmentsLike, *, disjoint: bool
+) -> tuple[torch.Tensor, int]:
+    """Validate fragments against ``arena``; return the ``[n, 2]`` table and the total length."""
     _check_arena(arena)
     table = fragments_tensor(fragments)
     offsets, lengths = table[:, 0], table[:, 1]
@@ -171,10 +175,29 @@ def _byte_index(arena: torch.Tensor, fragments: FragmentsLike, *, disjoint: bool
             starts, ends = starts[order], (starts + lens)[order]
             if starts.numel() > 1 and bool((ends[:-1] > starts[1:]).any()):
                 raise ConfigError("destination fragments overlap")
+    return table, total
+
+
+def _byte_index(arena: torch.Tensor, table: torch.Tensor, total: int) -> torch.Tensor:
+    offsets, lengths = table[:, 0], table[:, 1]
     # byte i of the staging buffer comes from offsets[f] + (i - first byte of f in staging)
     first = torch.cumsum(lengths, 0) - lengths
     index = torch.repeat_interleave(offsets - first, lengths) + torch.arange(total, dtype=torch.int64)
-    return index.to(arena.device), total
+    return index.to(arena.device)
+
+
+def _triton_copy(
+    src: torch.Tensor,
+    src_offsets: np.ndarray,
+    dst: torch.Tensor,
+    dst_offsets: np.ndarray,
+    lengths: np.ndarray,
+) -> bool:
+    """Copy with the Triton kernel when both tensors are on one CUDA device; False when it does not apply."""
+    if not (src.is_cuda and dst.device == src.device and fragment_copy_triton.available(src)):
+        return False
+    fragment_copy_triton.copy_fragments(src, src_offsets, dst, dst_offsets, lengths)
+    return True
 
 
 def gather_fragments(
@@ -186,14 +209,16 @@ def gather_fragments(
         when None. The result is its first ``total`` bytes.
     :raises ~kvferry.errors.ConfigError: on a fragment outside the arena or a staging buffer too small.
     """
-    index, total = _byte_index(arena, fragments, disjoint=False)
+    table, total = _checked_fragments(arena, fragments, disjoint=False)
     if staging is None:
-        return arena[index]
+        staging = torch.empty(total, dtype=torch.uint8, device=arena.device)
     _check_arena(staging)
     if staging.numel() < total or staging.device != arena.device:
         raise ConfigError(f"staging must hold {total} bytes on {arena.device}")
     out = staging[:total]
-    torch.index_select(arena, 0, index, out=out)
+    lengths = table[:, 1].numpy()
+    if not _triton_copy(arena, table[:, 0].numpy(), out, np.cumsum(lengths) - lengths, lengths):
+        torch.index_select(arena, 0, _byte_index(arena, table, total), out=out)
     return out
 
 
@@ -203,8 +228,11 @@ def scatter_fragments(arena: torch.Tensor, fragments: FragmentsLike, staging: to
     :raises ~kvferry.errors.ConfigError: on overlapping destination fragments, a fragment outside the arena or
         a staging buffer too small; nothing is written then.
     """
-    index, total = _byte_index(arena, fragments, disjoint=True)
+    table, total = _checked_fragments(arena, fragments, disjoint=True)
     _check_arena(staging)
     if staging.numel() < total:
         raise ConfigError(f"staging holds {staging.numel()} bytes, fragments need {total}")
-    arena.index_copy_(0, index, staging[:total].to(arena.device, non_blocking=True))
+    source = staging[:total].to(arena.device, non_blocking=True)
+    lengths = table[:, 1].numpy()
+    if not _triton_copy(source, np.cumsum(lengths) - lengths, arena, table[:, 0].numpy(), lengths):
+        arena.index_copy_(0, _byte_index(arena, table, total), source)
