@@ -146,12 +146,18 @@ def conv_channels(arena: CacheArena) -> list[int]:
 
 
 def write_reference(
-    arena: CacheArena, cache: Logical, blocks: dict[str, list[int]], slot: int, tokens: TokenRange
+    arena: CacheArena,
+    cache: Logical,
+    blocks: dict[str, list[int]],
+    slot: int,
+    tokens: TokenRange,
+    *,
+    draft: bool = True,
 ) -> None:
     """Write the rank's shard of the logical cache for ``tokens`` into ``arena``, element by element."""
     layout = arena.layout
     for name in ("attention", "draft"):
-        if not layout.has_group(name):
+        if not layout.has_group(name) or (name == "draft" and not draft):
             continue
         group = layout.layer_group(name)
         tpb, heads = group.tokens_per_block, group.heads
@@ -255,27 +261,30 @@ def build(
     *,
     same_block_size: bool = True,
     dst_drafter: bool = True,
+    src_drafter: bool = True,
     model: Any = tiny,
     seed: int = 0,
 ) -> Scenario:
     rng = np.random.default_rng(seed)
-    src_spec = model()
+    full = src_spec = model()
     dst_spec = src_spec if same_block_size else attrs.evolve(src_spec, tokens_per_block=6)
     if not same_block_size:
         assert dst_spec.drafter is not None
         dst_spec = attrs.evolve(dst_spec, drafter=attrs.evolve(dst_spec.drafter, tokens_per_block=3))
     if not dst_drafter:
         dst_spec = dst_spec.without_drafter()
+    if not src_drafter:
+        src_spec = src_spec.without_drafter()
     src, dst = arenas(src_spec, src_tp), arenas(dst_spec, dst_tp)
-    compat = src[0].page_table().compat_hash
-    peer = PeerMap.build([table(a) for a in src], [table(a, compat) for a in dst])
+    compat = arenas(full, 1, num_pages=1)[0].page_table().compat_hash
+    peer = PeerMap.build([table(a, compat) for a in src], [table(a, compat) for a in dst])
     return Scenario(
         src_spec,
         dst_spec,
         src,
         dst,
         peer,
-        logical(src_spec, PROMPT, seed),
+        logical(full, PROMPT, seed),
         pick_blocks(rng, src_spec, PROMPT),
         pick_blocks(rng, dst_spec, PROMPT),
         int(rng.integers(0, NUM_SLOTS)),
@@ -324,7 +333,8 @@ def expected_receivers(
         scratch = CacheArena(a.layout, "cpu")
         for name, t in scratch.pool_tensors().items():
             t.copy_(snap[name])
-        write_reference(scratch, sc.cache, sc.dst_blocks, sc.dst_slot, tokens)
+        draft = sc.src_spec.drafter is not None
+        write_reference(scratch, sc.cache, sc.dst_blocks, sc.dst_slot, tokens, draft=draft)
         out.append(snapshot(scratch))
     return out
 
@@ -471,6 +481,15 @@ def test_bounce_gives_identical_bytes(src_tp: int, dst_tp: int, same_block_size:
         assert p.statistics.posted == 1 and p.gather.nbytes == p.nbytes
         src, dst = p.staged_fragments(1000, 5000, chunk_bytes=1000)
         assert int(src[:, 1].sum()) == p.nbytes and src[0, 0] == 1000 and dst[0, 0] == 5000
+
+
+def test_sender_without_drafter_leaves_receiver_draft_pages_alone(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvferry.engine.disagg.mapping"):
+        sc = build(2, 4, src_drafter=False, same_block_size=False, seed=11)
+    assert len([r for r in caplog.records if "draft" in r.getMessage()]) == 1
+    assert sc.peer.skipped == ("draft",)
+    plans = check(sc, TokenRange(2, PROMPT))
+    assert all("draft" not in dict(p.statistics.bytes_per_group) for p in plans)
 
 
 def test_without_state_and_chunks() -> None:
