@@ -1,0 +1,257 @@
+"""Random lifecycles against the CacheManager: accounting and exclusive ownership hold after every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvferry.errors import PoolExhausted, RebalanceRefused
+from kvferry.pools.arena import CacheArena
+from kvferry.pools.layout import CacheLayout
+from kvferry.pools.manager import CacheManager, CacheState, Offload, Quarantine
+from kvferry.pools.slots import DUMMY_SLOT
+from kvferry.pools.spec import preset
+
+TPB = 4
+IDS = [f"r{i}" for i in range(6)]
+# common prefixes and a two-letter alphabet make shared blocks (and so reuse and snapshots) common
+prompts = st.builds(
+    lambda prefix, rest: prefix + rest,
+    st.sampled_from([[], [0, 1, 1, 0], [0, 1, 1, 0, 1, 1, 1, 1]]),
+    st.lists(st.integers(0, 1), max_size=10),
+).filter(bool)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        layout = CacheLayout.build(
+            preset("tiny").shard(1, 0), num_pages=16, num_slots=6, num_draft_pages=9, max_replay_tokens=2
+        )
+        self.m = CacheManager.for_arena(CacheArena(layout, "cpu"), max_batch_size=4, snapshot_interval=4)
+        self.initial = self.m.statistics()
+        self.quarantines: list[Quarantine] = []
+        self.dummies: list[int] = []
+
+    # --- helpers -----------------------------------------------------------------------------------------
+
+    def _live(self) -> list[str]:
+        return [rid for rid in IDS if rid in self.m.request_ids()]
+
+    def _in(self, state: CacheState) -> list[str]:
+        return [rid for rid in self._live() if self.m.state(rid) is state]
+
+    def _unchanged_on_exhaustion(self, action: object) -> None:
+        before = self.m.debug_state()
+        try:
+            action()  # type: ignore[operator]
+        except PoolExhausted:
+            assert self.m.debug_state() == before
+
+    # --- rules -------------------------------------------------------------------------------------------
+
+    @rule(rid=st.sampled_from(IDS), prompt=prompts, reuse=st.booleans())
+    def create(self, rid: str, prompt: list[int], reuse: bool) -> None:
+        if rid in self.m.request_ids():
+            return
+        self.m.create(rid, prompt, reuse=reuse)
+        assert self.m.reused_tokens(rid) <= len(prompt) - 1
+
+    @rule(rid=st.sampled_from(IDS), prompt=prompts, then=st.sampled_from(["close", "suspend", "stay"]))
+    def serve_prompt(self, rid: str, prompt: list[int], then: str) -> None:
+        """create + resume + prefill in chunks that end at snapshot boundaries: what makes reuse happen."""
+        if rid in self.m.request_ids():
+            return
+        self.m.create(rid, prompt)
+        try:
+            done = self.m.resume(rid).reused_tokens
+        except PoolExhausted:
+            self.m.close(rid)
+            return
+        while done < len(prompt):
+            boundary = self.m.next_snapshot_boundary(rid)
+            end = len(prompt) if boundary is None else min(boundary, len(prompt))
+            self.m.commit(rid, prompt[done:end])
+            done = end
+        if then == "close":
+            self.m.close(rid)
+        elif then == "suspend":
+            self.m.suspend(rid)
+
+    @rule(data=st.data(), extra=st.integers(0, 6))
+    def resume(self, data: st.DataObject, extra: int) -> None:
+        candidates = self._in(CacheState.SUSPENDED)
+        if not candidates:
+            return
+        rid = data.draw(st.sampled_from(candidates))
+        capacity = self.m.capacity(rid) + extra
+        self._unchanged_on_exhaustion(lambda: self.m.resume(rid, capacity=capacity))
+
+    @rule(data=st.data(), extra=st.integers(1, 8))
+    def grow(self, data: st.DataObject, extra: int) -> None:
+        candidates = self._in(CacheState.ACTIVE)
+        if not candidates:
+            return
+        rid = data.draw(st.sampled_from(candidates))
+        self._unchanged_on_exhaustion(lambda: self.m.grow(rid, self.m.capacity(rid) + extra))
+
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        candidates = self._in(CacheState.ACTIVE)
+        if not candidates:
+            return
+        rid = data.draw(st.sampled_from(candidates))
+        req = self.m._requests[rid]
+        room = req.capacity - len(req.tokens)
+        if room <= 0:
+            return
+        boundary = self.m.next_snapshot_boundary(rid)
+        counts = st.integers(1, room)
+        if boundary is not None and 0 < boundary - len(req.tokens) <= room:
+            counts = st.just(boundary - len(req.tokens)) | counts
+        count = data.draw(counts)
+        start = len(req.tokens)
+        tokens = [
+            req.prompt[i] if i < len(req.prompt) else data.draw(st.integers(0, 1))
+            for i in range(start, start + count)
+        ]
+        total = start + count
+        pending = data.draw(st.just(0) | st.integers(0, min(3, total - req.state_tokens)))
+        self.m.commit(rid, tokens, num_pending_replay=pending)
+
+    @rule(data=st.data(), offload=st.sampled_from(Offload))
+    def suspend(self, data: st.DataObject, offload: Offload) -> None:
+        candidates = self._in(CacheState.ACTIVE)
+        if candidates:
+            self.m.suspend(data.draw(st.sampled_from(candidates)), offload=offload)
+
+    @rule(data=st.data())
+    def offload(self, data: st.DataObject) -> None:
+        candidates = self._in(CacheState.SUSPENDED)
+        if candidates:
+            self.m.offload(data.draw(st.sampled_from(candidates)))
+
+    @rule(rid=st.sampled_from(IDS), quarantine=st.booleans(), twice=st.booleans())
+    def close(self, rid: str, quarantine: bool, twice: bool) -> None:
+        ticket = self.m.close(rid, quarantine=quarantine)
+        if ticket is not None:
+            self.quarantines.append(ticket)
+        if twice:
+            assert self.m.close(rid) is None
+
+    @precondition(lambda self: self.quarantines)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        ticket = data.draw(st.sampled_from(self.quarantines))
+        self.m.release(ticket)
+        self.m.release(ticket)
+        self.quarantines.remove(ticket)
+
+    @rule()
+    def add_dummy(self) -> None:
+        rows = {rid: self.m.batch_row(rid) for rid in self._in(CacheState.ACTIVE)}
+        try:
+            self.dummies.append(self.m.add_dummy())
+        except PoolExhausted:
+            return
+        assert {rid: self.m.batch_row(rid) for rid in rows} == rows
+
+    @precondition(lambda self: self.dummies)
+    @rule()
+    def remove_dummy(self) -> None:
+        self.m.remove_dummy(self.dummies.pop(0))
+
+    @rule(num_pages=st.sampled_from([12, 16, 20]))
+    def rebalance(self, num_pages: int) -> None:
+        before = self.m.debug_state()
+        try:
+            self.m.rebalance(num_pages=num_pages)
+        except RebalanceRefused:
+            assert self.m.debug_state() == before
+            return
+        self.initial = self.initial._replace(pages_total=num_pages - 1, pages_free=num_pages - 1)
+
+    # --- invariants --------------------------------------------------------------------------------------
+
+    @invariant()
+    def ownership_is_consistent(self) -> None:
+        m = self.m
+        reqs = [m._requests[rid] for rid in m.request_ids()]
+        owners: Counter[int] = Counter()
+        draft_owners: Counter[int] = Counter()
+        slots: list[int] = []
+        for req in reqs:
+            owners.update(req.pages)
+            draft_owners.update(req.draft_pages)
+            if req.slot is not None:
+                slots.append(req.slot)
+            # the pages a request will still write are its own
+            if req.state is CacheState.ACTIVE:
+                for page in req.pages[len(req.tokens) // TPB :]:
+                    assert m._pages.ref_cnt(page) == 1
+        for q in self.quarantines:
+            owners.update(q.pages)
+            draft_owners.update(q.draft_pages)
+            if q.slot is not None:
+                slots.append(q.slot)
+        for page_id in range(1, m._pages.num_pages):
+            assert m._pages.ref_cnt(page_id) == owners[page_id]
+            if owners[page_id] > 1:  # shared: only full cached prefix blocks
+                assert m._pages.block_hash(page_id) is not None
+        assert m._draft is not None
+        for page_id in range(1, m._draft.num_pages):
+            assert m._draft.ref_cnt(page_id) == draft_owners[page_id] <= 1
+        assert len(slots) == len(set(slots)) and DUMMY_SLOT not in slots
+        assert m._slots is not None
+        snapshot_slots = {s.slot_id for s in m._slots.snapshots()}
+        assert not snapshot_slots & set(slots)
+        s = m.statistics()
+        assert s.slots_live == len(slots)
+        assert s.slots_live + s.slots_snapshot + s.slots_free == s.slots_total
+        assert s.pages_used + s.pages_free == s.pages_total
+        assert s.draft_pages_used + s.draft_pages_free == s.draft_pages_total
+        for req in reqs:
+            if req.pinned is not None:
+                snap = m._slots.snapshot(req.pinned)
+                assert snap is not None and snap.pins > 0
+
+    @invariant()
+    def batch_rows_map_active_requests(self) -> None:
+        m = self.m
+        expected = [DUMMY_SLOT] * m.config.max_batch_size
+        rows = []
+        for rid in self._in(CacheState.ACTIVE):
+            row = m.batch_row(rid)
+            assert row is not None
+            rows.append(row)
+            expected[row] = m.slot_id(rid)  # type: ignore[call-overload]
+        for rid in self._in(CacheState.SUSPENDED):
+            assert m.batch_row(rid) is None
+        assert not set(rows) & set(self.dummies)
+        assert len(rows) == len(set(rows))
+        assert m.state_indices.tolist() == expected
+
+    def teardown(self) -> None:
+        for rid in list(self.m.request_ids()):
+            self.m.close(rid)
+        for ticket in self.quarantines:
+            self.m.release(ticket)
+        for row in self.dummies:
+            self.m.remove_dummy(row)
+        self.m.reset_prefix_cache()
+        s = self.m.statistics()
+        i = self.initial
+        assert (s.pages_free, s.slots_free, s.draft_pages_free) == (
+            i.pages_free,
+            i.slots_free,
+            i.draft_pages_free,
+        )
+        assert (s.pages_used, s.slots_live, s.slots_snapshot, s.draft_pages_used) == (0, 0, 0, 0)
+        assert self.m.state_indices.tolist() == [DUMMY_SLOT] * self.m.config.max_batch_size
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestManagerLifecycle = ManagerMachine.TestCase
