@@ -26,8 +26,8 @@ every request's cache and ends every open stream with :class:`~kvferry.errors.Re
 from __future__ import annotations
 
 import contextlib
-import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import NamedTuple, Protocol
@@ -36,7 +36,6 @@ import anyio
 import attrs
 import torch
 from anyio.abc import TaskGroup, TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define, frozen
 
 from kvferry.engine.request import Request, RequestState, SamplingParams
@@ -53,6 +52,7 @@ __all__ = [
     "Generation",
     "GenerationStatistics",
     "ModelRunner",
+    "StepTiming",
 ]
 
 
@@ -148,6 +148,24 @@ class EngineStatistics(NamedTuple):
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
 
+class StepTiming(NamedTuple):
+    """Where one engine step's time went (host: schedule + apply; the model step in between)."""
+
+    num_items: int
+    num_tokens: int
+    num_decodes: int
+    #: scheduling, including the cache manager's create/resume/grow/suspend
+    schedule_seconds: float
+    #: drafter + target model (and building their inputs)
+    model_seconds: float
+    #: sampling, draft acceptance, manager commits, handing tokens to the streams
+    apply_seconds: float
+
+    @property
+    def host_seconds(self) -> float:
+        return self.schedule_seconds + self.apply_seconds
+
+
 class GenerationStatistics(NamedTuple):
     request_id: int
     state: RequestState
@@ -159,6 +177,19 @@ class GenerationStatistics(NamedTuple):
     num_accepted: int
     acceptance_rate: float
     num_preemptions: int
+
+
+def _greedy_rows(logits: Sequence[torch.Tensor]) -> list[int]:
+    """Argmax of every row of the step at once: per-request torch calls would dominate the host time, and on
+    the CPU numpy's argmax is several times faster than torch's."""
+    if not logits:
+        return []
+    rows = torch.cat(list(logits)).detach()
+    if rows.device.type == "cpu":
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.to(torch.float32)
+        return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return rows.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
 
 
 # --- one request's stream --------------------------------------------------------------------------------
@@ -185,22 +216,30 @@ class Generation:
         return self._tokens()
 
     async def _tokens(self) -> AsyncIterator[int]:
-        receive = self._engine._submit(self.request)
+        engine, request = self._engine, self.request
+        engine._submit(request)
+        read = 0
         try:
-            with receive:
-                async for tokens in receive:
-                    for token in tokens:
-                        yield token
-            if self.request.state is RequestState.FAILED:
-                error = self.request.error
+            while True:
+                output = request.output_ids
+                while read < len(output):
+                    read += 1
+                    yield output[read - 1]
+                if request.state.is_terminal:
+                    break
+                # no await between the checks above and taking the event: a step that appends tokens (or ends
+                # the request) after them sets exactly this event
+                await engine._step_done.wait()
+            if request.state is RequestState.FAILED:
+                error = request.error
                 if isinstance(error, KvferryError):
                     raise error
-                raise RequestAborted(f"request {self.request.request_id} failed: {error!r}") from error
-            if self.request.state is not RequestState.FINISHED:
-                raise RequestAborted(f"request {self.request.request_id} ended {self.request.state.name}")
+                raise RequestAborted(f"request {request.request_id} failed: {error!r}") from error
+            if request.state is not RequestState.FINISHED:
+                raise RequestAborted(f"request {request.request_id} ended {request.state.name}")
         finally:
             # synchronous on purpose: this also runs when the generator is finalised without an event loop turn
-            self._engine._cancel(self.request)
+            engine._cancel(request)
 
     async def collect(self) -> list[int]:
         """All tokens, as a list."""
@@ -237,7 +276,9 @@ class Engine:
     cache: CacheOps
     config: EngineConfig = attrs.field(factory=EngineConfig)
     scheduler: Scheduler = attrs.field(init=False)
-    _streams: dict[int, MemoryObjectSendStream[list[int]]] = attrs.field(factory=dict, init=False)
+    #: set (and replaced) after every step and every batch of request endings: wakes every stream at once,
+    #: so delivering tokens costs the step nothing per request
+    _step_done: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -252,6 +293,8 @@ class Engine:
         ),
         init=False,
     )
+    #: the last steps' timings (a bounded window, for benchmarks and monitoring)
+    step_timings: deque[StepTiming] = attrs.field(factory=lambda: deque(maxlen=4096), init=False)
     _host_seconds: float = attrs.field(default=0.0, init=False)
     _model_seconds: float = attrs.field(default=0.0, init=False)
 
@@ -291,6 +334,7 @@ class Engine:
             self._end(request, RequestState.CANCELLED)
         self._to_cancel.clear()
         self._idle.set()
+        self._notify()
 
     # --- requests -----------------------------------------------------------------------------------------
 
@@ -331,15 +375,16 @@ class Engine:
         self._next_id += 1
         return Generation(self, request)
 
-    def _submit(self, request: Request) -> MemoryObjectReceiveStream[list[int]]:
+    def _submit(self, request: Request) -> None:
         if self._closed or self._task_group is None:
             raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
-        send, receive = anyio.create_memory_object_stream[list[int]](math.inf)
         self.scheduler.add(request)
-        self._streams[request.request_id] = send
         self._requests[request.request_id] = request
         self._busy()
-        return receive
+
+    def _notify(self) -> None:
+        self._step_done.set()
+        self._step_done = anyio.Event()
 
     def _cancel(self, request: Request) -> None:
         """Mark ``request`` for freeing at the next step boundary (no-op once it ended)."""
@@ -353,7 +398,7 @@ class Engine:
         self._wakeup.set()
 
     def _end(self, request: Request, state: RequestState, error: BaseException | None = None) -> None:
-        """Terminal bookkeeping: close the cache, forget runner state, end the stream."""
+        """Terminal bookkeeping: close the cache, forget runner state (the stream sees it at the next notify)."""
         if request.request_id not in self._requests:
             return
         if error is not None and request.error is None:
@@ -361,8 +406,6 @@ class Engine:
         self.scheduler.finish(request, state)
         self.runner.release(request.request_id)
         del self._requests[request.request_id]
-        send = self._streams.pop(request.request_id)
-        send.close()
         self._counts[request.state.name.lower()] += 1
 
     # --- the loop -----------------------------------------------------------------------------------------
@@ -381,8 +424,10 @@ class Engine:
             await anyio.lowlevel.checkpoint()
 
     def _reap(self) -> None:
-        while self._to_cancel:
-            self._end(self._to_cancel.pop(), RequestState.CANCELLED)
+        if self._to_cancel:
+            while self._to_cancel:
+                self._end(self._to_cancel.pop(), RequestState.CANCELLED)
+            self._notify()
 
     async def wait_idle(self) -> None:
         """Wait until no request is waiting or running and every cancellation is processed."""
@@ -394,6 +439,8 @@ class Engine:
         plan = self.scheduler.schedule()
         for request in plan.failed:
             self._end(request, RequestState.FAILED)
+        if plan.failed:
+            self._notify()
         if plan.is_empty:
             self._host_seconds += time.perf_counter() - t0
             await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
@@ -408,12 +455,25 @@ class Engine:
             # a failed model step fails every request in it; the engine keeps serving the rest
             for item in plan.items:
                 self._end(item.request, RequestState.FAILED, exc)
+            self._notify()
             return
         t2 = time.perf_counter()
         self._apply(plan, drafts, logits)
+        t3 = time.perf_counter()
+        self._notify()
         self._counts["steps"] += 1
-        self._host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self._host_seconds += (t1 - t0) + (t3 - t2)
         self._model_seconds += t2 - t1
+        self.step_timings.append(
+            StepTiming(
+                num_items=len(plan.items),
+                num_tokens=plan.num_tokens,
+                num_decodes=sum(1 for item in plan.items if item.kind is ItemKind.DECODE),
+                schedule_seconds=t1 - t0,
+                model_seconds=t2 - t1,
+                apply_seconds=t3 - t2,
+            )
+        )
 
     def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], list[torch.Tensor]]:
         speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
@@ -439,8 +499,13 @@ class Engine:
         return ForwardItem(request.request_id, tokens, item.start, len(tokens), len(drafts), keep)
 
     def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: list[torch.Tensor]) -> None:
+        argmax = _greedy_rows(logits)
+        offset = 0
         for item, item_logits in zip(plan.items, logits, strict=True):
             request = item.request
+            rows = item_logits.shape[0]
+            greedy = argmax[offset : offset + rows]
+            offset += rows
             if request.request_id not in self._requests:
                 continue  # already ended (cannot happen between schedule and apply, but stay safe)
             if item.kind is ItemKind.PREFILL:
@@ -448,31 +513,35 @@ class Engine:
                 pending = 0
                 new: list[int] = []
                 if item.wants_logits:
-                    new = sample_tokens(request, item_logits[-1:], len(request.output_ids))
+                    new = (
+                        greedy[-1:] if request.sampling.is_greedy else self._sample(request, item_logits[-1:])
+                    )
             else:
-                proposal = drafts.get(request.request_id, ())
-                targets = sample_tokens(request, item_logits, len(request.output_ids))
-                accepted = accept_drafts(proposal, targets)
+                targets = greedy if request.sampling.is_greedy else self._sample(request, item_logits)
+                proposal = drafts.get(request.request_id) if item.num_drafts else None
                 if proposal:
+                    accepted = accept_drafts(proposal, targets)
                     request.record_draft(proposal, accepted)
                     self._counts["drafted"] += len(proposal)
                     self._counts["accepted"] += accepted
                     self.runner.record_accepted(request.request_id, 1 + accepted)
-                new = [*proposal[:accepted], targets[accepted]]
-                end = item.start + 1 + accepted
-                # a verify step leaves the accepted tokens in the replay buffers, not in the slot
-                pending = 1 + accepted if proposal else 0
-            kept = request.append_tokens(new)
-            self._counts["generated"] += len(kept)
-            if kept:
-                try:
-                    self._streams[request.request_id].send_nowait(kept)
-                except anyio.BrokenResourceError:
-                    self._cancel(request)  # the caller is gone; freed at the next boundary
+                    new = [*proposal[:accepted], targets[accepted]]
+                    end = item.start + 1 + accepted
+                    # a verify step leaves the accepted tokens in the replay buffers, not in the slot
+                    pending = 1 + accepted
+                else:
+                    new = targets[:1]
+                    end = item.start + 1
+                    pending = 0
+            self._counts["generated"] += len(request.append_tokens(new))
             if request.finish_reason is not None:
                 self._end(request, RequestState.FINISHED)
             else:
                 self.scheduler.commit(request, end, num_pending_replay=pending)
+
+    @staticmethod
+    def _sample(request: Request, logits: torch.Tensor) -> list[int]:
+        return sample_tokens(request, logits, len(request.output_ids))
 
     # --- introspection ------------------------------------------------------------------------------------
 

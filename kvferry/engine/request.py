@@ -120,7 +120,7 @@ def _token_set(value: Iterable[int]) -> frozenset[int]:
     return frozenset(int(v) for v in value)
 
 
-@define(eq=False)
+@define(eq=False, on_setattr=attrs.setters.NO_OP)  # plain setattr: the engine updates these every step
 class Request:
     """The engine's runtime record of one generation request.
 

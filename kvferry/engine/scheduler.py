@@ -142,9 +142,8 @@ class ItemKind(enum.Enum):
     DECODE = "decode"
 
 
-@frozen
-class StepItem:
-    """One request's share of a step.
+class StepItem(NamedTuple):
+    """One request's share of a step (a NamedTuple: hundreds are built every step, attrs' frozen init is slower).
 
     PREFILL: feed ``token_ids`` at positions ``start ..``; ``wants_logits`` when the chunk ends the prompt
     (its last position's logits give the first output token). DECODE: feed the pending token at ``start``
@@ -152,7 +151,7 @@ class StepItem:
     positions.
     """
 
-    request: Request = attrs.field(repr=lambda r: str(r.request_id))
+    request: Request
     kind: ItemKind
     token_ids: tuple[int, ...]
     start: int
@@ -165,6 +164,12 @@ class StepItem:
     @property
     def wants_logits(self) -> bool:
         return self.kind is ItemKind.DECODE or self.start + len(self.token_ids) == self.request.num_prompt
+
+    def __repr__(self) -> str:
+        return (
+            f"StepItem({self.request.request_id} {self.kind.name} start={self.start} "
+            f"tokens={len(self.token_ids)} drafts={self.num_drafts})"
+        )
 
 
 @frozen
@@ -264,21 +269,25 @@ class Scheduler:
         failed: list[Request] = []
         blocked: Request | None = None
 
-        for request in [r for r in self._running if r.state is RequestState.DECODING]:
-            if request not in self._running:  # preempted by an older request's growth this step
+        decoding, max_k = RequestState.DECODING, self.config.max_spec_k
+        for request in [r for r in self._running if r.state is decoding]:
+            if request.state is not decoding:  # preempted by an older request's growth this step
                 continue
-            item = self._decode_item(request, budget)
-            if not self._grow(request, request.num_computed + item.num_tokens, planned, preempted):
+            # this loop runs for every decoding request every step: kept free of helper calls
+            k = min(request.spec_k, max_k, request.max_tokens - len(request.output_ids) - 1, budget - 1)
+            k = k if k > 0 else 0
+            start = request.num_computed
+            if not self._grow(request, start + 1 + k, planned, preempted):
                 blocked = blocked or request
                 continue
-            items.append(item)
+            items.append(StepItem(request, ItemKind.DECODE, (request.output_ids[-1],), start, k))
             planned.add(request.request_id)
-            budget -= item.num_tokens
+            budget -= 1 + k
 
         for request in [r for r in self._running if r.state is RequestState.PREFILLING]:
             if budget <= 0:
                 break
-            if request not in self._running:
+            if request.state is RequestState.PREEMPTED:
                 continue
             chunk = self._prefill_item(request, budget, planned, preempted)
             if chunk is None:

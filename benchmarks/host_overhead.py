@@ -1,0 +1,160 @@
+"""Host-side overhead of the engine per step: scheduler + cache manager (+ sampling and delivery), against the
+model step measured in the same run.
+
+For each batch size (default 1, 64 and 256 concurrent requests) the engine serves that many requests at once
+over the paged reference model; only steps where every request decodes are measured. Reported per step, as
+medians: ``schedule_us`` (scheduler, including the manager's grow/resume), ``apply_us`` (sampling, manager
+commits, handing tokens to the streams), ``host_us`` (their sum), ``model_ms`` and ``host_fraction`` =
+host / (host + model). Goal: host under 1 ms per step at 256 requests.
+
+    python benchmarks/host_overhead.py [--sizes 1 64 256] [--steps 32] [--spec-k 0] [--device cpu]
+
+Writes benchmarks/results/host_overhead.json and host_overhead.png (the plot needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from kvferry.engine.runner import EngineOptions, build_engine
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT_LEN = 8
+
+
+async def measure(size: int, steps: int, spec_k: int, device: str, dtype: str) -> dict[str, Any]:
+    tpb = 4
+    tokens_per_request = PROMPT_LEN + steps + 8 + 2 * (spec_k + 1)
+    pages_per_request = -(-tokens_per_request // tpb) + 1
+    options = EngineOptions(
+        dtype=dtype,
+        device=device,
+        num_pages=size * pages_per_request + 1,
+        num_slots=2 * size + 1,
+        max_running=size,
+        # room to admit every prompt in one step, so the measured steps are pure decode
+        token_budget=size * (1 + spec_k) + size * PROMPT_LEN + 1,
+        max_prefill_chunk=PROMPT_LEN,
+        max_spec_k=spec_k,
+        enable_reuse=True,
+        step_in_thread=False,
+    )
+    built = build_engine("tiny", options)
+    engine = built.engine
+    max_tokens = steps + 4
+
+    async def one(i: int) -> None:
+        prompt = [(7 * i + j) % 256 for j in range(PROMPT_LEN)]
+        await engine.generate(prompt, max_tokens=max_tokens, spec_k=spec_k).collect()
+
+    async with engine, anyio.create_task_group() as tg:
+        for i in range(size):
+            tg.start_soon(one, i)
+    decode_steps = [t for t in engine.step_timings if t.num_decodes == size and t.num_items == size]
+    decode_steps = decode_steps[1:]  # the first decode step pays one-off allocation costs
+    if not decode_steps:
+        raise RuntimeError(f"no pure decode step at batch {size}")
+
+    def median_us(values: list[float]) -> float:
+        return statistics.median(values) * 1e6
+
+    schedule_us = median_us([t.schedule_seconds for t in decode_steps])
+    apply_us = median_us([t.apply_seconds for t in decode_steps])
+    host_us = median_us([t.host_seconds for t in decode_steps])
+    model_us = median_us([t.model_seconds for t in decode_steps])
+    return {
+        "batch": size,
+        "measured_steps": len(decode_steps),
+        "schedule_us": schedule_us,
+        "apply_us": apply_us,
+        "host_us": host_us,
+        "host_us_per_request": host_us / size,
+        "host_us_p90": sorted(t.host_seconds for t in decode_steps)[int(0.9 * (len(decode_steps) - 1))] * 1e6,
+        "model_ms": model_us / 1e3,
+        "host_fraction": host_us / (host_us + model_us),
+        "under_1ms": host_us < 1000.0,
+    }
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = [str(r["batch"]) for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(sizes, [r["schedule_us"] for r in results], label="schedule (+ manager)")
+    left.bar(
+        sizes,
+        [r["apply_us"] for r in results],
+        bottom=[r["schedule_us"] for r in results],
+        label="apply (sample, commit, deliver)",
+    )
+    left.axhline(1000, color="red", linestyle="--", label="goal: 1 ms")
+    left.set_xlabel("concurrent decode requests")
+    left.set_ylabel("host time per step (us, median)")
+    left.legend()
+    right.bar(sizes, [100 * r["host_fraction"] for r in results])
+    right.set_xlabel("concurrent decode requests")
+    right.set_ylabel("host share of the step (%)")
+    for i, r in enumerate(results):
+        right.annotate(
+            f"model {r['model_ms']:.1f} ms", (i, 100 * r["host_fraction"]), ha="center", va="bottom"
+        )
+    fig.suptitle("kvferry engine: host overhead per decode step (tiny reference model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per request")
+    parser.add_argument("--spec-k", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = [
+        anyio.run(measure, size, args.steps, args.spec_k, args.device, args.dtype) for size in args.sizes
+    ]
+    report = {
+        "benchmark": "host_overhead",
+        "model": "tiny",
+        "device": args.device,
+        "dtype": args.dtype,
+        "spec_k": args.spec_k,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+    plotted = plot(results, args.out / "host_overhead.png")
+    for r in results:
+        print(
+            f"batch {r['batch']:4d}: host {r['host_us']:8.1f} us/step (schedule {r['schedule_us']:.1f}, "
+            f"apply {r['apply_us']:.1f}; {r['host_us_per_request']:.2f} us/request), model {r['model_ms']:.2f} ms, "
+            f"host share {100 * r['host_fraction']:.1f}%"
+        )
+    print(f"wrote {args.out / 'host_overhead.json'}" + (" and host_overhead.png" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()
