@@ -436,11 +436,12 @@ class CacheManager:
             return
         need_pages = self._blocks(capacity) - len(req.pages)
         need_draft = self._draft_blocks(capacity) - len(req.draft_pages)
-        for victim in self._plan(need_pages, need_draft, 0, exclude=req):
-            self._offload(victim)
-        req.pages.extend(self._pages.allocate(need_pages))
-        if self._draft is not None:
-            req.draft_pages.extend(self._draft.allocate(need_draft))
+        if need_pages > 0 or need_draft > 0:  # most decode steps stay inside the last page
+            for victim in self._plan(need_pages, need_draft, 0, exclude=req):
+                self._offload(victim)
+            req.pages.extend(self._pages.allocate(need_pages))
+            if self._draft is not None:
+                req.draft_pages.extend(self._draft.allocate(need_draft))
         req.capacity = capacity
 
     def commit(
@@ -908,9 +909,11 @@ class CacheManager:
 
     def _plan(self, pages: int, draft_pages: int, slots: int, *, exclude: _Request) -> list[_Request]:
         """Suspended requests to move to the host so the need fits; raises PoolExhausted if it cannot."""
+        if pages <= 0 and draft_pages <= 0 and slots <= 0:
+            return []
         free_pages = self._pages.num_free_pages
         free_draft = self._draft.num_free_pages if self._draft is not None else 0
-        free_slots = self._slots.num_available if self._slots is not None else 0
+        free_slots = self._slots.num_available if self._slots is not None and slots > 0 else 0
 
         def fits(freed_pages: int, freed_draft: int, freed_slots: int) -> bool:
             return (
@@ -998,6 +1001,8 @@ class CacheManager:
 
 
 def _token_list(token_ids: Iterable[int] | np.ndarray) -> list[int]:
+    if type(token_ids) in (list, tuple) and all(type(t) is int for t in token_ids):  # the per-step fast path
+        return list(token_ids)
     try:
         array = np.asarray(token_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):

@@ -58,7 +58,7 @@ class SlotPoolStatistics(NamedTuple):
 class SlotPool:
     """Slot ids of one state group: a FIFO free list plus an LRU index of snapshots by block hash."""
 
-    __slots__ = ("_free", "_live", "_snapshots", "name", "num_slots", "snapshots_evicted")
+    __slots__ = ("_free", "_live", "_num_unpinned", "_snapshots", "name", "num_slots", "snapshots_evicted")
 
     def __init__(self, num_slots: int, *, name: str = "state") -> None:
         if num_slots < 1:
@@ -71,6 +71,7 @@ class SlotPool:
         self._live: set[int] = set()
         # LRU order: first = least recently used
         self._snapshots: OrderedDict[PageHash, Snapshot] = OrderedDict()
+        self._num_unpinned = 0  # kept so num_available is O(1): the scheduler asks on every step
         self.snapshots_evicted = 0
 
     def __repr__(self) -> str:
@@ -86,7 +87,7 @@ class SlotPool:
     @property
     def num_available(self) -> int:
         """Slots :meth:`allocate` can hand out now: free ones plus unpinned snapshots it may evict."""
-        return len(self._free) + sum(1 for snap in self._snapshots.values() if snap.pins == 0)
+        return len(self._free) + self._num_unpinned
 
     def free_slot_ids(self) -> list[int]:
         return list(self._free)
@@ -102,7 +103,7 @@ class SlotPool:
         return slot_id in self._live
 
     def statistics(self) -> SlotPoolStatistics:
-        pinned = sum(1 for snap in self._snapshots.values() if snap.pins)
+        pinned = len(self._snapshots) - self._num_unpinned
         return SlotPoolStatistics(
             self.num_slots - 1, len(self._live), len(self._snapshots), pinned, len(self._free)
         )
@@ -160,6 +161,7 @@ class SlotPool:
             return None
         slot_id = self._free.popleft()
         self._snapshots[block_hash] = Snapshot(block_hash, slot_id, num_tokens)
+        self._num_unpinned += 1
         return slot_id
 
     def pin(self, block_hash: PageHash) -> Snapshot:
@@ -167,6 +169,8 @@ class SlotPool:
         snap = self._snapshots.get(block_hash)
         if snap is None:
             raise InvalidTransition(f"{self.name}: no snapshot {block_hash.hex()[:8]}")
+        if snap.pins == 0:
+            self._num_unpinned -= 1
         snap.pins += 1
         self._snapshots.move_to_end(block_hash)
         return snap
@@ -176,12 +180,15 @@ class SlotPool:
         if snap is None or snap.pins == 0:
             raise InvalidTransition(f"{self.name}: snapshot {block_hash.hex()[:8]} is not pinned")
         snap.pins -= 1
+        if snap.pins == 0:
+            self._num_unpinned += 1
 
     def clear_snapshots(self) -> int:
         """Drop every unpinned snapshot (their slots go back to the free list); returns how many."""
         victims = [h for h, snap in self._snapshots.items() if snap.pins == 0]
         for block_hash in victims:
             self._free.append(self._snapshots.pop(block_hash).slot_id)
+        self._num_unpinned -= len(victims)
         return len(victims)
 
     def _evict_one(self) -> bool:
@@ -189,6 +196,7 @@ class SlotPool:
             if snap.pins == 0:
                 del self._snapshots[block_hash]
                 self._free.append(snap.slot_id)
+                self._num_unpinned -= 1
                 self.snapshots_evicted += 1
                 return True
         return False

@@ -207,6 +207,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(slots) == len(set(slots)) and DUMMY_SLOT not in slots
         assert m._slots is not None
         snapshot_slots = {s.slot_id for s in m._slots.snapshots()}
+        unpinned = sum(1 for s in m._slots.snapshots() if s.pins == 0)
+        assert m._slots.num_available == m._slots.num_free_slots + unpinned
         assert not snapshot_slots & set(slots)
         s = m.statistics()
         assert s.slots_live == len(slots)
