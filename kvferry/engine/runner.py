@@ -216,6 +216,8 @@ class EngineOptions:
     snapshot_interval: int = 0
     enable_reuse: bool = True
     step_in_thread: bool = True
+    #: build the drafter when max_spec_k > 0 (False: the caller brings its own proposals via the runner)
+    drafter: bool = True
 
 
 class BuiltEngine(NamedTuple):
@@ -252,7 +254,7 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
     """
     options = options or EngineOptions()
     weights, spec = _load(model, options)
-    speculative = options.max_spec_k > 0
+    speculative = options.max_spec_k > 0 and options.drafter
     if not speculative:
         spec = spec.without_drafter()
     num_slots = options.num_slots or 2 * options.max_running + 1

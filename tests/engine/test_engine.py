@@ -10,7 +10,8 @@ import anyio
 import pytest
 import torch
 
-from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
+from kvferry.engine.engine import DraftItem, Engine, ForwardItem
+from kvferry.engine.runner import BuiltEngine, EngineOptions, PagedRunner, build_engine
 
 torch.set_num_threads(1)  # the tiny model's kernels are far faster on one thread than on two busy ones
 
@@ -203,4 +204,65 @@ async def test_random_cancellation_returns_every_pool_to_its_initial_counts() ->
             assert built.engine.statistics().num_cancelled > 0
             assert not built.runner._fed
     assert len(asyncio.all_tasks()) == tasks_before
+    assert_all_free(built, initial)
+
+
+class OracleDraftRunner(PagedRunner):
+    """The real target model with a stand-in drafter that proposes the reference continuation, corrupted at
+    some positions, so verify steps accept everything, nothing, or a prefix: every replay path runs."""
+
+    def __init__(self, base: PagedRunner, reference: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(base.model, base.cache, drafter=None)
+        self.reference = reference
+        self.history: dict[int, list[int]] = {}
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        for item in items:
+            history = self.history.setdefault(item.request_id, [])
+            del history[item.start :]
+            history.extend(item.token_ids)
+        return super().forward(items)
+
+    def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
+        out = []
+        for item in items:
+            prefix = (*self.history[item.request_id][: item.start], item.pending_token)
+            drafts = []
+            for prompt, continuation in self.reference.items():
+                full = (*prompt, *continuation)
+                if full[: len(prefix)] == prefix:
+                    drafts = list(full[len(prefix) : len(prefix) + item.k])
+                    break
+            drafts += [0] * (item.k - len(drafts))
+            wrong = item.start % (item.k + 1)  # rotate the first wrong draft through every position
+            if wrong < item.k:
+                drafts[wrong] = (drafts[wrong] + 1) % 256
+            out.append(tuple(drafts))
+        return out
+
+    def release(self, request_id: int) -> None:
+        self.history.pop(request_id, None)
+        super().release(request_id)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("k", "pages"), [(1, 40), (2, 14), (4, 40)])
+async def test_speculative_verify_and_replay_give_the_same_tokens(
+    k: int, pages: int, alone: list[list[int]]
+) -> None:
+    """Replay state (slot + replay buffers + num_accepted) stays right through verify steps, and (tight pools)
+    through suspends to the host and resumes into other slots."""
+    built = build_engine(
+        "tiny",
+        options(max_spec_k=k, drafter=False, num_pages=pages, max_prefill_chunk=5, step_in_thread=True),
+    )
+    runner = OracleDraftRunner(built.runner, dict(zip(PROMPTS, alone, strict=True)))
+    engine = Engine(runner, built.cache, built.engine.config)
+    initial = free_counts(built)
+    assert await run_all(built._replace(engine=engine, runner=runner), spec_k=k) == alone
+    stats = engine.statistics()
+    assert 0 < stats.num_accepted < stats.num_drafted  # accept and reject paths both ran
+    assert runner.model.statistics()["replayed_tokens"] > 0
+    if pages < 20:
+        assert engine.scheduler.statistics().num_preemptions > 0 and built.cache.statistics().restores > 0
     assert_all_free(built, initial)
