@@ -354,12 +354,15 @@ class CacheManager:
         *,
         reuse: bool = True,
         salt: bytes = b"",
-    ) -> None:
+    ) -> int:
         """Register a request, SUSPENDED, and match its prompt against the prefix cache.
 
         The match (at most the prompt minus its last token, whole blocks, pruned back to the last block with a
         snapshot) takes references on the cached pages and pins the snapshot, so neither is evicted before the
         first :meth:`resume` copies it. Never allocates, so never raises PoolExhausted.
+
+        :return: the tokens the match covers (what :meth:`resume` will report as ``reused_tokens``, unless a
+            :meth:`rebalance` drops the match first).
 
         :param reuse: match the prefix cache (the request's committed blocks are offered for reuse either way).
         :param salt: separates reuse scopes (e.g. adapters): prefixes only match within one salt.
@@ -375,6 +378,7 @@ class CacheManager:
         if reuse and self.config.enable_reuse:
             self._match(req)
         self._requests[request_id] = req
+        return req.reused_tokens
 
     def resume(self, request_id: RequestId, *, capacity: int | None = None) -> Resumed:
         """SUSPENDED -> ACTIVE: give the request pages for ``capacity`` tokens, a live slot and a batch row.

@@ -128,7 +128,7 @@ def test_reuse_hit_is_pruned_to_the_last_snapshot() -> None:
     assert snapshots == {hashes[1]: 8, hashes[3]: 16, hashes[4]: 20}
     m.suspend("a")
     # b shares 14 tokens: 3 full blocks match pages, pruned back to the snapshot at 8
-    m.create("b", [*prompt[:14], 99, 99, 99, 99])
+    assert m.create("b", [*prompt[:14], 99, 99, 99, 99]) == 8
     r = m.resume("b")
     assert r.reused_tokens == 8 and r.draft_zeroed == (0, 8)
     assert list(m.block_table("b"))[:2] == a_pages[:2]
