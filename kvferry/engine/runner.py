@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import attrs
 import torch
 from attrs import define, frozen
 
+from kvferry.engine.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
 from kvferry.engine.model import Model, SequenceInput
 from kvferry.engine.scheduler import SchedulerConfig
@@ -123,7 +124,7 @@ class PagedRunner:
 
     model: Model
     cache: LockstepCache
-    drafter: Any = None
+    drafter: Drafter | None = None
     _fed: dict[int, list[_Fed]] = attrs.field(factory=dict, init=False)
 
     @property
@@ -155,7 +156,6 @@ class PagedRunner:
     def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
         if self.drafter is None:
             raise ConfigError("speculative decoding needs a drafter; this engine has none")
-        from kvferry.engine.drafter import DraftInput  # type: ignore[import-not-found,unused-ignore]
 
         by_k: dict[int, list[int]] = {}
         for index, item in enumerate(items):
@@ -169,16 +169,17 @@ class PagedRunner:
                 if not fed:
                     raise ConfigError(f"request {item.request_id}: no target hidden state to draft from")
                 tokens = [t for f in fed for t in f.token_ids]
+                tokens.append(item.pending_token)
                 inputs.append(
                     DraftInput(
                         hidden=torch.cat([f.hidden for f in fed]),
-                        next_tokens=(*tokens[1:], item.pending_token),
+                        next_tokens=tokens[1:],  # type: ignore[arg-type,unused-ignore]
                         start=fed[0].start,
-                        draft_block_table=self.cache.draft_block_table(item.request_id),
+                        block_table=self.cache.draft_block_table(item.request_id),  # type: ignore[arg-type,unused-ignore]
                     )
                 )
             for index, proposal in zip(indices, self.drafter.propose(inputs, k), strict=True):
-                proposals[index] = tuple(int(t) for t in proposal)
+                proposals[index] = proposal.tokens
         return proposals
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:
@@ -282,12 +283,12 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
         for arena in arenas
     ]
     cache = LockstepCache(tuple(managers))
-    target = Model.build(weights.to(dtype_from_name(options.dtype), options.device), spec, arenas)
+    weights = weights.to(dtype_from_name(options.dtype), options.device)
+    target = Model.build(weights, spec, arenas)
     drafter = None
     if speculative:
-        from kvferry.engine.drafter import Drafter  # type: ignore[import-not-found,unused-ignore]
-
-        drafter = Drafter.build(target, None)
+        assert spec.drafter is not None
+        drafter = Drafter.build(target, DrafterWeights.derived(weights, spec.drafter, options.seed))
     runner = PagedRunner(target, cache, drafter)
     budget = options.token_budget or (
         options.max_running * (1 + options.max_spec_k) + options.max_prefill_chunk

@@ -266,3 +266,16 @@ async def test_speculative_verify_and_replay_give_the_same_tokens(
     if pages < 20:
         assert engine.scheduler.statistics().num_preemptions > 0 and built.cache.statistics().restores > 0
     assert_all_free(built, initial)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("k", "tp"), [(1, 1), (2, 2), (4, 1)])
+async def test_the_real_drafter_gives_the_same_tokens(k: int, tp: int, alone: list[list[int]]) -> None:
+    built = build_engine("tiny", options(max_spec_k=k, tp=tp, num_pages=64, max_prefill_chunk=5))
+    initial = free_counts(built)
+    assert await run_all(built, spec_k=k) == alone
+    stats = built.engine.statistics()
+    assert stats.num_drafted > 0 and built.runner.drafter is not None
+    assert built.runner.drafter.statistics()["proposals"] > 0
+    assert not built.runner._fed  # every request's drafter input was released
+    assert_all_free(built, initial)
