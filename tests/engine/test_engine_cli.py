@@ -59,3 +59,27 @@ def test_generate_refuses_bad_input_with_a_typed_error(capsys: pytest.CaptureFix
     assert main(["generate", "--ids", "300", "--max-tokens", "2"]) == 2
     assert "ConfigError" in capsys.readouterr().err
     assert main(["generate", "--model", "/nonexistent", "--ids", "1", "--max-tokens", "2"]) == 2
+
+
+def test_generate_from_a_checkpoint_directory_equals_the_tiny_preset(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    from kvferry.engine.weights import ModelWeights, tiny_args
+    from kvferry.pools.spec import preset
+
+    directory = Path(str(tmp_path)) / "ckpt"
+    spec = preset("tiny").with_dtype("float64")
+    ModelWeights.seeded(tiny_args(spec), 0, torch.float64).save_checkpoint(directory)
+    ids = [*map(str, b"kv ferry!")]
+    assert main(["generate", "--ids", *ids, "--max-tokens", "6", "--dtype", "float64", "--json"]) == 0
+    tiny = json.loads(capsys.readouterr().out)
+    argv = ["generate", "--model", str(directory), "--ids", *ids, "--max-tokens", "6", "--spec-k", "2"]
+    assert main([*argv, "--dtype", "float64", "--json"]) == 0
+    checkpoint = json.loads(capsys.readouterr().out)
+    assert checkpoint["tokens"] == tiny["tokens"]  # other block size, speculative: the same tokens
+    assert checkpoint["text"] is None and checkpoint["num_drafted"] > 0
+    # no tokenizer files there: text prompts are refused, ids work
+    assert main(["generate", "--model", str(directory), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert "--ids" in capsys.readouterr().err
