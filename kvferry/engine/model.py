@@ -20,7 +20,7 @@ Cache memory is whatever the caller hands in, one :class:`CacheViews` per tensor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -203,27 +203,29 @@ class _Group:
     verify: bool
 
 
-def _plan(batch: Sequence[SequenceInput], device: torch.device) -> list[_Group]:
+def _plan_groups(
+    rows: Sequence[tuple[int, int, Sequence[int], int, bool]], device: torch.device
+) -> list[_Group]:
+    """Group a batch's sequences for batched kernels: ``rows`` are ``(num_tokens, start, block_table, slot,
+    verify)`` per sequence, in batch (= flat token) order."""
     offsets, total = [], 0
-    for s in batch:
+    for n, *_ in rows:
         offsets.append(total)
-        total += len(s.token_ids)
+        total += n
     keyed: dict[tuple[int, bool], list[int]] = {}
-    for i, s in enumerate(batch):
-        keyed.setdefault((len(s.token_ids), s.verify), []).append(i)
+    for i, (n, _start, _table, _slot, verify) in enumerate(rows):
+        keyed.setdefault((n, verify), []).append(i)
     groups = []
     for (n, verify), index in keyed.items():
-        width = max(len(batch[i].block_table) for i in index)
-        tables = [list(batch[i].block_table) + [0] * (width - len(batch[i].block_table)) for i in index]
+        width = max(len(rows[i][2]) for i in index)
+        tables = [list(rows[i][2]) + [0] * (width - len(rows[i][2])) for i in index]
         groups.append(
             _Group(
                 index=tuple(index),
                 rows=torch.tensor([[offsets[i] + t for t in range(n)] for i in index], device=device),
-                positions=torch.tensor(
-                    [[batch[i].start + t for t in range(n)] for i in index], device=device
-                ),
+                positions=torch.tensor([[rows[i][1] + t for t in range(n)] for i in index], device=device),
                 block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-                slots=torch.tensor([batch[i].slot for i in index], dtype=torch.int64, device=device),
+                slots=torch.tensor([rows[i][3] for i in index], dtype=torch.int64, device=device),
                 verify=verify,
             )
         )
@@ -374,7 +376,9 @@ class Model:
         """
         self._validate(batch)
         dev = self.device
-        groups = _plan(batch, dev)
+        groups = _plan_groups(
+            [(len(s.token_ids), s.start, s.block_table, s.slot, s.verify) for s in batch], dev
+        )
         tokens = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.int64, device=dev)
         mamba_layers = self.spec.layer_ids(LayerKind.MAMBA2)
         fresh = torch.tensor([s.slot for s in batch if s.start == 0], dtype=torch.int64, device=dev)
@@ -438,28 +442,11 @@ class Model:
     # --- blocks ----------------------------------------------------------------------------------------------
 
     def _attention(self, rank: _Rank, layer: int, h: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
-        w = rank.weights
-        m = f"model.layers.{layer}.mixer."
-        d = self.weights.args.head_dim
-        q = h @ w[m + "q_proj.weight"].T
-        k = h @ w[m + "k_proj.weight"].T
-        v = h @ w[m + "v_proj.weight"].T
         key_cache, value_cache = rank.cache.kv(layer)
-        out = torch.empty_like(q)
-        for g in groups:
-            b, n = g.rows.shape
-            attn = attention_step(
-                q[g.rows].reshape(b, n, -1, d),
-                k[g.rows].reshape(b, n, -1, d),
-                v[g.rows].reshape(b, n, -1, d),
-                key_cache,
-                value_cache,
-                g.block_tables,
-                g.positions,
-                d**-0.5,
-            )
-            out[g.rows.reshape(-1)] = attn.reshape(b * n, -1)
-        return out @ w[m + "o_proj.weight"].T
+        return _attention_block(
+            rank.weights.tensors, f"model.layers.{layer}.mixer.", h, key_cache, value_cache, groups,
+            self.weights.args.head_dim,
+        )  # fmt: skip
 
     def _mlp(self, rank: _Rank, layer: int, h: torch.Tensor) -> torch.Tensor:
         m = f"model.layers.{layer}.mixer."
@@ -550,6 +537,37 @@ class Model:
             normed = w[m + "norm.weight"] * (gate * torch.rsqrt(variance + args.layer_norm_epsilon))
             partial.append(normed @ w[m + "out_proj.weight"].T)
         return all_reduce(partial)
+
+
+def _attention_block(
+    w: Mapping[str, torch.Tensor],
+    prefix: str,
+    h: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    groups: list[_Group],
+    head_dim: int,
+) -> torch.Tensor:
+    # One rank's share of a GQA block: its heads' q/k/v, paged attention per group, its o_proj columns.
+    d = head_dim
+    q = h @ w[prefix + "q_proj.weight"].T
+    k = h @ w[prefix + "k_proj.weight"].T
+    v = h @ w[prefix + "v_proj.weight"].T
+    out = torch.empty_like(q)
+    for g in groups:
+        b, n = g.rows.shape
+        attn = attention_step(
+            q[g.rows].reshape(b, n, -1, d),
+            k[g.rows].reshape(b, n, -1, d),
+            v[g.rows].reshape(b, n, -1, d),
+            key_cache,
+            value_cache,
+            g.block_tables,
+            g.positions,
+            d**-0.5,
+        )
+        out[g.rows.reshape(-1)] = attn.reshape(b * n, -1)
+    return out @ w[prefix + "o_proj.weight"].T
 
 
 def _num_pages(cache: CacheViews, spec: ModelSpec) -> int:
