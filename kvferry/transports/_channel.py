@@ -17,7 +17,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -223,7 +223,9 @@ class ChannelTransport(Transport):
         self._state = "new"
         self._address = ""
         self._stack = AsyncExitStack()
+        self._owner = 0
         self._tg: TaskGroup | None = None
+        self._task_scopes: set[anyio.CancelScope] = set()
         self._listener: anyio.abc.Listener[SocketStream] | None = None
         self._peers: set[ChannelPeer] = set()
         self._accepted_out, self._accepted_in = anyio.create_memory_object_stream[ChannelPeer](math.inf)
@@ -244,6 +246,7 @@ class ChannelTransport(Transport):
         if self._state != "new":
             raise ClosedResourceError(f"{self.name} transport was already started")
         self._state = "starting"
+        self._owner = anyio.get_current_task().id
         try:
             await self._backend_open()
             try:
@@ -251,8 +254,8 @@ class ChannelTransport(Transport):
             except OSError as exc:
                 raise TransportError(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
             self._tg = await self._stack.enter_async_context(anyio.create_task_group())
-            self._tg.start_soon(self._serve)
-            await self._backend_start_tasks(self._tg)
+            self.spawn(self._serve)
+            await self._backend_start_tasks()
             _, port = self._listener.extra(SocketAttribute.local_address)  # type: ignore[misc]
             host = self._advertise_host or (socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host)
             self._address = f"{self.name}://{host}:{port}"
@@ -263,28 +266,48 @@ class ChannelTransport(Transport):
         log.debug("%s started at %s", self.instance_id, self._address)
 
     async def aclose(self) -> None:
+        """See :meth:`Transport.aclose`.
+
+        Called from another task than the one that started the transport, it releases everything and cancels
+        the background tasks; the task group itself is left by the starting task (its ``async with`` exit or its
+        own ``aclose()``), since anyio task groups are exited where they were entered.
+        """
+        if self._state == "closed" and self._tg is not None and anyio.get_current_task().id == self._owner:
+            await self._exit_task_group()
+            return
         if self._state in ("closed", "closing"):
             return
         self._state = "closing"
         await self._shutdown()
 
     async def _shutdown(self) -> None:
-        # The task group is exited here, outside any other cancel scope (it must be exited where it was
-        # entered); everything else runs shielded.
         with anyio.CancelScope(shield=True):
             for peer in list(self._peers):
                 await self._lose(peer, ClosedResourceError("transport was closed"), state=PeerState.CLOSED)
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        # Each background task is cancelled through its own scope: cancelling the task group's scope would also
+        # cancel the code of whoever entered it (the body of ``async with transport``).
+        for scope in list(self._task_scopes):
+            scope.cancel()
+        try:
+            if anyio.get_current_task().id == self._owner:
+                await self._exit_task_group()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release()
+
+    async def _exit_task_group(self) -> None:
+        # Outside any other cancel scope: a task group must be exited where it was entered.
         try:
             await self._stack.aclose()
         finally:
             self._tg = None
-            with anyio.CancelScope(shield=True):
-                await self._release()
+            if self._listener is not None and self._state == "closed":
+                with anyio.CancelScope(shield=True):
+                    await self._listener.aclose()
+                self._listener = None
 
     async def _release(self) -> None:
-        if self._listener is not None:
+        if self._listener is not None and self._tg is None:
             await self._listener.aclose()
             self._listener = None
         self._accepted_out.close()
@@ -296,6 +319,20 @@ class ChannelTransport(Transport):
         self._own = RegionTable(())
         await self._backend_close()
         self._state = "closed"
+
+    def spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``function(*args)`` in the transport's task group, under a scope that aclose() cancels."""
+        if self._tg is None:
+            raise ClosedResourceError(f"{self.name} transport is {self._state}")
+        self._tg.start_soon(self._scoped, function, args, name=getattr(function, "__qualname__", None))
+
+    async def _scoped(self, function: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        with anyio.CancelScope() as scope:
+            self._task_scopes.add(scope)
+            try:
+                await function(*args)
+            finally:
+                self._task_scopes.discard(scope)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -377,8 +414,7 @@ class ChannelTransport(Transport):
                 await _close_quietly(stream)
             raise
         self._peers.add(peer)
-        assert self._tg is not None
-        self._tg.start_soon(self._run_peer, peer, reader)
+        self.spawn(self._run_peer, peer, reader)
         return peer
 
     def _check_peer_allowed(self, peer: ChannelPeer) -> None:
@@ -386,7 +422,10 @@ class ChannelTransport(Transport):
 
     async def _serve(self) -> None:
         assert self._listener is not None
-        await self._listener.serve(self._accept_one)
+        try:
+            await self._listener.serve(self._accept_one)
+        except* anyio.ClosedResourceError:
+            pass  # closed by aclose()
 
     async def _accept_one(self, stream: SocketStream) -> None:
         _tune(stream)
@@ -697,8 +736,8 @@ class ChannelTransport(Transport):
     async def _backend_open(self) -> None:
         """Open the library (called first in start)."""
 
-    async def _backend_start_tasks(self, task_group: TaskGroup) -> None:
-        """Start background tasks (e.g. NIXL polling) in the transport's task group."""
+    async def _backend_start_tasks(self) -> None:
+        """Start background tasks (e.g. NIXL polling) with :meth:`spawn`."""
 
     async def _backend_close(self) -> None:
         """Close the library (called last in aclose, after every peer and registration is released)."""

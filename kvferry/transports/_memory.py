@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["CopyPlan", "RegionTable", "TensorRegistration", "byte_view", "device_of", "region_infos"]
 
 #: copies longer than this are cut so the event loop gets a turn between pieces
-COPY_SLICE_BYTES = 16 << 20
+COPY_SLICE_BYTES = 4 << 20
 
 
 def device_of(tensor: torch.Tensor) -> str:

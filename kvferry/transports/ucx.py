@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -185,7 +185,10 @@ def _copy(dst: Any, src: Any) -> None:
 
 
 async def _windowed(
-    count: int, window: int, start: Callable[[int], tuple[Coroutine[Any, Any, Any], Any]], done: Callable[[int, Any], None]
+    count: int,
+    window: int,
+    start: Callable[[int], Awaitable[tuple[Coroutine[Any, Any, Any], Any]]],
+    done: Callable[[int, Any], Awaitable[None]],
 ) -> None:
     """Run ``start(k)`` for k in 0..count, at most ``window`` at once, calling ``done(k, context)`` in order.
 
@@ -194,16 +197,16 @@ async def _windowed(
     pending: deque[tuple[int, asyncio.Future[Any], Any]] = deque()
     try:
         for k in range(count):
-            coroutine, context = start(k)
+            coroutine, context = await start(k)
             pending.append((k, asyncio.ensure_future(coroutine), context))
             while len(pending) >= window:
                 j, future, ctx = pending.popleft()
                 await future
-                done(j, ctx)
+                await done(j, ctx)
         while pending:
             j, future, ctx = pending.popleft()
             await future
-            done(j, ctx)
+            await done(j, ctx)
     finally:
         for _, future, _ in pending:
             future.cancel()
@@ -326,13 +329,17 @@ class UcxTransport(ChannelTransport):
                 _raise_for(answer, peer, wire.WriteStatus.READY)
                 guard.progress()
 
-                def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
+                async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
-                    buffer = views.gather(first, end) if packed else views.row(first)
+                    # packing copies (and faults in) megabytes: off the event loop
+                    buffer = await anyio.to_thread.run_sync(views.gather, first, end) if packed else views.row(first)
                     return endpoint.send(buffer, tag=answer.tag + k, force_tag=True), buffer
 
+                async def sent(k: int, buffer: Any) -> None:
+                    guard.progress()
+
                 try:
-                    await _windowed(len(plan), self._window, start, lambda k, buffer: guard.progress())
+                    await _windowed(len(plan), self._window, start, sent)
                 except ucx_errors.UCXError as exc:
                     raise translate(exc, f"sending to {peer.address}") from exc
                 answer = await reply()
@@ -375,8 +382,7 @@ class UcxTransport(ChannelTransport):
             raise WireFormatError(f"{peer.address} reused write id {request.write_id}")
         scope = anyio.CancelScope()
         peer.incoming[request.write_id] = scope
-        assert self._tg is not None
-        self._tg.start_soon(self._receive, peer, request, views, plan, scope)
+        self.spawn(self._receive, peer, request, views, plan, scope)
 
     async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
         try:
@@ -400,16 +406,16 @@ class UcxTransport(ChannelTransport):
                 scope.deadline = anyio.current_time() + self._stall_timeout
                 await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.READY, tag=tag))
 
-                def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
+                async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
                     buffer = views.staging(first, end) if packed else views.row(first)
                     return ucxx.recv(buffer, tag + k), buffer
 
-                def done(k: int, buffer: Any) -> None:
+                async def done(k: int, buffer: Any) -> None:
                     scope.deadline = anyio.current_time() + self._stall_timeout
                     first, end, packed = plan[k]
                     if packed:
-                        views.scatter(buffer, first, end)
+                        await anyio.to_thread.run_sync(views.scatter, buffer, first, end)
 
                 try:
                     await _windowed(len(plan), self._window, start, done)

@@ -1,6 +1,6 @@
 """A peer process for the cross-process transport tests, driven by JSON lines on stdin/stdout.
 
-Run as ``python tests/transports/peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
+Run as ``python tests/transports/transport_peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
 prints ``{"address": ...}`` and then answers one command per line (see ``_COMMANDS``). Every connection that
 reaches it is accepted in the background; commands act on the latest one. Offsets are relative to a named
 buffer's start; addresses are absolute.
@@ -44,7 +44,7 @@ class PeerServer:
         data = self.buffers[name].cpu().numpy()
         h = hashlib.sha256()
         for offset, length in fragments:
-            h.update(data[offset : offset + length].tobytes())
+            h.update(data[offset : offset + length].data)
         return h.hexdigest()
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -63,13 +63,14 @@ class PeerServer:
                 await self.transport.send_message(self.peer, json.dumps({"registered": cmd["name"]}).encode())
             return {"address": t.data_ptr()}
         if op == "digest":
-            return {"sha": self.digest(cmd["name"], cmd["fragments"])}
+            return {"sha": await anyio.to_thread.run_sync(self.digest, cmd["name"], cmd["fragments"])}
         if op == "wait_notify":
             peer = await self.current_peer()
             with anyio.fail_after(cmd.get("timeout", 30)):
                 notify = await self.transport.receive_notification(peer)
             # The digest is taken the moment the notification arrives: the data must be there already.
-            return {"notify": notify.hex(), "sha": self.digest(cmd["name"], cmd["fragments"])}
+            digest = await anyio.to_thread.run_sync(self.digest, cmd["name"], cmd["fragments"])
+            return {"notify": notify.hex(), "sha": digest}
         if op == "write":
             peer = await self.current_peer()
             base = self.buffers[cmd["src"]].data_ptr()
@@ -93,6 +94,13 @@ class PeerServer:
             except Exception as exc:
                 return {"error": type(exc).__name__, "message": str(exc)}
             return {"data": data.hex()}
+        if op == "send_raw":
+            # Bypasses the sender's own limit check: the receiver's check is what is under test.
+            from kvferry.transports import wire
+
+            peer = await self.current_peer()
+            await self.transport.send_frame(peer, wire.FrameKind.MESSAGE, bytes(cmd["size"]))  # type: ignore[attr-defined]
+            return {"ok": True}
         if op == "stats":
             return {"stats": self.transport.statistics()._asdict(), "pid": os.getpid()}
         if op == "crash":
@@ -105,9 +113,10 @@ async def main() -> None:
     parser.add_argument("name")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compat", default="")
+    parser.add_argument("--max-message-bytes", type=int, default=16 << 20)
     args = parser.parse_args()
     factory = get_transport(args.name)
-    options: dict[str, Any] = {"compat_hash": bytes.fromhex(args.compat)}
+    options: dict[str, Any] = {"compat_hash": bytes.fromhex(args.compat), "max_message_bytes": args.max_message_bytes}
     async with factory(**options) as transport, anyio.create_task_group() as tg:
         server = PeerServer(transport, args.device)
         tg.start_soon(server.accept_forever)

@@ -1,0 +1,194 @@
+"""Fixtures for the transport suite: a peer to talk to (another process for nixl/ucx, the same process for
+local), a loop-lag monitor, and a leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from kvferry.transports import Transport, get_transport
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from transport_peer import PeerServer  # noqa: E402
+
+TRANSPORTS = ["nixl", "ucx", "local"]
+
+
+class PeerProcess:
+    """A transport in another process, driven over stdin/stdout (tests/transports/transport_peer.py)."""
+
+    def __init__(self, name: str, *args: str, device: str = "cpu") -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "transport_peer.py"), name, "--device", device, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=HERE.parent.parent,
+        )
+        self._lock = threading.Lock()
+        info = self._read()
+        self.address: str = info["address"]
+        self.pid: int = info["pid"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise EOFError(f"peer process {self.name} exited ({self.proc.poll()})")
+            if line.startswith("@@"):
+                reply: dict[str, Any] = json.loads(line[2:])
+                return reply
+
+    def call_sync(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+            return self._read()
+
+    async def call(self, **cmd: Any) -> dict[str, Any]:
+        with anyio.fail_after(60):
+            return await anyio.to_thread.run_sync(self.call_sync, cmd)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call_sync({"op": "exit"})
+            except (EOFError, BrokenPipeError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class InProcessPeer:
+    """The same commands, served by a second transport in this process (for ``local``)."""
+
+    def __init__(self, transport: Transport, server: PeerServer) -> None:
+        self.transport = transport
+        self.server = server
+        self.address = transport.address
+
+    async def call(self, **cmd: Any) -> dict[str, Any]:
+        with anyio.fail_after(60):
+            return await self.server.handle(cmd)
+
+
+Remote = PeerProcess | InProcessPeer
+
+
+@pytest.fixture(scope="module")
+def peer_processes() -> Iterator[dict[str, PeerProcess]]:
+    """One peer process per cross-process transport, shared by a module's tests (starting one costs seconds)."""
+    started: dict[str, PeerProcess] = {}
+    yield started
+    for proc in started.values():
+        proc.close()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport_name(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+async def remote(transport_name: str, peer_processes: dict[str, PeerProcess]) -> AsyncIterator[Remote]:
+    if transport_name == "local":
+        async with get_transport("local")() as transport, anyio.create_task_group() as tg:
+            server = PeerServer(transport, "cpu")
+            tg.start_soon(server.accept_forever)
+            yield InProcessPeer(transport, server)
+            tg.cancel_scope.cancel()
+        return
+    proc = peer_processes.get(transport_name)
+    if proc is None or proc.proc.poll() is not None:
+        proc = peer_processes[transport_name] = await anyio.to_thread.run_sync(PeerProcess, transport_name)
+    yield proc
+
+
+class LoopLag:
+    """Measures how long the event loop stays away from a task that sleeps ``interval`` seconds at a time.
+
+    Two figures: ``max_blocked`` counts the CPU time the loop's thread spent in one such gap (code running on
+    the loop instead of yielding), ``max_lag`` the wall time. On this 2-core VM the OS deschedules the whole
+    process for tens of ms whenever the peer process and worker threads are busy, which is not the loop being
+    blocked; so the 50 ms bound applies to ``max_blocked``, and wall time only has to stay under 0.5 s (which
+    catches a blocking wait on I/O, where the thread sleeps).
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.max_lag = 0.0
+        self.max_blocked = 0.0
+
+    def reset(self) -> None:
+        """Start measuring now (setup, such as starting a transport and importing a library, is not counted)."""
+        self.max_lag = self.max_blocked = 0.0
+
+    async def run(self) -> None:
+        while True:
+            start, cpu = time.perf_counter(), time.thread_time()
+            await anyio.sleep(self.interval)
+            self.max_lag = max(self.max_lag, time.perf_counter() - start - self.interval)
+            self.max_blocked = max(self.max_blocked, time.thread_time() - cpu)
+
+
+@pytest.fixture
+async def loop_lag() -> AsyncIterator[LoopLag]:
+    """Fails the test if the event loop was blocked for more than 50 ms after the test called ``reset()``."""
+    lag = LoopLag()
+    # A full collection of pytest's and torch's heap takes ~100 ms here and may fall on any allocation; that is
+    # not the transport blocking the loop, so the long-lived heap is frozen out of collection meanwhile.
+    gc.collect()
+    gc.freeze()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lag.run)
+        yield lag
+        tg.cancel_scope.cancel()
+    gc.unfreeze()
+    assert lag.max_blocked < 0.05, f"event loop blocked for {lag.max_blocked * 1e3:.1f} ms of CPU"
+    assert lag.max_lag < 0.5, f"event loop away for {lag.max_lag * 1e3:.1f} ms"
+
+
+def our_tasks() -> set[asyncio.Task[Any]]:
+    """Tasks still alive that are not the test's own and not UCXX's per-loop progress tasks."""
+    current = asyncio.current_task()
+    return {
+        t
+        for t in asyncio.all_tasks()
+        if t is not current and not any(s in repr(t.get_coro()) for s in ("ucxx", "_progress", "TestRunner"))
+    }
+
+
+@pytest.fixture(autouse=True)
+def _ucx_env() -> None:
+    for key, value in {
+        "UCX_NET_DEVICES": "lo",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "UCX_CM_REUSEADDR": "y",
+        "UCXPY_PROGRESS_MODE": "blocking",
+    }.items():
+        os.environ.setdefault(key, value)

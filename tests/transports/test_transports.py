@@ -1,0 +1,424 @@
+"""The parametrised suite: every transport, the same behaviour (nixl and ucx across processes, local in one)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import LoopLag, PeerProcess, Remote, our_tasks
+
+from kvferry.errors import (
+    ClosedResourceError,
+    MessageTooLarge,
+    PeerDisconnected,
+    PeerIncompatible,
+    RegionError,
+    TransferTimeout,
+)
+from kvferry.transports import (
+    Peer,
+    PeerAttribute,
+    PeerState,
+    Transport,
+    TransportAttribute,
+    get_transport,
+    page_fragments,
+)
+from kvferry.transports import wire
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+MiB = 1 << 20
+
+
+def sha(data: bytes | np.ndarray) -> str:
+    return hashlib.sha256(data if isinstance(data, bytes) else np.ascontiguousarray(data).data).hexdigest()
+
+
+@asynccontextmanager
+async def connected(name: str, remote: Remote, **options: object) -> AsyncIterator[tuple[Transport, Peer]]:
+    async with get_transport(name)(**options) as transport:
+        peer = await transport.connect(remote.address)
+        yield transport, peer
+        assert transport.statistics().writes_in_flight == 0
+
+
+async def remote_buffer(transport: Transport, peer: Peer, remote: Remote, name: str, size: int) -> int:
+    address: int = (await remote.call(op="alloc", name=name, size=size))["address"]
+    # The peer announces the region on the control channel after registering it: ordered with its regions.
+    assert b"registered" in await transport.receive_message(peer)
+    return address
+
+
+def random_tensor(size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+async def arandom(size: int, seed: int = 0) -> torch.Tensor:
+    """Off the event loop: making 64 MiB of random bytes takes longer than the loop may be blocked."""
+    return await anyio.to_thread.run_sync(random_tensor, size, seed)
+
+
+async def asha(data: bytes | np.ndarray) -> str:
+    return await anyio.to_thread.run_sync(sha, data)
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 4097, MiB + 3, 64 * MiB])
+async def test_round_trip_bytes_verified(transport_name: str, remote: Remote, loop_lag: LoopLag, size: int) -> None:
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "rt", size + 64)
+        src = await arandom(size + 7, seed=size)
+        await transport.register(src)
+        expected = await asha(src.numpy()[7:])
+        loop_lag.reset()
+        await transport.write(peer, [[src.data_ptr() + 7, size]], [[dst + 64, size]], b"done")
+        reply = await remote.call(op="wait_notify", name="rt", fragments=[[64, size]])
+        assert bytes.fromhex(reply["notify"]) == b"done"
+        assert reply["sha"] == expected
+        untouched = await remote.call(op="digest", name="rt", fragments=[[0, 64]])
+        assert untouched["sha"] == sha(bytes(64))
+
+
+async def test_many_fragments_scattered(transport_name: str, remote: Remote, loop_lag: LoopLag) -> None:
+    page, pages = 4096, 4096
+    rng = np.random.default_rng(1)
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "pages", page * pages)
+        src = await arandom(page * pages, seed=2)
+        await transport.register(src)
+        loop_lag.reset()
+        perm = rng.permutation(pages)
+        await transport.write(
+            peer, page_fragments(src.data_ptr(), page, np.arange(pages)), page_fragments(dst, page, perm), b"p"
+        )
+        reply = await remote.call(op="wait_notify", name="pages", fragments=[[int(p) * page, page] for p in perm])
+        assert reply["sha"] == await asha(src.numpy())
+
+        # irregular lengths, both sides scattered, some rows contiguous on both sides (coalesced)
+        lengths = rng.integers(1, 3 * page, size=500)
+        src_off = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        order = rng.permutation(len(lengths))  # the order rows are laid out in at the destination
+        dst_off = np.empty_like(src_off)
+        dst_off[order] = np.concatenate(([0], np.cumsum(lengths[order])[:-1]))
+        src_f = np.stack([src.data_ptr() + src_off, lengths], axis=1).astype(np.uint64)
+        dst_f = np.stack([dst + dst_off, lengths], axis=1).astype(np.uint64)
+        await transport.write(peer, src_f, dst_f, b"irregular")
+        frags = [[int(o), int(n)] for o, n in zip(dst_off, lengths, strict=True)]
+        reply = await remote.call(op="wait_notify", name="pages", fragments=frags)
+        expected = b"".join(src.numpy()[o : o + n].tobytes() for o, n in zip(src_off, lengths, strict=True))
+        assert bytes.fromhex(reply["notify"]) == b"irregular"
+        assert reply["sha"] == await asha(expected)
+
+
+async def test_notification_only_after_data(transport_name: str, remote: Remote) -> None:
+    """Each notification is checked against the bytes present the moment it arrives."""
+    size = 8 * MiB
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "order", size)
+        sources = [random_tensor(size, seed=s) for s in range(3)]
+        for t in sources:
+            await transport.register(t)
+        for i, t in enumerate(sources):
+            await transport.write(peer, [[t.data_ptr(), size]], [[dst, size]], f"write-{i}".encode())
+            reply = await remote.call(op="wait_notify", name="order", fragments=[[0, size]])
+            assert bytes.fromhex(reply["notify"]) == f"write-{i}".encode()
+            assert reply["sha"] == sha(t.numpy().tobytes())
+        # no notification when none is asked for; an empty one arrives
+        await transport.write(peer, [[sources[0].data_ptr(), 16]], [[dst, 16]], None)
+        await transport.write(peer, [[sources[0].data_ptr(), 16]], [[dst, 16]], b"")
+        reply = await remote.call(op="wait_notify", name="order", fragments=[[0, 16]])
+        assert reply["notify"] == ""
+
+
+# --- control channel -----------------------------------------------------------------------------------
+
+
+async def test_messages_and_size_limit(transport_name: str, remote: Remote) -> None:
+    async with connected(transport_name, remote, max_message_bytes=4096) as (transport, peer):
+        assert peer.extra(PeerAttribute.same_process) is (transport_name == "local")
+        await transport.send_message(peer, b"ping")
+        assert (await remote.call(op="recv"))["data"] == b"ping".hex()
+        await remote.call(op="send", data=b"pong".hex())
+        assert await transport.receive_message(peer) == b"pong"
+        # over the peer's limit (16 MiB): refused here, nothing sent
+        with pytest.raises(MessageTooLarge):
+            await transport.send_message(peer, bytes((16 << 20) + 1))
+        # over our limit: refused without being read into memory; the channel stays usable
+        await remote.call(op="send_raw", size=1 << 20)
+        await remote.call(op="send", data=b"after".hex())
+        with pytest.raises(MessageTooLarge):
+            await transport.receive_message(peer)
+        assert await transport.receive_message(peer) == b"after"
+
+
+async def test_handshake_refused_before_body(transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with get_transport(transport_name)(compat_hash=b"another model") as transport:
+        with pytest.raises(PeerIncompatible, match="compatibility hash"):
+            await transport.connect(remote.address)
+    if transport_name == "local":
+        return  # the in-process peer shares the wire module: a patched version would change both sides
+    monkeypatch.setattr(wire, "WIRE_VERSION", wire.WIRE_VERSION + 1)
+    async with get_transport(transport_name)() as transport:
+        # a future peer's body would not decode; it must be refused by version before anyone tries
+        monkeypatch.setattr(transport, "_hello", lambda: b"not a hello at all")
+        monkeypatch.setattr(wire, "encode", lambda converter, obj: obj if isinstance(obj, bytes) else converter.dumps(obj))
+        with pytest.raises(PeerIncompatible, match="wire version"):
+            await transport.connect(remote.address)
+    monkeypatch.undo()
+    other = "ucx" if transport_name == "nixl" else "nixl"
+    async with get_transport(other)() as transport:
+        with pytest.raises(PeerIncompatible, match="transport"):
+            await transport.connect(remote.address)
+
+
+# --- failures ------------------------------------------------------------------------------------------
+
+
+async def test_connect_to_nobody(transport_name: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with get_transport(transport_name)() as transport:
+        with anyio.fail_after(5), pytest.raises(PeerDisconnected):
+            await transport.connect(f"{transport_name}://127.0.0.1:{port}")
+        # a listener that never answers the handshake
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            address = f"{transport_name}://127.0.0.1:{s.getsockname()[1]}"
+            with anyio.fail_after(5), pytest.raises(PeerDisconnected):
+                await transport.connect(address, timeout=0.5)
+        assert transport.statistics().peers == 0
+
+
+async def test_write_outside_registered_memory(transport_name: str, remote: Remote) -> None:
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "guarded", 4096)
+        src = random_tensor(8192)
+        await transport.register(src)
+        unregistered = random_tensor(4096)
+        for src_f, dst_f in [
+            ([[src.data_ptr(), 4096]], [[dst + 1, 4096]]),  # one byte past the end
+            ([[src.data_ptr(), 8192]], [[dst, 8192]]),  # too long
+            ([[unregistered.data_ptr(), 16]], [[dst, 16]]),  # source not registered
+            ([[src.data_ptr(), 16]], [[dst - 4096, 16]]),  # before the region
+        ]:
+            with pytest.raises(RegionError):
+                await transport.write(peer, src_f, dst_f, b"never")
+        assert (await remote.call(op="digest", name="guarded", fragments=[[0, 4096]]))["sha"] == sha(bytes(4096))
+        with pytest.raises(ValueError):
+            await transport.write(peer, [[src.data_ptr(), 16]], [[dst, 8]])
+
+
+@pytest.mark.parametrize("transport_name", ["ucx", "nixl"])
+async def test_receiver_refuses_what_it_did_not_register(transport_name: str, remote: Remote) -> None:
+    """The writer's own check is bypassed: the receiver (ucx) or NIXL must refuse, and write nothing."""
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "victim", 4096)
+        src = random_tensor(4096)
+        await transport.register(src)
+        from kvferry.transports._memory import RegionTable
+        from kvferry.transports.wire import RegionInfo
+
+        peer.regions = RegionTable([RegionInfo(dst, 1 << 40, "cpu")])  # type: ignore[attr-defined]
+        with pytest.raises(RegionError):
+            await transport.write(peer, [[src.data_ptr(), 4096]], [[dst + 4096, 4096]], b"x")
+        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(bytes(4096))
+        await transport.write(peer, [[src.data_ptr(), 4096]], [[dst, 4096]], b"still fine")
+        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(src.numpy().tobytes())
+
+
+@pytest.mark.parametrize("transport_name", ["nixl", "ucx"])
+async def test_peer_killed_mid_write_then_restarted(transport_name: str) -> None:
+    threads_before = set(threading.enumerate())
+    proc = await anyio.to_thread.run_sync(PeerProcess, transport_name)
+    restarted: PeerProcess | None = None
+    try:
+        async with get_transport(transport_name)() as transport:
+            peer = await transport.connect(proc.address)
+            size = 64 * MiB
+            dst = await remote_buffer(transport, peer, proc, "big", size)
+            src = random_tensor(size)
+            await transport.register(src)
+            frags = page_fragments(src.data_ptr(), 64 << 10, np.arange(size >> 16))
+            dst_frags = page_fragments(dst, 64 << 10, np.random.default_rng(0).permutation(size >> 16))
+            await transport.write(peer, frags, dst_frags)
+            old_address = proc.address
+
+            async def kill_soon() -> None:
+                await anyio.sleep(0.05)
+                await anyio.to_thread.run_sync(proc.kill)
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(kill_soon)
+                    with pytest.raises(PeerDisconnected):
+                        while True:
+                            await transport.write(peer, frags, dst_frags, b"n")
+                assert peer.state is PeerState.LOST
+                with pytest.raises(PeerDisconnected):
+                    await transport.write(peer, frags, dst_frags)
+                with pytest.raises(PeerDisconnected):
+                    await transport.send_message(peer, b"anyone?")
+            stats = transport.statistics()
+            assert (stats.peers, stats.writes_in_flight, stats.backend_handles) == (0, 0, 0), stats
+
+            restarted = await anyio.to_thread.run_sync(PeerProcess, transport_name)
+            assert restarted.address != old_address
+            with anyio.fail_after(10), pytest.raises(PeerDisconnected):
+                await transport.connect(old_address, timeout=2)
+            peer = await transport.connect(restarted.address)
+            dst = await remote_buffer(transport, peer, restarted, "big", size)
+            await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"again")
+            reply = await restarted.call(op="wait_notify", name="big", fragments=[[0, MiB]])
+            assert reply["sha"] == sha(src.numpy()[:MiB].tobytes())
+        assert not our_tasks()
+    finally:
+        proc.close()
+        if restarted is not None:
+            restarted.close()
+    await anyio.sleep(0.1)
+    leftover = {t for t in set(threading.enumerate()) - threads_before if t.is_alive()}
+    assert not {t for t in leftover if not t.name.startswith(("AnyIO worker", "asyncio_"))}, leftover
+
+
+async def test_local_peer_closed_mid_write() -> None:
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(64 * MiB), torch.zeros(64 * MiB, dtype=torch.uint8)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.aclose)
+                with pytest.raises(PeerDisconnected):
+                    while True:
+                        await a.write(pa, [[src.data_ptr(), 64 * MiB]], [[dst.data_ptr(), 64 * MiB]], b"n")
+        assert a.statistics().peers == 0
+
+
+async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that makes no progress ends with TransferTimeout at its stall deadline, leaving nothing behind."""
+    options = {} if transport_name == "local" else {"same_process": "transport"}
+    async with get_transport(transport_name)(**options) as a, get_transport(transport_name)(**options) as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(MiB), torch.zeros(MiB, dtype=torch.uint8)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        if transport_name == "ucx":
+
+            async def swallow(peer: object, kind: int, body: bytes) -> None:
+                pass  # the receiver never answers
+
+            monkeypatch.setattr(b, "_backend_frame", swallow)
+        elif transport_name == "nixl":
+            monkeypatch.setattr(a._agent, "transfer", lambda handle, *args: "PROC")  # type: ignore[attr-defined]
+            monkeypatch.setattr(a._agent, "check_xfer_state", lambda handle: "PROC")  # type: ignore[attr-defined]
+        else:
+            from kvferry.transports import _memory
+
+            async def never(self: object) -> None:
+                await anyio.sleep_forever()
+
+            monkeypatch.setattr(_memory.CopyPlan, "run", never)
+        with anyio.fail_after(10), pytest.raises(TransferTimeout):
+            await a.write(pa, [[src.data_ptr(), MiB]], [[dst.data_ptr(), MiB]], b"n", stall_timeout=0.3)
+        monkeypatch.undo()
+        assert a.statistics().writes_in_flight == 0
+        if transport_name == "nixl":
+            assert a.statistics().backend_handles in (1, 4)  # the remote agent (+ handles NIXL would not release)
+
+
+async def test_use_after_aclose(transport_name: str, remote: Remote) -> None:
+    transport = get_transport(transport_name)()
+    with pytest.raises(ClosedResourceError):
+        _ = transport.address
+    async with transport:
+        peer = await transport.connect(remote.address)
+        src = random_tensor(4096)
+        registration = await transport.register(src)
+        await peer.aclose()
+        with pytest.raises(ClosedResourceError):
+            await transport.send_message(peer, b"x")
+        with pytest.raises(ClosedResourceError):
+            await transport.write(peer, [[src.data_ptr(), 16]], [[src.data_ptr(), 16]])
+        peer = await transport.connect(remote.address)
+    assert not registration.active
+    for call in (
+        lambda: transport.connect(remote.address),
+        lambda: transport.register(src),
+        lambda: transport.send_message(peer, b"x"),
+        lambda: transport.write(peer, [[src.data_ptr(), 16]], [[src.data_ptr(), 16]]),
+        lambda: transport.receive_message(peer),
+        lambda: transport.receive_notification(peer),
+        transport.accept,
+    ):
+        with pytest.raises(ClosedResourceError):
+            await call()
+    with pytest.raises(ClosedResourceError):
+        _ = transport.address
+    await transport.aclose()  # idempotent
+
+
+async def test_clean_shutdown(transport_name: str, remote: Remote) -> None:
+    before = set(threading.enumerate())
+    tasks_before = our_tasks()
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "shutdown", MiB)
+        src = random_tensor(MiB)
+        await transport.register(src)
+        await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"x")
+        assert transport.extra(TransportAttribute.name) == transport_name
+        assert repr(transport).startswith(f"<{type(transport).__name__} {transport_name}://")
+        assert "connected" in repr(peer)
+        waiter_done = anyio.Event()
+
+        async def wait_forever() -> None:
+            with pytest.raises(ClosedResourceError):
+                await transport.receive_message(peer)
+            waiter_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_forever)
+            await anyio.sleep(0.05)
+            tg.start_soon(transport.aclose)  # from another task: releases everything at once
+            with anyio.fail_after(2):
+                await waiter_done.wait()
+        assert transport.statistics().peers == 0
+    stats = transport.statistics()
+    assert stats._replace(writes_completed=0, bytes_written=0, messages_sent=0, messages_received=0) == type(stats)(
+        *([0] * len(stats))
+    )
+    assert our_tasks() <= tasks_before
+    await anyio.sleep(0.05)
+    new_threads = {t for t in set(threading.enumerate()) - before if t.is_alive()}
+    # the event loop's own worker pools (anyio's, asyncio's default executor) park idle threads for reuse
+    assert not {t for t in new_threads if not t.name.startswith(("AnyIO worker", "asyncio_"))}, new_threads
+
+
+async def test_auto_picks_by_process(remote: Remote, transport_name: str) -> None:
+    if transport_name != "nixl":
+        pytest.skip("once is enough")
+    factory = get_transport("auto")
+    async with factory() as a, factory() as b:
+        assert a.extra(TransportAttribute.name) == "nixl"
+        pa = await a.connect(b.address)
+        assert pa.extra(PeerAttribute.same_process)
+        pr = await a.connect(remote.address)
+        assert not pr.extra(PeerAttribute.same_process)
