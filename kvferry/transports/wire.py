@@ -180,5 +180,6 @@ def decode(converter: MsgpackConverter, data: bytes, cls: type[T]) -> T:
         ValueError,
         TypeError,
         KeyError,
+        AttributeError,
     ) as exc:
         raise WireFormatError(f"malformed {cls.__name__}: {exc}") from exc
