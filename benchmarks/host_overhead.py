@@ -9,7 +9,7 @@ host / (host + model). Goal: host under 1 ms per step at 256 requests.
 
     python benchmarks/host_overhead.py [--sizes 1 64 256] [--steps 32] [--spec-k 0] [--device cpu]
 
-Writes benchmarks/results/host_overhead.json and host_overhead.png (the plot needs matplotlib).
+Writes benchmarks/results/host_overhead_<device>.json and .png (the plot needs matplotlib).
 """
 
 from __future__ import annotations
@@ -145,15 +145,16 @@ def main() -> None:
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "host_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
-    plotted = plot(results, args.out / "host_overhead.png")
+    name = f"host_overhead_{args.device.split(':')[0]}"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plotted = plot(results, args.out / f"{name}.png")
     for r in results:
         print(
             f"batch {r['batch']:4d}: host {r['host_us']:8.1f} us/step (schedule {r['schedule_us']:.1f}, "
             f"apply {r['apply_us']:.1f}; {r['host_us_per_request']:.2f} us/request), model {r['model_ms']:.2f} ms, "
             f"host share {100 * r['host_fraction']:.1f}%"
         )
-    print(f"wrote {args.out / 'host_overhead.json'}" + (" and host_overhead.png" if plotted else ""))
+    print(f"wrote {args.out / name}.json" + (" and .png" if plotted else ""))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class DraftItem:
 class ForwardItem:
     """Feed ``token_ids`` at positions ``start ..``; return logits for the last ``num_logits`` positions.
 
-    ``num_drafts > 0`` marks a verify window (pending token + drafts): recurrent layers keep the state of
+    ``verify`` marks a verify window (pending token + ``num_drafts`` drafts): recurrent layers keep the state of
     the last committed token and record the window's inputs for replay.
     """
 
@@ -82,6 +82,7 @@ class ForwardItem:
     start: int
     num_logits: int
     num_drafts: int = 0
+    verify: bool = False
     #: the request speculates: the runner keeps the target's hidden states for its drafter
     keep_hidden: bool = False
 
@@ -493,10 +494,12 @@ class Engine:
         keep = request.spec_k > 0
         if item.kind is ItemKind.PREFILL:
             return ForwardItem(
-                request.request_id, item.token_ids, item.start, int(item.wants_logits), 0, keep
+                request.request_id, item.token_ids, item.start, int(item.wants_logits), keep_hidden=keep
             )
         tokens = item.token_ids + drafts
-        return ForwardItem(request.request_id, tokens, item.start, len(tokens), len(drafts), keep)
+        return ForwardItem(
+            request.request_id, tokens, item.start, len(tokens), len(drafts), verify=keep, keep_hidden=keep
+        )
 
     def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: list[torch.Tensor]) -> None:
         argmax = _greedy_rows(logits)
@@ -518,12 +521,21 @@ class Engine:
                     )
             else:
                 targets = greedy if request.sampling.is_greedy else self._sample(request, item_logits)
-                proposal = drafts.get(request.request_id) if item.num_drafts else None
-                if proposal:
-                    accepted = accept_drafts(proposal, targets)
-                    request.record_draft(proposal, accepted)
-                    self._counts["drafted"] += len(proposal)
-                    self._counts["accepted"] += accepted
+                if request.spec_k:
+                    # speculating requests always decode as verify windows (also with 0 drafts): the slot stays
+                    # at the window's start, so a snapshot boundary there is never stepped over
+                    proposal = drafts.get(request.request_id, ())
+                    accepted = accept_drafts(proposal, targets) if proposal else 0
+                    boundary = self.cache.next_snapshot_boundary(request.request_id)
+                    if boundary is not None and item.start < boundary < item.start + 1 + accepted:
+                        # stop the window at the snapshot boundary: the next step starts there, its replay
+                        # brings the slot exactly to it and the manager can snapshot it. The tokens stay the
+                        # same (the drafts cut off here match the target and are proposed again).
+                        accepted = boundary - item.start - 1
+                    if proposal:
+                        request.record_draft(proposal, accepted)
+                        self._counts["drafted"] += len(proposal)
+                        self._counts["accepted"] += accepted
                     self.runner.record_accepted(request.request_id, 1 + accepted)
                     new = [*proposal[:accepted], targets[accepted]]
                     end = item.start + 1 + accepted
@@ -534,10 +546,10 @@ class Engine:
                     end = item.start + 1
                     pending = 0
             self._counts["generated"] += len(request.append_tokens(new))
+            # commit also on the last step: its blocks and snapshots stay in the prefix cache for a next turn
+            self.scheduler.commit(request, end, num_pending_replay=pending)
             if request.finish_reason is not None:
                 self._end(request, RequestState.FINISHED)
-            else:
-                self.scheduler.commit(request, end, num_pending_replay=pending)
 
     @staticmethod
     def _sample(request: Request, logits: torch.Tensor) -> list[int]:

@@ -138,7 +138,7 @@ class PagedRunner:
                 start=item.start,
                 block_table=self.cache.block_table(item.request_id),  # type: ignore[arg-type,unused-ignore]
                 slot=self.cache.slot_id(item.request_id),
-                verify=item.num_drafts > 0,
+                verify=item.verify,
                 all_logits=item.num_logits > 1,
             )
             for item in items

@@ -279,3 +279,23 @@ async def test_the_real_drafter_gives_the_same_tokens(k: int, tp: int, alone: li
     assert built.runner.drafter.statistics()["proposals"] > 0
     assert not built.runner._fed  # every request's drafter input was released
     assert_all_free(built, initial)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("k", [0, 3])
+async def test_decode_snapshots_let_a_follow_up_turn_reuse_the_generated_tokens(k: int) -> None:
+    prompt, n = PROMPTS[4], 12
+    built = build_engine("tiny", options(max_spec_k=k, snapshot_interval=8, drafter=k > 0))
+    if k:  # the stand-in drafter accepts whole windows often, so windows really cross the boundaries
+        reference0 = await run_all(build_engine("tiny", options(enable_reuse=False)), [prompt], [n])
+        runner: PagedRunner = OracleDraftRunner(built.runner, {prompt: reference0[0]})
+        built = built._replace(runner=runner, engine=Engine(runner, built.cache, built.engine.config))
+    async with built.engine as engine:
+        first = await engine.generate(prompt, max_tokens=n, spec_k=k).collect()
+        follow_up = (*prompt, *first, *b" ok")
+        second = engine.generate(follow_up, max_tokens=6, spec_k=k)
+        tokens = await second.collect()
+    # snapshots at 8, 16, 24: the follow-up reuses through position 24, inside the generated tokens
+    assert second.statistics().reused_tokens == 24 > len(prompt)
+    reference = await run_all(build_engine("tiny", options(enable_reuse=False)), [follow_up], [6])
+    assert tokens == reference[0]
