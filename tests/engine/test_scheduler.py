@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 from engine_fakes import FakeCache
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.engine.request import Request, RequestState
 from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig, StepPlan
@@ -207,3 +209,40 @@ def test_a_prompt_that_can_never_be_admitted_fails_instead_of_waiting_forever() 
     assert plan.failed == (huge,) and huge.state is S.FAILED and not plan.items
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [small]
+
+
+@given(
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 12),
+    pages=st.integers(8, 40),
+    chunk=st.integers(1, 16),
+    spec_k=st.integers(0, 3),
+)
+@settings(max_examples=40, deadline=None)
+def test_random_workloads_finish_within_budget_and_free_everything(
+    prompts: list[int], max_tokens: int, pages: int, chunk: int, spec_k: int
+) -> None:
+    cache = FakeCache(num_pages=pages, num_slots=5, tokens_per_block=4)
+    config = SchedulerConfig(
+        token_budget=4 * (1 + 3) + 1 + chunk, max_running=4, max_prefill_chunk=chunk, max_spec_k=3
+    )
+    scheduler = Scheduler(cache, config)
+    requests = [make(i, n, max_tokens=max_tokens, spec_k=spec_k) for i, n in enumerate(prompts)]
+    for r in requests:
+        scheduler.add(r)
+    for _ in range(2000):
+        if not scheduler.has_work:
+            break
+        plan = scheduler.schedule()
+        assert plan.num_tokens <= config.token_budget
+        assert len({i.request.request_id for i in plan.items}) == len(plan.items)
+        assert all(i.request.state in (S.PREFILLING, S.DECODING) for i in plan.items)
+        run_step(scheduler, plan)
+    assert not scheduler.has_work
+    for r in requests:
+        # a request fails only when it cannot fit alone: more pages than the pool has
+        if r.state is S.FAILED:
+            assert -(-(r.num_prompt + max_tokens) // 4) > pages - 1 or -(-r.num_prompt // 4) > pages
+        else:
+            assert r.state is S.FINISHED and len(r.output_ids) == max_tokens
+    assert cache.free_pages == pages and cache.free_slots == 5 and not cache.pages and not cache.offloaded
