@@ -43,12 +43,15 @@ _MAX_NAME = 256
 
 
 def compat_hash(model: ModelSpec) -> str:
-    """Hash of what must match between peers: layer kinds, shapes and dtypes (not the name or block sizes)."""
+    """Hash of what must match between peers: the target's layer kinds, shapes and dtypes.
+
+    Not the name or block sizes, and not the drafter: a peer without a drafter still pairs (its draft groups are
+    skipped with a warning), and two drafters' groups are compared shape by shape when the peers are mapped.
+    """
     desc = attrs.asdict(model)
     desc.pop("name")
     desc.pop("tokens_per_block")
-    if desc.get("drafter") is not None:
-        desc["drafter"].pop("tokens_per_block")
+    desc.pop("drafter")
     blob = json.dumps(desc, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 

@@ -122,14 +122,15 @@ def test_arena_page_table_uses_data_ptrs() -> None:
     assert PageTable.decode(table.encode()) == table
 
 
-def test_compat_hash_ignores_tp_block_size_and_name_but_not_shape_or_dtype() -> None:
+def test_compat_hash_ignores_tp_block_size_name_and_drafter_but_not_shape_or_dtype() -> None:
     tiny = preset("tiny")
     assert compat_hash(tiny) == compat_hash(attrs.evolve(tiny, tokens_per_block=16, name="other"))
     assert tiny.drafter is not None
     other_draft_block = attrs.evolve(tiny, drafter=attrs.evolve(tiny.drafter, tokens_per_block=32))
     assert compat_hash(tiny) == compat_hash(other_draft_block)
     assert compat_hash(tiny) != compat_hash(tiny.with_dtype("bfloat16"))
-    assert compat_hash(tiny) != compat_hash(tiny.without_drafter())
+    # a peer without a drafter still pairs: draft groups are matched (or skipped) when peers are mapped
+    assert compat_hash(tiny) == compat_hash(tiny.without_drafter())
     assert compat_hash(tiny) != compat_hash(preset("nemotron-h-8b"))
     a = PageTable.from_layout(
         CacheLayout.build(tiny.shard(1, 0), num_pages=2, num_slots=1, num_draft_pages=1),

@@ -93,11 +93,9 @@ def arenas(spec: ModelSpec, tp: int, *, num_pages: int = NUM_PAGES) -> list[Cach
     return out
 
 
-def table(arena: CacheArena, compat: str | None = None) -> PageTable:
-    t = arena.page_table()
-    # A receiver without a drafter serves the same target model; until compat_hash leaves the drafter out
-    # (asked of P1), the test stands in the sender's hash for it.
-    return t if compat is None else attrs.evolve(t, compat_hash=compat)
+def table(arena: CacheArena) -> PageTable:
+    # A receiver without a drafter serves the same target model: compat_hash leaves the drafter out.
+    return arena.page_table()
 
 
 # --- the logical cache and the slow reference --------------------------------------------------------------
@@ -276,8 +274,7 @@ def build(
     if not src_drafter:
         src_spec = src_spec.without_drafter()
     src, dst = arenas(src_spec, src_tp), arenas(dst_spec, dst_tp)
-    compat = arenas(full, 1, num_pages=1)[0].page_table().compat_hash
-    peer = PeerMap.build([table(a, compat) for a in src], [table(a, compat) for a in dst])
+    peer = PeerMap.build([table(a) for a in src], [table(a) for a in dst])
     return Scenario(
         src_spec,
         dst_spec,
