@@ -90,7 +90,7 @@ class DrafterWeights:
         eye = torch.eye(h, dtype=torch.float64)
         tensors: dict[str, torch.Tensor] = {
             "fc.weight": torch.cat((hidden_mix * eye, embed_mix * eye), dim=1),
-            "norm_f.weight": target["model.norm_f.weight"].to(torch.float64),
+            "norm_f.weight": target["model.norm_f.weight"].to(dtype=torch.float64, device="cpu"),
         }
         for name, shape in _expected_shapes(spec, h).items():
             if name in tensors:
@@ -102,7 +102,8 @@ class DrafterWeights:
                 if name.endswith("o_proj.weight"):
                     std *= attention_scale
                 tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float64) * std
-        return cls(spec, h, {k: v.to(target.dtype) for k, v in tensors.items()})
+        device = target["model.embeddings.weight"].device
+        return cls(spec, h, {k: v.to(dtype=target.dtype, device=device) for k, v in tensors.items()})
 
     @classmethod
     def from_state_dict(

@@ -336,7 +336,6 @@ class Model:
         slots = [s.slot for s in batch]
         if len(set(slots)) != len(slots):
             raise ConfigError(f"a batch names the same slot twice: {slots}")
-        accepted = self._ranks[0].cache.num_accepted
         for s in batch:
             n = len(s.token_ids)
             if n == 0:
@@ -357,11 +356,15 @@ class Model:
                     raise ConfigError(f"page ids outside [0, {num_pages})")
             if s.verify and has_state and n > self.max_replay_tokens:
                 raise ConfigError(f"verify of {n} tokens exceeds max_replay_tokens {self.max_replay_tokens}")
-            if s.start > 0 and has_state:
-                pending = int(accepted[s.slot])
-                if not 0 <= pending <= self.max_replay_tokens:
+        resumed = [s.slot for s in batch if s.start > 0]
+        if has_state and resumed:
+            # one gather (one device sync) for the whole batch
+            accepted = self._ranks[0].cache.num_accepted
+            pending = accepted[torch.tensor(resumed, device=accepted.device)].tolist()
+            for slot, count in zip(resumed, pending, strict=True):
+                if not 0 <= count <= self.max_replay_tokens:
                     raise ConfigError(
-                        f"slot {s.slot} has num_accepted {pending} outside [0, {self.max_replay_tokens}]"
+                        f"slot {slot} has num_accepted {count} outside [0, {self.max_replay_tokens}]"
                     )
 
     # --- the step --------------------------------------------------------------------------------------------
