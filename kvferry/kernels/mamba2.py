@@ -55,7 +55,6 @@ def causal_conv1d(
     :return: ``[batch, length, channels]`` activations.
     """
     _check_unique(slots)
-    channels = x.shape[2]
     width = conv_states.shape[-1]
     window = conv_states[slots].to(x.dtype)  # gather: a copy
     full = torch.cat((window, x.transpose(1, 2)), dim=-1)  # [batch, channels, width + length]
