@@ -18,6 +18,11 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The suites run on 2 cores beside helper processes (transport peers, engine workers): more intra-op threads
+# only oversubscribe them, and one thread keeps float reductions in one order for every test.
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -84,7 +84,8 @@ class CacheArena:
     _pools: dict[str, torch.Tensor] = attrs.field(init=False, factory=dict)
     _replay: torch.Tensor = attrs.field(init=False)
     num_accepted: torch.Tensor = attrs.field(init=False)
-    """``[num_slots]`` int64: how many draft tokens the last verify step of each slot accepted."""
+    """``[num_slots]`` int64: tokens of each slot's last verify step still to replay onto the slot (the verified
+    token plus its accepted drafts); 0 means nothing is pending."""
 
     def __attrs_post_init__(self) -> None:
         for _group, pool in self.layout.pools():
