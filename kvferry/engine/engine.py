@@ -101,8 +101,9 @@ class ModelRunner(Protocol):
         """Draft ``item.k`` tokens for each item."""
         ...
 
-    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
-        """One target step over every item; ``[num_logits, vocab]`` float logits per item."""
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One target step over every item: float logits ``[sum of num_logits, vocab]``, item after item (one
+        tensor, so the engine reads every greedy choice of the step with one argmax)."""
         ...
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:
@@ -180,12 +181,11 @@ class GenerationStatistics(NamedTuple):
     num_preemptions: int
 
 
-def _greedy_rows(logits: Sequence[torch.Tensor]) -> list[int]:
-    """Argmax of every row of the step at once: per-request torch calls would dominate the host time, and on
-    the CPU numpy's argmax is several times faster than torch's."""
-    if not logits:
+def _greedy_rows(logits: torch.Tensor) -> list[int]:
+    """Argmax of every row of the step at once (on the CPU numpy's argmax is several times faster than torch's)."""
+    if logits.shape[0] == 0:
         return []
-    rows = torch.cat(list(logits)).detach()
+    rows = logits.detach()
     if rows.device.type == "cpu":
         if rows.dtype not in (torch.float32, torch.float64):
             rows = rows.to(torch.float32)
@@ -476,7 +476,7 @@ class Engine:
             )
         )
 
-    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], list[torch.Tensor]]:
+    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor]:
         speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
         drafts: dict[int, tuple[int, ...]] = {}
         if speculative:
@@ -501,26 +501,29 @@ class Engine:
             request.request_id, tokens, item.start, len(tokens), len(drafts), verify=keep, keep_hidden=keep
         )
 
-    def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: list[torch.Tensor]) -> None:
+    def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor) -> None:
+        # NOTE: runs for every request every step; kept free of helper calls where it is cheap to do so
         argmax = _greedy_rows(logits)
         offset = 0
-        for item, item_logits in zip(plan.items, logits, strict=True):
+        decode = ItemKind.DECODE
+        for item in plan.items:
             request = item.request
-            rows = item_logits.shape[0]
-            greedy = argmax[offset : offset + rows]
-            offset += rows
+            if item.kind is decode:
+                rows = 1 + item.num_drafts
+            else:
+                rows = 1 if item.start + len(item.token_ids) == request.num_prompt else 0
+            first, offset = offset, offset + rows
             if request.request_id not in self._requests:
                 continue  # already ended (cannot happen between schedule and apply, but stay safe)
-            if item.kind is ItemKind.PREFILL:
+            greedy = request.sampling.seed is None
+            if item.kind is not decode:
                 end = item.start + len(item.token_ids)
                 pending = 0
                 new: list[int] = []
-                if item.wants_logits:
-                    new = (
-                        greedy[-1:] if request.sampling.is_greedy else self._sample(request, item_logits[-1:])
-                    )
+                if rows:
+                    new = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
             else:
-                targets = greedy if request.sampling.is_greedy else self._sample(request, item_logits)
+                targets = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
                 if request.spec_k:
                     # speculating requests always decode as verify windows (also with 0 drafts): the slot stays
                     # at the window's start, so a snapshot boundary there is never stepped over

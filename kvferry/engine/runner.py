@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import attrs
+import msgpack
 import torch
 from attrs import define, frozen
 
@@ -131,7 +132,7 @@ class PagedRunner:
     def vocab_size(self) -> int:
         return self.model.spec.vocab_size
 
-    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         batch = [
             SequenceInput(
                 token_ids=item.token_ids,  # type: ignore[arg-type,unused-ignore]
@@ -146,12 +147,15 @@ class PagedRunner:
         out = self.model.step(batch)
         logits = []
         for item, item_logits, hidden in zip(items, out.logits, out.hidden, strict=True):
-            logits.append(item_logits[item_logits.shape[0] - item.num_logits :])
+            if item.num_logits:
+                logits.append(item_logits[item_logits.shape[0] - item.num_logits :])
             if item.keep_hidden and self.drafter is not None:
                 self._fed.setdefault(item.request_id, []).append(
                     _Fed(item.start, list(item.token_ids), hidden.detach().clone())
                 )
-        return logits
+        if not logits:
+            return torch.empty(0, self.vocab_size, dtype=self.model.weights.dtype, device=self.model.device)
+        return torch.cat(logits)
 
     def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
         if self.drafter is None:
@@ -191,6 +195,55 @@ class PagedRunner:
 
     def release(self, request_id: int) -> None:
         self._fed.pop(request_id, None)
+
+    def export_handoff(self, request_id: int, pending_token: int) -> bytes:
+        """The drafter's host state of a request (target hidden states not yet drafted from), for a hand-off.
+
+        Empty when the request keeps none (it was submitted with ``spec_k == 0``, or there is no drafter).
+        ``pending_token`` is recorded so the receiver can check it continues the same sequence.
+        """
+        fed = self._fed.get(request_id)
+        if not fed:
+            return b""
+        hidden = torch.cat([f.hidden for f in fed]).detach().to("cpu").contiguous()
+        return bytes(
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "start": fed[0].start,
+                    "tokens": [t for f in fed for t in f.token_ids],
+                    "pending": int(pending_token),
+                    "dtype": str(hidden.dtype).removeprefix("torch."),
+                    "shape": list(hidden.shape),
+                    "hidden": hidden.view(torch.uint8).numpy().tobytes(),
+                }
+            )
+        )
+
+    def import_handoff(self, request_id: int, data: bytes) -> None:
+        """Install drafter host state made by :meth:`export_handoff` on another engine.
+
+        :raises ~kvferry.errors.ConfigError: on bytes that do not decode to a consistent state (nothing changes).
+        """
+        if not data:
+            return
+        try:
+            state = msgpack.unpackb(data)
+            dtype = dtype_from_name(str(state["dtype"]))
+            shape = [int(n) for n in state["shape"]]
+            tokens = [int(t) for t in state["tokens"]]
+            start = int(state["start"])
+            raw = bytearray(state["hidden"])
+            hidden = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+        except (KvferryError, KeyError, TypeError, ValueError, RuntimeError, msgpack.UnpackException) as exc:
+            raise ConfigError(f"bad drafter hand-off state: {exc}") from None
+        width = self.model.spec.hidden_size
+        if state.get("v") != 1 or shape != [len(tokens), width] or start < 0:
+            raise ConfigError(
+                f"drafter hand-off state of shape {shape} does not fit {len(tokens)} tokens x {width}"
+            )
+        hidden = hidden.to(device=self.model.device, dtype=self.model.weights.dtype)
+        self._fed[request_id] = [_Fed(start, tokens, hidden)]
 
     def __repr__(self) -> str:
         return f"<PagedRunner {self.model!r} drafter={self.drafter is not None} speculating={len(self._fed)}>"

@@ -143,7 +143,7 @@ class FakeRunner:
             out.append(tuple(drafts))
         return out
 
-    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         out = []
         for item in items:
             if self.fail_on_token is not None and self.fail_on_token in item.token_ids:
@@ -153,9 +153,8 @@ class FakeRunner:
             del history[item.start :]
             history.extend(item.token_ids)
             end = len(history)
-            rows = [self.logits(history[: p + 1]) for p in range(end - item.num_logits, end)]
-            out.append(torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
-        return out
+            out.extend(self.logits(history[: p + 1]) for p in range(end - item.num_logits, end))
+        return torch.stack(out) if out else torch.empty(0, self.vocab_size, dtype=torch.float64)
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:
         self.accepted.setdefault(request_id, []).append(num_accepted)

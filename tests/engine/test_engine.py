@@ -216,7 +216,7 @@ class OracleDraftRunner(PagedRunner):
         self.reference = reference
         self.history: dict[int, list[int]] = {}
 
-    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         for item in items:
             history = self.history.setdefault(item.request_id, [])
             del history[item.start :]
@@ -299,3 +299,32 @@ async def test_decode_snapshots_let_a_follow_up_turn_reuse_the_generated_tokens(
     assert second.statistics().reused_tokens == 24 > len(prompt)
     reference = await run_all(build_engine("tiny", options(enable_reuse=False)), [follow_up], [6])
     assert tokens == reference[0]
+
+
+@pytest.mark.asyncio
+async def test_drafter_hand_off_state_round_trips_and_bad_bytes_are_refused() -> None:
+    from kvferry.errors import ConfigError
+
+    built = build_engine("tiny", options(max_spec_k=2))
+    exported: dict[int, bytes] = {}
+
+    class ExportingRunner(PagedRunner):
+        def release(self, request_id: int) -> None:
+            exported[request_id] = self.export_handoff(request_id, 7)
+            super().release(request_id)
+
+    runner = ExportingRunner(built.runner.model, built.cache, built.runner.drafter)
+    async with Engine(runner, built.cache, built.engine.config) as engine:
+        await engine.generate(PROMPTS[4], max_tokens=1, spec_k=2).collect()
+        await engine.generate(PROMPTS[3], max_tokens=1).collect()  # spec_k 0 keeps no drafter state
+    data, empty = exported[0], exported[1]
+    assert data and empty == b""
+    receiver = build_engine("tiny", options(max_spec_k=2)).runner
+    receiver.import_handoff(5, data)
+    (fed,) = receiver._fed[5]
+    assert fed.start == 0 and fed.token_ids == list(PROMPTS[4])
+    assert fed.hidden.shape == (len(PROMPTS[4]), 64) and fed.hidden.dtype == torch.float64
+    for bad in (b"\x01\x02", data[:-10], data.replace(b"float64", b"float16")):
+        with pytest.raises(ConfigError):
+            receiver.import_handoff(6, bad)
+    assert 6 not in receiver._fed
