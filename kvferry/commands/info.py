@@ -46,6 +46,10 @@ def _cuda() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
+    # NIXL logs INFO lines to stdout, which would corrupt --json output
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     info = collect(probe=not args.no_probe, device=args.device)
     if args.json:
         print(json.dumps(info, indent=2))

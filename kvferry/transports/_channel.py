@@ -27,7 +27,7 @@ import numpy.typing as npt
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from attrs import define, field
+from attrs import define
 
 from kvferry.errors import (
     ClosedResourceError,
@@ -141,7 +141,7 @@ class ChannelPeer(Peer):
         self.notifications_in: MemoryObjectReceiveStream[bytes]
         self.notifications_out, self.notifications_in = anyio.create_memory_object_stream[bytes](math.inf)
         #: writes of ours waiting for the peer's reply, by write id
-        self.pending: dict[int, anyio.abc.ObjectSendStream[wire.WriteReply]] = {}
+        self.pending: dict[int, MemoryObjectSendStream[wire.WriteReply]] = {}
         #: writes of the peer's being received into our memory, by write id
         self.incoming: dict[int, anyio.CancelScope] = {}
         self.guards: set[Guard] = set()
@@ -256,7 +256,8 @@ class ChannelTransport(Transport):
             self._tg = await self._stack.enter_async_context(anyio.create_task_group())
             self.spawn(self._serve)
             await self._backend_start_tasks()
-            _, port = self._listener.extra(SocketAttribute.local_address)  # type: ignore[misc]
+            local: Any = self._listener.extra(SocketAttribute.local_address)
+            port = local[1]
             host = self._advertise_host or (socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host)
             self._address = f"{self.name}://{host}:{port}"
             self._state = "open"
@@ -378,7 +379,7 @@ class ChannelTransport(Transport):
             raise PeerIncompatible(f"peer is a {hello.transport!r} transport, we are {self.name!r}")
         return hello
 
-    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:
+    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:  # noqa: ASYNC109
         self._check_open()
         _, host, port = parse_address(address)
         deadline = self._connect_timeout if timeout is None else timeout
@@ -489,7 +490,7 @@ class ChannelTransport(Transport):
             error = PeerDisconnected(f"peer {peer.address} disconnected")
         except WireFormatError as exc:
             log.warning("%s: malformed frame from %s: %s", self.instance_id, peer.address, exc)
-            error = exc
+            error = PeerDisconnected(f"dropped {peer.address}: it sent a malformed frame ({exc})")
         except PeerDisconnected as exc:
             error = exc
         finally:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
@@ -200,7 +201,7 @@ class CopyPlan:
                 since_yield += n + 4096
                 if since_yield >= COPY_SLICE_BYTES:
                     since_yield = 0
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
         if uses_cuda:
             import torch
 

@@ -47,6 +47,8 @@ class _Server:
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         op = cmd["op"]
+        if op == "gloo":
+            return await anyio.to_thread.run_sync(self._gloo, cmd)
         await self.ready.wait()
         assert self.peer is not None
         if op == "alloc":
@@ -72,8 +74,6 @@ class _Server:
                 return h.hexdigest()
 
             return {"sha": await anyio.to_thread.run_sync(digest)}
-        if op == "gloo":
-            return await anyio.to_thread.run_sync(self._gloo, cmd)
         raise ValueError(f"unknown op {op!r}")
 
     def _gloo(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("name")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     anyio.run(_main, args.name, args.device)
 
 

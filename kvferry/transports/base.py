@@ -325,10 +325,12 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         """
 
     @abstractmethod
-    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:
+    async def connect(self, address: str, *, timeout: float | None = None) -> Peer:  # noqa: ASYNC109
         """Connect to the transport listening at ``address`` and shake hands.
 
-        The handshake compares wire version and compatibility hash before anything else is decoded.
+        The handshake compares wire version and compatibility hash before anything else is decoded. A connect
+        always has a deadline of its own (``timeout``, else the transport's ``connect_timeout``), even when the
+        caller sets none.
         A cancel leaves no connection behind.
 
         :raises ~kvferry.errors.PeerDisconnected: if nobody answers at ``address`` within the timeout.

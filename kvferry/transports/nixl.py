@@ -22,10 +22,10 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import anyio
-import numpy as np
-
 import nixl_cu13._api as nixl_api
 import nixl_cu13._bindings as nixl_bindings
+import numpy as np
+
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
 from kvferry.transports._channel import ChannelPeer, ChannelTransport
 from kvferry.transports._memory import RegionTable, TensorRegistration

@@ -25,14 +25,15 @@ import logging
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 import anyio
 import numpy as np
 import numpy.typing as npt
-
 import ucxx
 import ucxx.exceptions as ucx_errors
+
 from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
 from kvferry.transports import wire
 from kvferry.transports._channel import ChannelPeer, ChannelTransport, fragments_bytes, fragments_from_bytes
@@ -211,11 +212,9 @@ async def _windowed(
         for _, future, _ in pending:
             future.cancel()
         for _, future, _ in pending:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                try:
-                    await future
-                except BaseException:  # noqa: S110 - cancelled or failed: either way it is over
-                    pass
+            # the future's own cancellation (or failure) is expected here; ours cannot happen (shielded)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0), suppress(BaseException):
+                await future
 
 
 class UcxTransport(ChannelTransport):
@@ -257,10 +256,8 @@ class UcxTransport(ChannelTransport):
         self._endpoints = 0
 
     async def _backend_open(self) -> None:
-        try:
+        with suppress(RuntimeError):  # already initialised in this process (by us or the application): share it
             ucxx.init(progress_mode=self._progress_mode)
-        except RuntimeError:
-            pass  # already initialised in this process (by us or the application): share it
         try:
             ucxx.continuous_ucx_progress()
             self._worker_address = bytes(ucxx.get_worker_address())
@@ -385,10 +382,8 @@ class UcxTransport(ChannelTransport):
         self.spawn(self._receive, peer, request, views, plan, scope)
 
     async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
-        try:
+        with suppress(TransportError):  # the peer is gone; its writer learns that from the control channel
             await self.send_frame(peer, wire.FrameKind.WRITE_REPLY, wire.encode(self._converter, reply))
-        except TransportError:
-            pass  # the peer is gone; its writer learns that from the control channel
 
     async def _receive(
         self,
@@ -427,10 +422,8 @@ class UcxTransport(ChannelTransport):
 
                         await anyio.to_thread.run_sync(torch.cuda.synchronize)
                     if request.notify is not None:
-                        try:
+                        with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                             peer.notifications_out.send_nowait(request.notify)
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                            pass
                     status, detail = wire.WriteStatus.DONE, ""
             if scope.cancelled_caught and scope.deadline <= anyio.current_time():
                 status, detail = wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"

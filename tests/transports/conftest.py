@@ -4,6 +4,7 @@ local), a loop-lag monitor, and a leak check."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -72,10 +73,8 @@ class PeerProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(EOFError, BrokenPipeError):
                 self.call_sync({"op": "exit"})
-            except (EOFError, BrokenPipeError):
-                pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

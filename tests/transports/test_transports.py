@@ -30,8 +30,8 @@ from kvferry.transports import (
     TransportAttribute,
     get_transport,
     page_fragments,
+    wire,
 )
-from kvferry.transports import wire
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 

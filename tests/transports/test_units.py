@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.errors import MissingExtraError, RegionError, WireFormatError
-from kvferry.transports import as_fragments, coalesce, get_transport, page_fragments
-from kvferry.transports import wire
+from kvferry.transports import as_fragments, coalesce, get_transport, page_fragments, wire
 from kvferry.transports._memory import RegionTable
 from kvferry.transports.wire import RegionInfo
 
