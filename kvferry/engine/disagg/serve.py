@@ -1,0 +1,189 @@
+"""Running the two roles: a context engine in its own OS process, or both in one process.
+
+``python -m kvferry.engine.disagg.serve --transport ucx --tp 2 ...`` starts a context engine, prints one line
+``kvferry-context {"address": ..., "pid": ...}`` on stdout, serves the first generation peer that connects and exits when
+that peer goes away (or stdin closes). :func:`start_context_process` launches it; :func:`disaggregated` gives a
+connected :class:`~.router.Router` either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import IO, Any
+
+import anyio
+from attrs import define
+
+from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
+from kvferry.engine.disagg.router import Router
+from kvferry.engine.runner import EngineOptions, build_engine
+from kvferry.errors import PeerDisconnected
+from kvferry.transports import get_transport
+
+__all__ = ["ContextProcess", "disaggregated", "main", "start_context_process"]
+
+_MARKER = "kvferry-context "
+
+
+def _options(tp: int, spec_k: int, seed: int, dtype: str) -> EngineOptions:
+    return EngineOptions(
+        tp=tp, dtype=dtype, seed=seed, max_spec_k=spec_k, step_in_thread=False, num_pages=512
+    )
+
+
+async def _serve_context(transport_name: str, options: EngineOptions, out: IO[str]) -> None:
+    built = build_engine("tiny", options)
+    async with get_transport(transport_name)() as transport, built.engine:
+        await transport.register([t for a in built.arenas for t in a.pool_tensors().values()])
+        worker = ContextWorker(built, transport)
+        out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
+        out.flush()
+        peer = await transport.accept()
+        async with anyio.create_task_group() as tg:
+
+            async def stdin_closed() -> None:
+                await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stdin_closed)
+            await worker.serve(peer)
+            tg.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvferry.engine.disagg.serve")
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--spec-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float64")
+    args = parser.parse_args(argv)
+    anyio.run(
+        _serve_context, args.transport, _options(args.tp, args.spec_k, args.seed, args.dtype), sys.stdout
+    )
+    return 0
+
+
+@define(eq=False)
+class ContextProcess:
+    """A context engine in another OS process (``proc``), listening at ``address``."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    pid: int
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def close(self) -> None:
+        """Close its stdin (it exits), wait a little, kill it if it does not."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def start_context_process(
+    transport: str, tp: int, spec_k: int, seed: int, dtype: str = "float64"
+) -> ContextProcess:
+    """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address.
+
+    :raises ~kvferry.errors.PeerDisconnected: it exited before telling its address.
+    """
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.engine.disagg.serve",
+            "--transport",
+            transport,
+            "--tp",
+            str(tp),
+            "--spec-k",
+            str(spec_k),
+            "--seed",
+            str(seed),
+            "--dtype",
+            dtype,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    while True:  # libraries may print to stdout before us: our line carries a marker
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait()
+            raise PeerDisconnected(f"the context process exited with {proc.returncode} before listening")
+        if line.startswith(_MARKER):
+            break
+    info = json.loads(line[len(_MARKER) :])
+    return ContextProcess(proc, info["address"], info["pid"])
+
+
+@asynccontextmanager
+async def disaggregated(
+    *,
+    transport: str = "auto",
+    ctx_tp: int = 1,
+    gen_tp: int = 1,
+    spec_k: int = 0,
+    seed: int = 0,
+    dtype: str = "float64",
+    separate_process: bool = True,
+    stall_timeout: float = 30.0,
+) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
+    """A :class:`~.router.Router` over a context engine (another process, or this one with
+    ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
+    holds ``worker`` (the GenerationWorker), ``context`` (ContextWorker or ContextProcess), ``gen`` (its
+    BuiltEngine) and ``transport`` (the generation side's)."""
+    gen = build_engine("tiny", _options(gen_tp, spec_k, seed, dtype))
+    factory = get_transport(transport)
+    context_process: ContextProcess | None = None
+    try:
+        async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:
+            await gen_transport.register([t for a in gen.arenas for t in a.pool_tensors().values()])
+            worker = GenerationWorker(gen, gen_transport, stall_timeout=stall_timeout)
+            parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
+            if separate_process:
+                context_process = await anyio.to_thread.run_sync(
+                    start_context_process, transport, ctx_tp, spec_k, seed, dtype
+                )
+                parts["context"] = context_process
+                peer = await gen_transport.connect(context_process.address)
+                await worker.connect(peer, tg)
+                yield Router(worker), parts
+                await peer.aclose()
+            else:
+                ctx = build_engine("tiny", _options(ctx_tp, spec_k, seed, dtype))
+                async with factory() as ctx_transport, ctx.engine:
+                    await ctx_transport.register([t for a in ctx.arenas for t in a.pool_tensors().values()])
+                    context = ContextWorker(ctx, ctx_transport)
+                    parts["context"] = context
+                    parts["ctx"] = ctx
+                    peer = await gen_transport.connect(ctx_transport.address)
+                    ctx_peer = await ctx_transport.accept()
+                    tg.start_soon(context.serve, ctx_peer)
+                    await worker.connect(peer, tg)
+                    yield Router(worker), parts
+                    await peer.aclose()
+            tg.cancel_scope.cancel()
+    finally:
+        if context_process is not None:
+            await anyio.to_thread.run_sync(context_process.close)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

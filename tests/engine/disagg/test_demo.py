@@ -1,0 +1,56 @@
+"""``kvferry demo --json`` end to end (in one process over the local transport; two processes in the slow suite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {
+    "transport",
+    "ctx_tp",
+    "gen_tp",
+    "requests",
+    "identical",
+    "mismatched_requests",
+    "bytes_transferred",
+    "fragments",
+    "transfer_seconds",
+    "transfer_gbps",
+    "acceptance_rate",
+    "acceptance_rate_without_draft_transfer",
+}
+
+
+def run_demo(*args: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvferry", "demo", "--json", "--requests", "2", "--max-tokens", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_demo_local_json() -> None:
+    result = run_demo("--transport", "local", "--gen-tp", "2")
+    assert result.keys() >= KEYS
+    assert result["identical"] is True and result["mismatched_requests"] == []
+    assert result["transport"] == "local" and result["gen_tp"] == 2
+    assert isinstance(result["bytes_transferred"], int) and result["bytes_transferred"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)])
+def test_demo_two_processes(transport: str, ctx_tp: int, gen_tp: int) -> None:
+    result = run_demo("--transport", transport, "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp))
+    assert result["identical"] is True
+    assert result["transport"] == transport
