@@ -158,9 +158,9 @@ class StepTiming(NamedTuple):
     num_decodes: int
     #: scheduling, including the cache manager's create/resume/grow/suspend
     schedule_seconds: float
-    #: drafter + target model (and building their inputs)
+    #: drafter + target model (building their inputs, and the greedy argmax that waits for the results)
     model_seconds: float
-    #: sampling, draft acceptance, manager commits, handing tokens to the streams
+    #: seeded sampling, draft acceptance, manager commits, request bookkeeping
     apply_seconds: float
 
     @property
@@ -449,9 +449,9 @@ class Engine:
         t1 = time.perf_counter()
         try:
             if self.config.step_in_thread:
-                drafts, logits = await anyio.to_thread.run_sync(self._run_model, plan)
+                drafts, logits, argmax = await anyio.to_thread.run_sync(self._run_model, plan)
             else:
-                drafts, logits = self._run_model(plan)
+                drafts, logits, argmax = self._run_model(plan)
         except Exception as exc:
             # a failed model step fails every request in it; the engine keeps serving the rest
             for item in plan.items:
@@ -459,7 +459,7 @@ class Engine:
             self._notify()
             return
         t2 = time.perf_counter()
-        self._apply(plan, drafts, logits)
+        self._apply(plan, drafts, logits, argmax)
         t3 = time.perf_counter()
         self._notify()
         self._counts["steps"] += 1
@@ -476,7 +476,9 @@ class Engine:
             )
         )
 
-    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor]:
+    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor, list[int]]:
+        """Drafter and target step, and the greedy choice of every logits row (reading it waits for an
+        accelerator to finish the step, so it belongs to the model's time, not the host's)."""
         speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
         drafts: dict[int, tuple[int, ...]] = {}
         if speculative:
@@ -486,7 +488,8 @@ class Engine:
             for item, proposal in zip(speculative, proposals, strict=True):
                 drafts[item.request.request_id] = tuple(proposal)
         forward = [self._forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
-        return drafts, self.runner.forward(forward)
+        logits = self.runner.forward(forward)
+        return drafts, logits, _greedy_rows(logits)
 
     @staticmethod
     def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
@@ -501,9 +504,10 @@ class Engine:
             request.request_id, tokens, item.start, len(tokens), len(drafts), verify=keep, keep_hidden=keep
         )
 
-    def _apply(self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor) -> None:
+    def _apply(
+        self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor, argmax: list[int]
+    ) -> None:
         # NOTE: runs for every request every step; kept free of helper calls where it is cheap to do so
-        argmax = _greedy_rows(logits)
         offset = 0
         decode = ItemKind.DECODE
         for item in plan.items:

@@ -138,6 +138,8 @@ class Request:
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = attrs.field(factory=list)
     num_computed: int = 0
+    #: tokens the manager's block table covers (what the scheduler last grew it to)
+    capacity: int = 0
     reused_tokens: int = 0
     #: the drafter's proposals of every verify step, in order (the oracle compares them across runs)
     draft_history: list[tuple[int, ...]] = attrs.field(factory=list)
@@ -201,15 +203,17 @@ class Request:
 
         Sets ``finish_reason`` when a stop condition is met; the caller moves the state.
         """
+        output = self.output_ids
         kept: list[int] = []
         for token in tokens:
             if self.finish_reason is not None:
                 break
-            self.output_ids.append(int(token))
-            kept.append(int(token))
-            if int(token) in self.stop_ids:
+            token = int(token)
+            output.append(token)
+            kept.append(token)
+            if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.max_tokens:
+            elif len(output) >= self.max_tokens:
                 self.finish_reason = "length"
         return kept
 

@@ -347,7 +347,13 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
         options.max_running * (1 + options.max_spec_k) + options.max_prefill_chunk
     )
     config = EngineConfig(
-        SchedulerConfig(budget, options.max_running, options.max_prefill_chunk, options.max_spec_k),
+        SchedulerConfig(
+            budget,
+            options.max_running,
+            options.max_prefill_chunk,
+            options.max_spec_k,
+            grow_granularity=spec.tokens_per_block,
+        ),
         step_in_thread=options.step_in_thread,
     )
     return BuiltEngine(Engine(runner, cache, config), runner, cache, tuple(arenas))

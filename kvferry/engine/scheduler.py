@@ -114,9 +114,12 @@ class SchedulerConfig:
     max_running: int = 16
     max_prefill_chunk: int = 64
     max_spec_k: int = 0
+    #: grow caches to a multiple of this many tokens (the attention block size: the same pages as growing token
+    #: by token, but most decode steps then need no grow call at all)
+    grow_granularity: int = 1
 
     def __attrs_post_init__(self) -> None:
-        for name in ("token_budget", "max_running", "max_prefill_chunk"):
+        for name in ("token_budget", "max_running", "max_prefill_chunk", "grow_granularity"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_spec_k < 0:
@@ -371,6 +374,7 @@ class Scheduler:
             if fresh:
                 self.cache.create(rid, request.prompt_ids)
                 self._created.add(rid)
+                request.capacity = 0
             info = self.cache.resume(rid)
             resumed = True
             if info.first:
@@ -379,16 +383,18 @@ class Scheduler:
             if request.prefill_done:
                 item = self._decode_item(request, budget)
                 self.cache.grow(rid, request.num_computed + item.num_tokens)
+                request.capacity = max(request.capacity, request.num_computed + item.num_tokens)
             else:
                 end = self._prefill_end(request, budget)
                 self.cache.grow(rid, end)
+                request.capacity = max(request.capacity, end)
                 start = request.num_computed
                 item = StepItem(request, ItemKind.PREFILL, request.prompt_ids[start:end], start)
         except PoolExhausted:
             if fresh and rid in self._created:
                 self._created.discard(rid)
                 self.cache.close(rid)
-                request.reused_tokens = request.num_computed = 0
+                request.reused_tokens = request.num_computed = request.capacity = 0
             elif resumed:
                 self.cache.suspend(rid)
             return None
@@ -400,9 +406,14 @@ class Scheduler:
 
     def _grow(self, request: Request, num_tokens: int, planned: set[int], preempted: list[Request]) -> bool:
         """Grow ``request`` to ``num_tokens``, preempting newer unplanned requests while pages run out."""
+        if num_tokens <= request.capacity:
+            return True
+        granularity = self.config.grow_granularity
+        capacity = -(-num_tokens // granularity) * granularity
         while True:
             try:
-                self.cache.grow(request.request_id, num_tokens)
+                self.cache.grow(request.request_id, capacity)
+                request.capacity = capacity
                 return True
             except PoolExhausted:
                 victim = self._victim(request, planned)
