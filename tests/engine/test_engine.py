@@ -328,3 +328,23 @@ async def test_drafter_hand_off_state_round_trips_and_bad_bytes_are_refused() ->
         with pytest.raises(ConfigError):
             receiver.import_handoff(6, bad)
     assert 6 not in receiver._fed
+
+
+@pytest.mark.asyncio
+async def test_draft_proposals_are_the_same_alone_and_batched() -> None:
+    async def proposals(sequential: bool, chunk: int) -> list[list[tuple[int, ...]]]:
+        built = build_engine("tiny", options(max_spec_k=2, max_prefill_chunk=chunk, enable_reuse=False))
+        generations = [
+            built.engine.generate(p, max_tokens=m, spec_k=2) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)
+        ]
+        async with built.engine, anyio.create_task_group() as tg:
+            for g in generations:
+                if sequential:
+                    await g.collect()
+                else:
+                    tg.start_soon(g.collect)
+        return [g.request.draft_history for g in generations]
+
+    alone = await proposals(True, 64)
+    assert all(alone)
+    assert await proposals(False, 3) == alone
