@@ -16,7 +16,7 @@ The engine owns one background task, the step loop, in a task group that lives e
    this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
    ever touched from the loop, between steps;
 4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
-   state, and hands the tokens to each request's stream.
+   state, and wakes every waiting stream once (each reads its request's new tokens).
 
 Cancellation: a request is freed at the next step boundary (never while a step that reads its pages runs).
 Leaving the engine's ``async with`` cancels the loop, waits for a running step to end, then (shielded) closes
@@ -270,7 +270,7 @@ class Engine:
     """Serves :meth:`generate` streams from one step loop over a model runner and a cache manager.
 
     ``cache`` is the manager (or an adapter of it) the scheduler drives; ``runner`` reads the same caches.
-    ``on_close`` callbacks run (shielded, after every request is freed) when the engine exits.
+    Not thread-safe: use it from the event loop that entered it.
     """
 
     runner: ModelRunner
