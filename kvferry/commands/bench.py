@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="contiguous run sizes to measure",
     )
     transfer.add_argument("--page-bytes", type=_size, default=64 << 10, help="one fragment per page passed to write")
+    transfer.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory at both ends")
     transfer.add_argument("--processes", type=int, default=2, choices=[2], help="writer and receiver processes")
     transfer.add_argument("--repeats", type=int, default=5, help="timed writes per point (median reported)")
     transfer.add_argument("--no-baselines", action="store_true", help="skip nixl-per-page and gloo")
@@ -79,12 +80,12 @@ def run(args: argparse.Namespace) -> int:
         with status:
             result = anyio.run(lambda: run_transfer_bench(
                 names, args.total_bytes, args.fragment_bytes, page_bytes=args.page_bytes, repeats=args.repeats,
-                baselines=not args.no_baselines, progress=progress,
+                baselines=not args.no_baselines, progress=progress, device=args.device,
             ))
     except ImportError:
         result = anyio.run(lambda: run_transfer_bench(
             names, args.total_bytes, args.fragment_bytes, page_bytes=args.page_bytes, repeats=args.repeats,
-            baselines=not args.no_baselines, progress=lambda m: print(m, file=sys.stderr),
+            baselines=not args.no_baselines, progress=lambda m: print(m, file=sys.stderr), device=args.device,
         ))
     if args.output:
         with open(args.output, "w") as f:

@@ -12,7 +12,10 @@ Rows (``kind``):
 - ``contiguous``: the same transport, one fragment of ``total_bytes`` (the ceiling the goal is measured against);
 - ``memcpy``: ``torch`` copy of the same bytes inside this process;
 - ``nixl-per-page``: NIXL with one descriptor per page, coalescing off (what a user without kvferry writes);
-- ``gloo``: torch.distributed (gloo) send/recv of the same bytes, gathered before and scattered after.
+- ``gloo``: torch.distributed (gloo) send/recv of the same bytes, scattered after (always host memory: gloo
+  has no CUDA path).
+
+``--device cuda`` puts both ends in CUDA memory (the memcpy row is then a device copy).
 """
 
 from __future__ import annotations
@@ -78,12 +81,19 @@ async def _bench_transport(
     repeats: int,
     progress: Progress,
     baselines: bool,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     import torch
 
     rows: list[dict[str, Any]] = []
-    src = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8).to(device)
     host_copy = torch.empty_like(src)
+
+    def copy() -> None:
+        host_copy.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
     proc: PeerProcess | None = None
     try:
         async with AsyncExitStack() as stack:
@@ -94,20 +104,20 @@ async def _bench_transport(
             if name == "local":
                 peer = await transport.connect(local_peer.address)
                 remote = await local_peer.accept()
-                dst_tensor = torch.zeros(total, dtype=torch.uint8)
+                dst_tensor = torch.zeros(total, dtype=torch.uint8, device=device)
                 await local_peer.register(dst_tensor)
                 await local_peer.send_message(remote, b"registered")
                 dst = dst_tensor.data_ptr()
 
                 async def digest(order: list[int], run: int) -> str:
-                    data = dst_tensor.numpy()
+                    data = dst_tensor.cpu().numpy()
                     h = hashlib.sha256()
                     for r in order:
                         h.update(data[r * run : (r + 1) * run].data)
                     return h.hexdigest()
 
             else:
-                proc = await anyio.to_thread.run_sync(PeerProcess, name)
+                proc = await anyio.to_thread.run_sync(partial(PeerProcess, name, device=device))
                 peer = await transport.connect(proc.address)
                 dst = (await proc.call(op="alloc", name="dst", size=total))["address"]
                 process = proc
@@ -120,8 +130,8 @@ async def _bench_transport(
             await transport.receive_message(peer)
             await transport.register(src)
             progress(f"{name}: ceilings")
-            host_copy.copy_(src)  # first touch
-            memcpy = await _timed(repeats, partial(anyio.to_thread.run_sync, host_copy.copy_, src))
+            copy()  # first touch
+            memcpy = await _timed(repeats, partial(anyio.to_thread.run_sync, copy))
             rows.append(_row("memcpy", name, total, total, total, 1, memcpy))
             whole = np.array([[src.data_ptr(), total]], dtype=np.uint64)
             whole_dst = np.array([[dst, total]], dtype=np.uint64)
@@ -137,7 +147,7 @@ async def _bench_transport(
                 await transport.write(peer, src_f, dst_f)
                 # source run r landed at destination run runs[r]: hashing them in that order gives the source
                 runs = [int(r) for r in dst_pages[:: fragment // page] // (fragment // page)]
-                expected_sha = hashlib.sha256(src.numpy().data).hexdigest()
+                expected_sha = hashlib.sha256(src.cpu().numpy().data).hexdigest()
                 verified = await digest(runs, fragment) == expected_sha
                 seconds = await _timed(repeats, partial(transport.write, peer, src_f, dst_f))
                 row = _row("write", name, fragment, page, total, total // fragment, seconds)
@@ -220,6 +230,7 @@ async def run_transfer_bench(
     repeats: int = 5,
     baselines: bool = True,
     progress: Progress | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run the benchmark and return ``{"config": {...}, "rows": [...], "goal": {...}}`` (the ``--json`` output)."""
     say = progress or (lambda message: None)
@@ -227,7 +238,7 @@ async def run_transfer_bench(
         os.environ.setdefault(key, value)
     rows: list[dict[str, Any]] = []
     for name in transports:
-        rows += await _bench_transport(name, total_bytes, fragment_sizes, page_bytes, repeats, say, baselines)
+        rows += await _bench_transport(name, total_bytes, fragment_sizes, page_bytes, repeats, say, baselines, device)
     if baselines:
         gloo = await _bench_gloo(total_bytes, fragment_sizes, repeats, say)
         for row in gloo:
@@ -253,6 +264,8 @@ async def run_transfer_bench(
         "fragment_bytes": list(fragment_sizes),
         "page_bytes": page_bytes,
         "repeats": repeats,
+        "device": device,
+        "gloo_device": "cpu",
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
