@@ -47,6 +47,7 @@ __all__ = [
     "PeerRole",
     "ReceiveRequest",
     "ReleaseContext",
+    "StagingArea",
     "check_pairing",
     "decode_control",
     "decode_hello",
@@ -277,12 +278,24 @@ class BlockIds:
 
 
 @frozen
+class StagingArea:
+    """Where writer ``writer`` may put a bounced transfer: ``nbytes`` at ``address`` of registered staging
+    memory of the receiver (reserved for this session only; the receiver scatters it after the writer reported)."""
+
+    writer: int
+    address: int
+    nbytes: int
+
+
+@frozen
 class ReceiveRequest:
     """Generation -> context: write request ``key``'s cache for tokens ``[token_start, token_end)`` here.
 
     ``blocks``: page ids per paged group (the same on every receiving rank), covering ``token_end`` tokens of
     that group's block size; ``slot``: the state slot of every state group (0 when the model has none).
-    ``session_id`` is chosen by the receiver and names the transfer in every later message.
+    ``session_id`` is chosen by the receiver and names the transfer in every later message. ``staging``: the
+    writers that may bounce (write their bytes packed into that area instead of into the pages); a writer
+    without an area writes directly.
     """
 
     session_id: int
@@ -291,6 +304,7 @@ class ReceiveRequest:
     token_end: int
     blocks: tuple[BlockIds, ...]
     slot: int
+    staging: tuple[StagingArea, ...] = ()
 
     def validate(self) -> None:
         cls = type(self)
@@ -305,6 +319,13 @@ class ReceiveRequest:
             _check_range(cls, f"{b.group} block count", len(b.block_ids), 1, MAX_TOKENS)
             if len(set(b.block_ids)) != len(b.block_ids) or min(b.block_ids) < 1:
                 raise _fail(cls, f"group {b.group}: block ids repeat or use the reserved page 0")
+        writers = [a.writer for a in self.staging]
+        if len(set(writers)) != len(writers):
+            raise _fail(cls, f"staging areas name a writer twice: {writers}")
+        for a in self.staging:
+            _check_range(cls, "staging writer", a.writer, 0, 1 << 16)
+            _check_range(cls, "staging address", a.address, 1, wire.INT64_MAX)
+            _check_range(cls, "staging nbytes", a.nbytes, 1, wire.INT64_MAX - a.address)
 
     def block_ids(self, group: str) -> tuple[int, ...] | None:
         for b in self.blocks:
@@ -328,6 +349,7 @@ class ChunkResult:
 
     ``num_chunks`` is how many chunks this writer has for the session (the same in each of its reports), so
     the receiver knows when the writer is done. A writer with nothing to send reports one empty chunk.
+    ``staged``: the chunk went into the writer's staging area (the receiver scatters it), not into the pages.
     """
 
     session_id: int
@@ -338,6 +360,7 @@ class ChunkResult:
     nbytes: int = 0
     fragments: int = 0
     detail: str = ""
+    staged: bool = False
 
     def validate(self) -> None:
         cls = type(self)
