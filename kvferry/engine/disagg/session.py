@@ -11,6 +11,12 @@ the generation engine allocated. Its life, per DESIGN.md "Disaggregation protoco
   writer reports every chunk;
 - the receiver completes only when every expected writer reported all of its chunks. Never on a timeout.
 
+Bounce: a writer given a staging area in the receive request may pack its fragments into its own staging
+(:class:`~.staging.StagedWrite`, before its first chunk is posted) and write them as a few large fragments into
+that area; its reports say ``staged``. The receiver scatters a writer's area into the pages once every chunk
+of that writer landed OK, and completes only after every scatter. Staging areas follow the pages: released
+when nothing can land any more, quarantined with them otherwise.
+
 Cancellation is two-phase. A cancel stops posting; a receiver that cancels while writers are still to report
 keeps its pages *quarantined* (out of the pools, never reallocated) until they have all reported, or until
 the transport says the peer is gone (its process died: nothing more can land). A stall deadline turns a
@@ -41,8 +47,10 @@ from kvferry.engine.disagg.protocol import (
     ReceiveRequest,
     encode_control,
 )
+from kvferry.engine.disagg.staging import ReceiveStaging, StagedWrite
 from kvferry.errors import (
     ClosedResourceError,
+    ConfigError,
     InvalidTransition,
     KvferryError,
     PeerDisconnected,
@@ -74,18 +82,24 @@ log = logging.getLogger("kvferry.disagg")
 
 @frozen(eq=False)
 class Chunk:
-    """One write of one writer: ``src`` fragments (the writer's memory) into ``dst`` (rank ``dst_rank``'s)."""
+    """One write of one writer: ``src`` fragments (the writer's memory) into ``dst`` (rank ``dst_rank``'s).
+
+    ``staged``: the bounce this chunk is part of (``src`` lies in its lease, ``dst`` in the receiver's staging
+    area); it is packed before the chunk is posted. All chunks of a bounced writer share one.
+    """
 
     dst_rank: int
     src: Fragments
     dst: Fragments
+    staged: StagedWrite | None = None
 
     @property
     def nbytes(self) -> int:
         return total_bytes(self.src)
 
     def __repr__(self) -> str:
-        return f"<Chunk -> rank {self.dst_rank}: {len(self.src)} fragments, {self.nbytes} bytes>"
+        kind = " staged" if self.staged is not None else ""
+        return f"<Chunk -> rank {self.dst_rank}{kind}: {len(self.src)} fragments, {self.nbytes} bytes>"
 
 
 def split_chunks(dst_rank: int, src: Fragments, dst: Fragments, *, max_bytes: int) -> list[Chunk]:
@@ -118,6 +132,8 @@ class TransferStatistics(NamedTuple):
     chunks: int
     writers: int
     seconds: float
+    #: writers whose bytes came through a staging area (scattered by the receiver)
+    bounced: int = 0
 
 
 # --- the sender's core ------------------------------------------------------------------------------------
@@ -151,8 +167,17 @@ class SendSession:
         nbytes = fragments = 0
         if status is ChunkStatus.OK and chunks:
             nbytes, fragments = chunks[chunk].nbytes, len(chunks[chunk].src)
+        staged = bool(chunks) and chunks[min(chunk, len(chunks) - 1)].staged is not None
         return ChunkResult(
-            self.session_id, writer, chunk, self.num_chunks(writer), status, nbytes, fragments, detail[:4000]
+            self.session_id,
+            writer,
+            chunk,
+            self.num_chunks(writer),
+            status,
+            nbytes,
+            fragments,
+            detail[:4000],
+            staged,
         )
 
     def next_post(self, writer: int) -> tuple[int, Chunk | None] | None:
@@ -174,6 +199,13 @@ class SendSession:
     def cancel(self) -> None:
         """Post nothing more. Chunks in flight end as they end; the rest are reported CANCELLED."""
         self.cancelled = True
+
+    def release_staging(self) -> None:
+        """Give back the writers' own staging leases (idempotent). Call it when no posted write reads them."""
+        for chunks in self.plan.values():
+            for chunk in chunks:
+                if chunk.staged is not None:
+                    chunk.staged.release()
 
     def unposted(self, writer: int) -> list[ChunkResult]:
         """CANCELLED reports of ``writer``'s chunks that were never posted (recorded as reported)."""
@@ -282,9 +314,12 @@ class ReceiveSession:
     session_id: int
     key: str
     writers: tuple[int, ...]
+    #: writers offered a staging area (only they may report staged chunks)
+    staging_writers: frozenset[int] = frozenset()
     state: ReceiveState = ReceiveState.ALLOCATED
     detail: str = ""
     _num_chunks: dict[int, int] = attrs.field(factory=dict, init=False)
+    _staged: dict[int, bool] = attrs.field(factory=dict, init=False)
     _reports: dict[tuple[int, int], ChunkResult] = attrs.field(factory=dict, init=False)
 
     def _move(self, dst: ReceiveState) -> None:
@@ -304,11 +339,23 @@ class ReceiveSession:
         """
         if report.writer not in self.writers:
             raise WireFormatError(f"session {self.session_id}: report from unexpected writer {report.writer}")
-        known = self._num_chunks.setdefault(report.writer, report.num_chunks)
+        known = self._num_chunks.get(report.writer, report.num_chunks)
         if known != report.num_chunks:
             raise WireFormatError(
                 f"session {self.session_id}: writer {report.writer} said {known} chunks, now {report.num_chunks}"
             )
+        if report.staged and report.writer not in self.staging_writers:
+            raise WireFormatError(f"session {self.session_id}: writer {report.writer} staged without an area")
+        if (
+            report.status is ChunkStatus.OK
+            and self._staged.get(report.writer, report.staged) != report.staged
+        ):
+            raise WireFormatError(
+                f"session {self.session_id}: writer {report.writer} mixes staged and direct"
+            )
+        self._num_chunks[report.writer] = report.num_chunks
+        if report.status is ChunkStatus.OK:
+            self._staged[report.writer] = report.staged
         key = (report.writer, report.chunk)
         earlier = self._reports.get(key)
         if earlier is None or earlier.status is ChunkStatus.OK:
@@ -331,6 +378,17 @@ class ReceiveSession:
         """Writers that have not reported every chunk yet."""
         done = {w for w, n in self._num_chunks.items() if all((w, c) in self._reports for c in range(n))}
         return len(self.writers) - len(done)
+
+    def writer_done(self, writer: int) -> bool:
+        """Every chunk of ``writer`` reported OK."""
+        n = self._num_chunks.get(writer)
+        return n is not None and all(
+            (r := self._reports.get((writer, c))) is not None and r.status is ChunkStatus.OK for c in range(n)
+        )
+
+    def staged_done(self) -> list[int]:
+        """Writers that bounced and whose every chunk landed OK: their staging areas may be scattered now."""
+        return [w for w, staged in self._staged.items() if staged and self.writer_done(w)]
 
     def _settle(self) -> None:
         if self.state in (ReceiveState.CANCELLING, ReceiveState.IN_DOUBT):
@@ -386,6 +444,7 @@ class ReceiveSession:
             sum(1 for r in ok if r.nbytes),
             len(self.writers),
             seconds,
+            sum(1 for staged in self._staged.values() if staged),
         )
 
     def __repr__(self) -> str:
@@ -414,6 +473,7 @@ class PageHold(Protocol):
 class _Live:
     session: ReceiveSession
     hold: PageHold
+    staging: ReceiveStaging | None = None
     changed: anyio.Event = attrs.field(factory=anyio.Event)
     release: Callable[[], None] | None = None
 
@@ -439,11 +499,14 @@ class Receiver:
         factory=lambda: dict.fromkeys(("complete", "failed", "cancelled", "in_doubt", "bytes"), 0), init=False
     )
 
-    def new_session(self, key: str, hold: PageHold) -> ReceiveSession:
-        """A session for ``key``, holding ``hold`` (freed or quarantined as the transfer ends)."""
-        session = ReceiveSession(self._next_id, key, self.writers)
+    def new_session(self, key: str, hold: PageHold, staging: ReceiveStaging | None = None) -> ReceiveSession:
+        """A session for ``key``, holding ``hold`` (freed or quarantined as the transfer ends) and ``staging``
+        (the areas offered to bouncing writers: released when the pages are, kept while they are quarantined).
+        The receive request must carry ``staging.areas()``."""
+        offered = staging.writers if staging is not None else frozenset()
+        session = ReceiveSession(self._next_id, key, self.writers, offered)
         self._next_id += 1
-        self._sessions[session.session_id] = _Live(session, hold)
+        self._sessions[session.session_id] = _Live(session, hold, staging)
         return session
 
     async def receive(self, session: ReceiveSession, request: ReceiveRequest) -> TransferStatistics:
@@ -462,13 +525,18 @@ class Receiver:
         """
         live = self._sessions[session.session_id]
         started = time.perf_counter()
+        scattered: dict[int, str] = {}
         try:
             if self._lost is not None:
                 session.peer_lost(self._lost)
             else:
                 await self.transport.send_message(self.peer, encode_control(request))
                 session.requested()
-            while not session.settled:
+            while True:
+                # unpack each bounced writer as soon as all of its chunks landed (overlaps other writers)
+                await self._scatter(live, scattered)
+                if session.settled:
+                    break
                 live.changed = anyio.Event()
                 with anyio.move_on_after(self.stall_timeout):
                     await live.changed.wait()
@@ -485,8 +553,15 @@ class Receiver:
                 await self._abandon(live)
             raise
         seconds = time.perf_counter() - started
+        failures = [detail for detail in scattered.values() if detail]
+        if session.state is ReceiveState.COMPLETE and failures:
+            self._finish(live)  # everyone reported: nothing can land, free the pages and the staging
+            self._counts["failed"] += 1
+            raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {failures[0]}")
         if session.state is ReceiveState.COMPLETE:
             self._sessions.pop(session.session_id, None)
+            if live.staging is not None:
+                live.staging.release()
             self._counts["complete"] += 1
             stats = session.statistics(seconds)
             self._counts["bytes"] += stats.nbytes
@@ -497,6 +572,21 @@ class Receiver:
                 f"transfer {session.session_id} ({session.key}) cancelled: {session.detail}"
             )
         raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {session.detail}")
+
+    async def _scatter(self, live: _Live, scattered: dict[int, str]) -> None:
+        """Scatter the staging areas of bounced writers whose chunks all landed (once each; in a worker thread:
+        it is a kernel plus a device wait). A failure is recorded in ``scattered`` (the transfer fails once
+        every writer reported; until then the pages stay as they are)."""
+        if live.staging is None or live.session.state not in (ReceiveState.REQUESTED, ReceiveState.COMPLETE):
+            return
+        for writer in live.session.staged_done():
+            if writer in scattered:
+                continue
+            scattered[writer] = ""
+            try:
+                await anyio.to_thread.run_sync(live.staging.scatter, writer)
+            except ConfigError as exc:
+                scattered[writer] = f"scatter of writer {writer}'s staging failed: {exc}"
 
     async def _abandon(self, live: _Live) -> None:
         session = live.session
@@ -528,6 +618,8 @@ class Receiver:
             live.release()
         else:
             live.hold.free()
+        if live.staging is not None:
+            live.staging.release()
 
     def on_result(self, report: ChunkResult) -> None:
         """A writer's report (a notification or a control message) arrived."""
@@ -559,7 +651,13 @@ class Receiver:
 
     def statistics(self) -> dict[str, int]:
         quarantined = sum(1 for live in self._sessions.values() if live.release is not None)
-        return {**self._counts, "sessions": len(self._sessions), "quarantined": quarantined}
+        staging = sum(live.staging.nbytes for live in self._sessions.values() if live.staging is not None)
+        return {
+            **self._counts,
+            "sessions": len(self._sessions),
+            "quarantined": quarantined,
+            "staging_bytes": staging,
+        }
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -593,8 +691,10 @@ async def send(
 
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
-    reported CANCELLED. Returns when every posted write has ended and every report was sent (or the peer is
-    gone): then the source pages may be freed. Never raises for a failed chunk (it is reported instead).
+    reported CANCELLED. A bounced writer packs its staging (in a worker thread) before its first chunk; a
+    failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
+    peer is gone): then the source pages may be freed, and the writers' staging leases have been released.
+    Never raises for a failed chunk (it is reported instead).
 
     :raises ~kvferry.errors.PeerDisconnected: the peer went away (nothing more can be reported).
     """
@@ -617,13 +717,15 @@ async def send(
                 await report(ok)
                 continue
             try:
+                if chunk.staged is not None and not chunk.staged.packed:
+                    await anyio.to_thread.run_sync(chunk.staged.pack)
                 await transport.write(
                     peer, chunk.src, chunk.dst, encode_control(ok), stall_timeout=stall_timeout
                 )
             except (PeerDisconnected, ClosedResourceError) as exc:
                 session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(exc)))
                 lost.append(exc)
-            except (TransportError, TransferError, ValueError) as exc:
+            except (TransportError, TransferError, ConfigError, ValueError) as exc:
                 failed = session.result(w, index, ChunkStatus.FAILED, f"{type(exc).__name__}: {exc}")
                 session.finish_post(w, index, failed)
                 await report(failed)
@@ -635,8 +737,12 @@ async def send(
         for cancelled in session.unposted(w):
             await report(cancelled)
 
-    async with anyio.create_task_group() as tg:
-        for w in session.writers:
-            tg.start_soon(writer, w)
+    try:
+        async with anyio.create_task_group() as tg:
+            for w in session.writers:
+                tg.start_soon(writer, w)
+    finally:
+        # every posted write has ended (a write returns only then, cancel included): nothing reads the leases
+        session.release_staging()
     if lost:
         raise PeerDisconnected(f"transfer {session.session_id}: {lost[0]}")

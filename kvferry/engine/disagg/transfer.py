@@ -7,7 +7,12 @@ writer's fragments into chunks.
 
 The byte mapping is D1's :class:`~.mapping.PeerMap` (any TP pair, elected writers for duplicated heads). Each
 (context rank, generation rank) pair that overlaps is one *writer* of the session protocol: it reports every
-chunk, an empty write included. Bounced (staged) writes are not used yet: every plan is a direct write.
+chunk, an empty write included.
+
+Bounce: the receiver offers staging areas (:func:`offer_staging`, from a bounded
+:class:`~.staging.StagingPool`, for writers whose bytes look fragmented by a :class:`~.mapping.BouncePolicy`);
+the writer bounces when its own plan is fragmented by the same policy, it was offered an area, and its own
+staging pool has room. Anything short of that is a direct write, so a full pool costs speed, never a transfer.
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+import attrs
+import torch
+
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap, RequestCache, TokenRange
-from kvferry.engine.disagg.protocol import ReceiveRequest
+from kvferry.engine.disagg.protocol import ReceiveRequest, StagingArea
 from kvferry.engine.disagg.session import Chunk, split_chunks
+from kvferry.engine.disagg.staging import ReceiveStaging, StagedWrite, StagingPool
 from kvferry.errors import WireFormatError
 from kvferry.pools.layout import GroupKind
 from kvferry.pools.manager import CacheManager
@@ -28,6 +37,7 @@ __all__ = [
     "ManagerHold",
     "WriterPlan",
     "check_request",
+    "offer_staging",
     "plan_transfer",
     "token_blocks",
 ]
@@ -87,6 +97,19 @@ def expected_writers(peer_map: PeerMap) -> tuple[int, ...]:
     )
 
 
+def _tokens(request: ReceiveRequest) -> TokenRange:
+    draft = request.block_ids("draft") is not None
+    return TokenRange(
+        request.token_start, request.token_end, draft_start=0 if draft else request.token_end, state=True
+    )
+
+
+def _dst_cache(request: ReceiveRequest) -> RequestCache:
+    return RequestCache(
+        {b.group: b.block_ids for b in request.blocks}, request.slot if request.slot > 0 else None
+    )
+
+
 def plan_transfer(
     peer_map: PeerMap,
     src_ranks: Sequence[int],
@@ -96,6 +119,9 @@ def plan_transfer(
     dst_tables: Sequence[PageTable],
     *,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    policy: BouncePolicy | None = None,
+    src_pools: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    staging: StagingPool | None = None,
 ) -> WriterPlan:
     """The chunks of every writer (context rank ``s`` in ``src_ranks`` x each generation rank it overlaps)
     for ``request``; a writer with nothing to send (elected out) gets an empty list and reports an empty write.
@@ -103,31 +129,88 @@ def plan_transfer(
     ``src_blocks``: the context request's block table per paged group (the same on every context rank);
     ``src_slot``: its state slot. Draft groups move only when the request names draft blocks.
 
-    :raises ~kvferry.errors.WireFormatError: the request does not fit the receiver's page tables.
+    Bounce: a writer whose plan ``policy`` (default :class:`~.mapping.BouncePolicy`) finds fragmented, and
+    that the request offers a staging area, is staged when ``src_pools`` (``CacheArena.pool_tensors()`` per
+    context rank, indexed by rank) and ``staging`` (the writer's registered staging) are given and ``staging``
+    has room: its chunks are pieces of one packed write (:class:`~.staging.StagedWrite`), whose lease
+    :func:`~.session.send` releases. Otherwise the writer writes directly.
+
+    :raises ~kvferry.errors.WireFormatError: the request does not fit the receiver's page tables, or a staging
+        area is smaller than what its writer would stage.
     :raises ~kvferry.errors.ConfigError: the context request's ids do not cover the range.
     """
     groups = [g.name for g in dst_tables[0].pool_groups]
     if request.block_ids("draft") is None:
         groups = [g for g in groups if g != "draft"]
     check_request(request, dst_tables, groups)
-    draft = request.block_ids("draft") is not None
-    tokens = TokenRange(
-        request.token_start, request.token_end, draft_start=0 if draft else request.token_end, state=True
-    )
-    dst_slot = request.slot if request.slot > 0 else None
-    dst = RequestCache({b.group: b.block_ids for b in request.blocks}, dst_slot)
+    tokens = _tokens(request)
+    dst = _dst_cache(request)
     src = RequestCache({k: list(v) for k, v in src_blocks.items()}, src_slot)
+    areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
+    bounce = staging is not None and src_pools is not None and bool(areas)
     plan: WriterPlan = {}
     for s in src_ranks:
         for d in peer_map.targets(s):
-            rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=BouncePolicy.never())
-            chunks = (
-                []
-                if rank_plan.empty
-                else split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
+            w = writer_id(s, d, peer_map.dst_tp)
+            area = areas.get(w)
+            rank_policy = policy if bounce and area is not None else BouncePolicy.never()
+            rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=rank_policy)
+            if rank_plan.empty:
+                plan[w] = []
+                continue
+            lease = None
+            if rank_plan.gather is not None and area is not None and staging is not None:
+                if area.nbytes < rank_plan.nbytes:
+                    raise WireFormatError(
+                        f"staging area of writer {w}: {area.nbytes} bytes < {rank_plan.nbytes} to write"
+                    )
+                lease = staging.try_reserve(rank_plan.nbytes)
+            if lease is None or rank_plan.gather is None or area is None or src_pools is None:
+                plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
+                continue
+            staged = StagedWrite(rank_plan.gather, src_pools[s], lease)
+            src_f, dst_f = rank_plan.staged_fragments(
+                lease.address, area.address, chunk_bytes=max_chunk_bytes
             )
-            plan[writer_id(s, d, peer_map.dst_tp)] = chunks
+            plan[w] = [Chunk(d, src_f[i : i + 1], dst_f[i : i + 1], staged=staged) for i in range(len(src_f))]
     return plan
+
+
+def offer_staging(
+    peer_map: PeerMap,
+    request: ReceiveRequest,
+    dst_pools: Sequence[Mapping[str, torch.Tensor]],
+    staging: StagingPool,
+    *,
+    policy: BouncePolicy | None = None,
+) -> tuple[ReceiveRequest, ReceiveStaging]:
+    """The receiver's side of bouncing: reserve a staging area for each writer whose bytes land fragmented
+    (by ``policy`` on the receiver's own fragments; :meth:`~.mapping.BouncePolicy.always` offers to every
+    writer with bytes) while ``staging`` has room, and return ``request`` naming those areas plus the
+    :class:`~.staging.ReceiveStaging` to hand to :meth:`~.session.Receiver.new_session`.
+
+    ``dst_pools``: ``CacheArena.pool_tensors()`` per receiving rank. Writers that find no room get no area
+    (they write directly). On an exception nothing stays reserved.
+    """
+    policy = BouncePolicy() if policy is None else policy
+    tokens, dst = _tokens(request), _dst_cache(request)
+    out = ReceiveStaging()
+    try:
+        for d in range(peer_map.dst_tp):
+            for s in peer_map.expected_writers(d):
+                if not peer_map.writes(s, d):
+                    continue
+                rx = peer_map.pair(s, d).scatter_plan(dst, tokens)
+                if not rx.nbytes or not policy.wants(rx.num_fragments, rx.nbytes):
+                    continue
+                lease = staging.try_reserve(rx.nbytes)
+                if lease is None:
+                    continue
+                out.add(writer_id(s, d, peer_map.dst_tp), lease, rx, dst_pools[d])
+    except BaseException:
+        out.release()
+        raise
+    return attrs.evolve(request, staging=out.areas()), out
 
 
 class ManagerHold:
