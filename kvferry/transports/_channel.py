@@ -157,7 +157,9 @@ class ChannelPeer(Peer):
         return self.hello.address
 
     async def aclose(self) -> None:
-        await self.transport._lose(self, ClosedResourceError("peer handle was closed"), state=PeerState.CLOSED)
+        await self.transport._lose(
+            self, ClosedResourceError("peer handle was closed"), state=PeerState.CLOSED
+        )
 
     @property
     def extra_attributes(self) -> Mapping[Any, Any]:
@@ -258,7 +260,9 @@ class ChannelTransport(Transport):
             await self._backend_start_tasks()
             local: Any = self._listener.extra(SocketAttribute.local_address)
             port = local[1]
-            host = self._advertise_host or (socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host)
+            host = self._advertise_host or (
+                socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host
+            )
             self._address = f"{self.name}://{host}:{port}"
             self._state = "open"
         except BaseException:
@@ -369,7 +373,9 @@ class ChannelTransport(Transport):
         """Decode the envelope, compare, and only then decode the hello."""
         envelope = wire.decode(self._converter, body, wire.Handshake)
         if envelope.wire_version != wire.WIRE_VERSION:
-            raise PeerIncompatible(f"peer speaks wire version {envelope.wire_version}, we speak {wire.WIRE_VERSION}")
+            raise PeerIncompatible(
+                f"peer speaks wire version {envelope.wire_version}, we speak {wire.WIRE_VERSION}"
+            )
         if envelope.compat_hash != self._compat_hash:
             raise PeerIncompatible(
                 f"compatibility hash differs: peer {envelope.compat_hash.hex()}, ours {self._compat_hash.hex()}"
@@ -395,7 +401,9 @@ class ChannelTransport(Transport):
                 reader = BufferedByteReceiveStream(stream)
                 kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
                 if kind == wire.FrameKind.REFUSAL:
-                    raise PeerIncompatible(f"{address} refused us: {wire.decode(self._converter, body, wire.Refusal).reason}")
+                    raise PeerIncompatible(
+                        f"{address} refused us: {wire.decode(self._converter, body, wire.Refusal).reason}"
+                    )
                 if kind != wire.FrameKind.HANDSHAKE:
                     raise WireFormatError(f"expected a handshake from {address}, got frame kind {kind}")
                 hello = self._check_envelope(body)
@@ -475,7 +483,9 @@ class ChannelTransport(Transport):
                     if length > self._max_message_bytes:
                         await _discard(reader, length)
                         await peer.messages_out.send(
-                            MessageTooLarge(f"message of {length} bytes exceeds the limit of {self._max_message_bytes}")
+                            MessageTooLarge(
+                                f"message of {length} bytes exceeds the limit of {self._max_message_bytes}"
+                            )
                         )
                         continue
                     body = await reader.receive_exactly(length) if length else b""
@@ -486,7 +496,13 @@ class ChannelTransport(Transport):
                     raise WireFormatError(f"control frame of {length} bytes")
                 body = await reader.receive_exactly(length) if length else b""
                 await self._dispatch(peer, kind, body)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        except (
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+            OSError,
+        ):
             error = PeerDisconnected(f"peer {peer.address} disconnected")
         except WireFormatError as exc:
             log.warning("%s: malformed frame from %s: %s", self.instance_id, peer.address, exc)
@@ -518,7 +534,9 @@ class ChannelTransport(Transport):
         else:
             raise WireFormatError(f"unexpected frame kind {kind}")
 
-    async def _lose(self, peer: ChannelPeer, error: TransportError, *, state: PeerState = PeerState.LOST) -> None:
+    async def _lose(
+        self, peer: ChannelPeer, error: TransportError, *, state: PeerState = PeerState.LOST
+    ) -> None:
         """Mark ``peer`` gone, wake everything waiting on it, release what we hold for it. Idempotent."""
         if peer._state is not PeerState.CONNECTED:
             return
@@ -578,7 +596,9 @@ class ChannelTransport(Transport):
     async def send_message(self, peer: Peer, data: bytes) -> None:
         p = self._live_peer(peer)
         if len(data) > p.hello.max_message_bytes:
-            raise MessageTooLarge(f"message of {len(data)} bytes exceeds the peer's limit of {p.hello.max_message_bytes}")
+            raise MessageTooLarge(
+                f"message of {len(data)} bytes exceeds the peer's limit of {p.hello.max_message_bytes}"
+            )
         await self.send_frame(p, wire.FrameKind.MESSAGE, bytes(data))
         self._messages_sent += 1
 

@@ -18,7 +18,18 @@ from kvferry.transports.wire import RegionInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CopyPlan", "RegionTable", "TensorRegistration", "byte_view", "device_of", "region_infos"]
+__all__ = [
+    "CopyPlan",
+    "RegionTable",
+    "TensorRegistration",
+    "byte_view",
+    "device_copy",
+    "device_of",
+    "granularity",
+    "region_infos",
+    "row_indices",
+    "synchronize_cuda",
+]
 
 #: copies longer than this are cut so the event loop gets a turn between pieces
 COPY_SLICE_BYTES = 4 << 20
@@ -153,7 +164,14 @@ def byte_view(info: RegionInfo) -> Any:
 
 
 class CopyPlan:
-    """Row-by-row copies between two sets of registered ranges in one process."""
+    """Copies between two sets of registered ranges in one address space (same process, or a CUDA IPC mapping).
+
+    Host rows are copied with numpy in slices, yielding to the event loop between slices (the copy runs on the
+    loop's thread). Rows between CUDA ranges of one device are batched: per pair of regions, the rows are cut at a
+    granularity ``g`` (the gcd of every offset and length), so each pair is one or two indexed copies over
+    ``[rows, g]`` views launched asynchronously on the current stream; the end is awaited once, in a worker
+    thread. Other rows (host <-> device) are single asynchronous copies.
+    """
 
     def __init__(
         self,
@@ -168,7 +186,7 @@ class CopyPlan:
         self.src_regions, self.dst_regions = src_regions, dst_regions
 
     async def run(self) -> None:
-        """Copy every row, yielding to the event loop between slices; CUDA copies are synchronised at the end."""
+        """Copy every row; returns when the bytes are in place (CUDA copies synchronised)."""
         views: dict[tuple[int, int], Any] = {}
 
         def view(table: RegionTable, side: int, index: int) -> Any:
@@ -177,9 +195,38 @@ class CopyPlan:
                 views[key] = byte_view(table.regions[index])
             return views[key]
 
+        codes: dict[str, int] = {"cpu": -1}
+        s_code = np.array(
+            [codes.setdefault(r.device, len(codes)) for r in self.src_regions.regions], dtype=np.int64
+        )
+        d_code = np.array(
+            [codes.setdefault(r.device, len(codes)) for r in self.dst_regions.regions], dtype=np.int64
+        )
+        if len(self.src):
+            s_dev, d_dev = s_code[self.src_index], d_code[self.dst_index]
+            same_cuda = (s_dev >= 0) & (s_dev == d_dev)
+        else:
+            same_cuda = np.zeros(0, dtype=bool)
         uses_cuda = False
+        if same_cuda.any():
+            uses_cuda = True
+            rows = np.flatnonzero(same_cuda)
+            pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
+            for key in np.unique(pairs):
+                chosen = rows[pairs == key]
+                si, di = int(self.src_index[chosen[0]]), int(self.dst_index[chosen[0]])
+                s_info, d_info = self.src_regions.regions[si], self.dst_regions.regions[di]
+                device_copy(
+                    view(self.src_regions, 0, si),
+                    s_info.address,
+                    self.src[chosen],
+                    view(self.dst_regions, 1, di),
+                    d_info.address,
+                    self.dst[chosen],
+                )
+                await anyio.lowlevel.checkpoint()
         since_yield = 0
-        for row in range(len(self.src)):
+        for row in np.flatnonzero(~same_cuda):
             s_info = self.src_regions.regions[int(self.src_index[row])]
             d_info = self.dst_regions.regions[int(self.dst_index[row])]
             s_view = view(self.src_regions, 0, int(self.src_index[row]))
@@ -187,25 +234,108 @@ class CopyPlan:
             s_off = int(self.src[row, 0]) - s_info.address
             d_off = int(self.dst[row, 0]) - d_info.address
             length = int(self.src[row, 1])
-            on_host = s_info.device == "cpu" and d_info.device == "cpu"
-            uses_cuda |= not on_host
+            if s_info.device != "cpu" or d_info.device != "cpu":
+                uses_cuda = True
+                _torch_copy(d_view, d_off, s_view, s_off, length)
+                await anyio.lowlevel.checkpoint()
+                continue
             done = 0
             while done < length:
                 n = min(COPY_SLICE_BYTES, length - done)
                 a, b = s_off + done, d_off + done
-                if on_host:
-                    d_view[b : b + n] = s_view[a : a + n]
-                else:
-                    _torch_copy(d_view, b, s_view, a, n)
+                d_view[b : b + n] = s_view[a : a + n]
                 done += n
                 since_yield += n + 4096
                 if since_yield >= COPY_SLICE_BYTES:
                     since_yield = 0
                     await anyio.lowlevel.checkpoint()
         if uses_cuda:
-            import torch
+            await synchronize_cuda()
 
-            await anyio.to_thread.run_sync(torch.cuda.synchronize)
+
+async def synchronize_cuda() -> None:
+    """Wait (in a worker thread, not on the event loop) until what this thread queued on the current stream ran."""
+    import torch
+
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    await anyio.to_thread.run_sync(event.synchronize)
+
+
+#: bound on the temporary buffer of a gather-then-scatter copy (both sides scattered)
+GATHER_CHUNK_BYTES = 256 << 20
+
+
+def granularity(*arrays: npt.NDArray[Any]) -> int:
+    """The gcd of every value given (offsets and lengths): the largest row size that cuts every fragment."""
+    values = np.concatenate([a.astype(np.int64).reshape(-1) for a in arrays])
+    return int(np.gcd.reduce(values)) if len(values) else 1
+
+
+def row_indices(offsets: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``concat(arange(o, o + c) for o, c)`` without a Python loop."""
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    return np.repeat(offsets - starts, counts) + np.arange(total, dtype=np.int64)
+
+
+def device_copy(
+    src_view: Any,
+    src_base: int,
+    src: Fragments,
+    dst_view: Any,
+    dst_base: int,
+    dst: Fragments,
+) -> None:
+    """Queue the copy of ``src`` rows (inside ``src_view``, a uint8 CUDA tensor at ``src_base``) to ``dst`` rows
+    (inside ``dst_view`` at ``dst_base``) on the current stream, as few indexed copies over ``[rows, g]`` views.
+
+    Returns at once; the caller synchronises. Rows must not overlap across the two views.
+    """
+    import torch
+
+    s_off = (src[:, 0] - np.uint64(src_base)).astype(np.int64)
+    d_off = (dst[:, 0] - np.uint64(dst_base)).astype(np.int64)
+    lengths = src[:, 1].astype(np.int64)
+    if len(src) == 1:
+        a, b, n = int(s_off[0]), int(d_off[0]), int(lengths[0])
+        dst_view[b : b + n].copy_(src_view[a : a + n], non_blocking=True)
+        return
+    g = granularity(s_off, d_off, lengths)
+    # widest element that divides the row and both bases: fewer, wider elements per indexed copy
+    width = next(w for w in (8, 4, 2, 1) if g % w == 0 and src_base % w == 0 and dst_base % w == 0)
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+
+    def rows_of(view: Any) -> Any:
+        usable = (view.numel() // g) * g
+        return view[:usable].view(dtype).view(-1, g // width)
+
+    s_rows, d_rows = rows_of(src_view), rows_of(dst_view)
+    counts = lengths // g
+    s_idx = row_indices(s_off // g, counts)
+    d_idx = row_indices(d_off // g, counts)
+    n = len(s_idx)
+    s_run = bool(n and s_idx[-1] - s_idx[0] == n - 1 and np.all(np.diff(s_idx) == 1))
+    d_run = bool(n and d_idx[-1] - d_idx[0] == n - 1 and np.all(np.diff(d_idx) == 1))
+    device = src_view.device
+
+    def index(values: npt.NDArray[np.int64]) -> Any:
+        return torch.from_numpy(values).to(device, non_blocking=True)
+
+    if s_run and d_run:
+        a, b = int(s_idx[0]), int(d_idx[0])
+        d_rows[b : b + n].copy_(s_rows[a : a + n], non_blocking=True)
+    elif s_run:
+        a = int(s_idx[0])
+        d_rows.index_copy_(0, index(d_idx), s_rows[a : a + n])
+    elif d_run:
+        b = int(d_idx[0])
+        torch.index_select(s_rows, 0, index(s_idx), out=d_rows[b : b + n])
+    else:
+        step = max(1, GATHER_CHUNK_BYTES // g)
+        for lo in range(0, n, step):
+            staged = s_rows.index_select(0, index(s_idx[lo : lo + step]))
+            d_rows.index_copy_(0, index(d_idx[lo : lo + step]), staged)
 
 
 def _torch_copy(dst: Any, d_off: int, src: Any, s_off: int, n: int) -> None:

@@ -166,6 +166,8 @@ class TransportAttribute(TypedAttributeSet):
     nixl_agent_name: str = typed_attribute()
     #: UCX error handling mode of the NIXL UCX backend (nixl only)
     nixl_error_handling: str = typed_attribute()
+    #: CUDA regions of peers on this host are written by CUDA IPC and device copies, not NIXL (nixl only)
+    nixl_cuda_ipc: bool = typed_attribute()
     #: the UCX worker address bytes peers create endpoints from (ucx only)
     ucx_worker_address: bytes = typed_attribute()
 

@@ -9,9 +9,13 @@ nothing more (a "fragment" is such a run). Every configuration is verified once 
 Rows (``kind``):
 
 - ``write``: the transport, coalescing on;
-- ``contiguous``: the same transport, one fragment of ``total_bytes`` (the ceiling the goal is measured against);
+- ``contiguous``: the same transport, one fragment of ``total_bytes`` (the ceiling the goal is measured against).
+  Each fragment size is timed alternately with the contiguous write (``contiguous_seconds`` of its row), and its
+  ratio is taken against that paired time, so that load from other processes hits both alike;
 - ``memcpy``: ``torch`` copy of the same bytes inside this process;
 - ``nixl-per-page``: NIXL with one descriptor per page, coalescing off (what a user without kvferry writes);
+- ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its CUDA IPC path off (every byte through
+  NIXL descriptors), coalescing on;
 - ``gloo``: torch.distributed (gloo) send/recv of the same bytes, scattered after (always host memory: gloo
   has no CUDA path).
 
@@ -60,7 +64,9 @@ async def _timed(repeats: int, action: Callable[[], Any]) -> float:
     return statistics.median(times)
 
 
-def _row(kind: str, transport: str, fragment: int, page: int, nbytes: int, fragments: int, seconds: float) -> dict[str, Any]:
+def _row(
+    kind: str, transport: str, fragment: int, page: int, nbytes: int, fragments: int, seconds: float
+) -> dict[str, Any]:
     return {
         "kind": kind,
         "transport": transport,
@@ -128,6 +134,11 @@ async def _bench_transport(
                     return sha
 
             await transport.receive_message(peer)
+            if baselines and name == "nixl":
+                # NIXL alone first, before the main transport maps the peer's CUDA memory by IPC
+                rows += await _nixl_baselines(
+                    proc, src, dst, total, fragment_sizes, page_bytes, repeats, progress
+                )
             await transport.register(src)
             progress(f"{name}: ceilings")
             copy()  # first touch
@@ -149,23 +160,90 @@ async def _bench_transport(
                 runs = [int(r) for r in dst_pages[:: fragment // page] // (fragment // page)]
                 expected_sha = hashlib.sha256(src.cpu().numpy().data).hexdigest()
                 verified = await digest(runs, fragment) == expected_sha
-                seconds = await _timed(repeats, partial(transport.write, peer, src_f, dst_f))
+                paired, seconds = await _paired(
+                    repeats,
+                    partial(transport.write, peer, whole, whole_dst),
+                    partial(transport.write, peer, src_f, dst_f),
+                )
                 row = _row("write", name, fragment, page, total, total // fragment, seconds)
                 row["verified"] = verified
+                row["contiguous_seconds"] = paired
                 rows.append(row)
-                if baselines and name == "nixl":
-                    async with get_transport("nixl")(coalesce=False) as naive:
-                        naive_peer = await naive.connect(proc.address if proc else "")
-                        await naive.register(src)
-                        await naive.write(naive_peer, src_f, dst_f)
-                        seconds = await _timed(repeats, partial(naive.write, naive_peer, src_f, dst_f))
-                    rows.append(_row("nixl-per-page", "nixl", fragment, page, total, len(src_f), seconds))
     finally:
         if proc is not None:
             await anyio.to_thread.run_sync(proc.close)
     for row in rows:
-        row["ratio_contiguous"] = row["seconds"] and contiguous / row["seconds"]
+        if row["transport"] != name:
+            continue
+        row.setdefault("contiguous_seconds", contiguous)
+        row["ratio_contiguous"] = row["seconds"] and row["contiguous_seconds"] / row["seconds"]
         row["ratio_memcpy"] = row["seconds"] and memcpy / row["seconds"]
+    return rows
+
+
+async def _paired(
+    repeats: int, contiguous: Callable[[], Any], action: Callable[[], Any]
+) -> tuple[float, float]:
+    """Median seconds of ``contiguous`` and of ``action``, timed alternately so that both see the same load."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(await _timed(1, contiguous))
+        b.append(await _timed(1, action))
+    return statistics.median(a), statistics.median(b)
+
+
+async def _nixl_baselines(
+    proc: PeerProcess | None,
+    src: Any,
+    dst: int,
+    total: int,
+    fragment_sizes: Sequence[int],
+    page_bytes: int,
+    repeats: int,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """What NIXL alone does (no CUDA IPC path): coalesced descriptors, and one descriptor per page."""
+    assert proc is not None
+    rows = []
+    whole = np.array([[src.data_ptr(), total]], dtype=np.uint64)
+    whole_dst = np.array([[dst, total]], dtype=np.uint64)
+    async with (
+        get_transport("nixl")(cuda_ipc=False) as plain,
+        get_transport("nixl")(coalesce=False, cuda_ipc=False) as naive,
+    ):
+        plain_peer = await plain.connect(proc.address)
+        naive_peer = await naive.connect(proc.address)
+        await plain.register(src)
+        await naive.register(src)
+        progress("nixl alone: contiguous")
+        await plain.write(plain_peer, whole, whole_dst)
+        contiguous = await _timed(repeats, partial(plain.write, plain_peer, whole, whole_dst))
+        rows.append(_row("nixl-alone-contiguous", "nixl", total, total, total, 1, contiguous))
+        rows[-1]["contiguous_seconds"] = contiguous
+        alone = (
+            src.device.type != "cpu"
+        )  # on host memory nixl always goes through NIXL: its write rows are this
+        for fragment in fragment_sizes:
+            page = min(page_bytes, fragment)
+            progress(f"nixl alone: {fragment >> 10} KiB fragments")
+            src_pages, dst_pages = _layout(total, fragment, page, seed=fragment)
+            src_f = page_fragments(src.data_ptr(), page, src_pages)
+            dst_f = page_fragments(dst, page, dst_pages)
+            if alone:
+                await plain.write(plain_peer, src_f, dst_f)
+                paired, seconds = await _paired(
+                    repeats,
+                    partial(plain.write, plain_peer, whole, whole_dst),
+                    partial(plain.write, plain_peer, src_f, dst_f),
+                )
+                row = _row("nixl-alone", "nixl", fragment, page, total, total // fragment, seconds)
+                row["contiguous_seconds"] = paired
+                rows.append(row)
+            await naive.write(naive_peer, src_f, dst_f)
+            seconds = await _timed(repeats, partial(naive.write, naive_peer, src_f, dst_f))
+            row = _row("nixl-per-page", "nixl", fragment, page, total, len(src_f), seconds)
+            row["contiguous_seconds"] = contiguous
+            rows.append(row)
     return rows
 
 
@@ -205,7 +283,13 @@ async def _bench_gloo(
             runs = [int(p) for p in dst_pages]
             async with anyio.create_task_group() as tg:
                 receive = partial(
-                    proc.call, op="gloo", init_method=init_method, bytes=total, run_bytes=fragment, runs=runs, repeats=repeats + 1
+                    proc.call,
+                    op="gloo",
+                    init_method=init_method,
+                    bytes=total,
+                    run_bytes=fragment,
+                    runs=runs,
+                    repeats=repeats + 1,
                 )
                 tg.start_soon(receive)
                 seconds = await anyio.to_thread.run_sync(
@@ -238,7 +322,9 @@ async def run_transfer_bench(
         os.environ.setdefault(key, value)
     rows: list[dict[str, Any]] = []
     for name in transports:
-        rows += await _bench_transport(name, total_bytes, fragment_sizes, page_bytes, repeats, say, baselines, device)
+        rows += await _bench_transport(
+            name, total_bytes, fragment_sizes, page_bytes, repeats, say, baselines, device
+        )
     if baselines:
         gloo = await _bench_gloo(total_bytes, fragment_sizes, repeats, say)
         for row in gloo:
@@ -285,7 +371,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     rows = result["rows"]
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        if r["kind"] in ("write", "nixl-per-page", "gloo"):
+        if r["kind"] in ("write", "nixl-per-page", "nixl-alone", "gloo"):
             label = r["transport"] if r["kind"] == "write" else r["kind"]
             series.setdefault(label, []).append((r["fragment_bytes"], r["gbps"]))
     for label, points in series.items():
@@ -303,7 +389,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xlabel("fragment bytes (contiguous run on both sides)")
     ax.set_ylabel("GB/s")
     cfg = result["config"]
-    ax.set_title(f"{cfg['total_bytes'] >> 20} MiB per write between two processes (dashed: one contiguous write)")
+    ax.set_title(
+        f"{cfg['total_bytes'] >> 20} MiB per write between two processes (dashed: one contiguous write)"
+    )
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

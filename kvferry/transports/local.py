@@ -17,7 +17,9 @@ class LocalTransport(ChannelTransport):
     """Writes between transports of one process, as device copies. Accepts the :class:`ChannelTransport` options."""
 
     name = "local"
-    capabilities = Capabilities(one_sided_write=True, device_memory=True, cross_process=False, cross_host=False)
+    capabilities = Capabilities(
+        one_sided_write=True, device_memory=True, cross_process=False, cross_host=False
+    )
 
     def _check_peer_allowed(self, peer: ChannelPeer) -> None:
         if not peer.same_process:

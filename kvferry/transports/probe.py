@@ -29,10 +29,14 @@ PROBE_OPERATIONS: dict[str, dict[str, str]] = {
 
 # UCX 1.21 (ucxx): "| ucp_context_0 intra-node cfg#0 | tagged message by ... |"
 # UCX 1.23 (nixl): "| <worker> intra-node cfg#0 |" and the operation on the next line
-_HEADER = re.compile(r"\|\s*\S+\s+(?P<scope>self|intra-node|inter-node)\s+cfg#\d+\s*(?:\|\s*(?P<op>[^|]+?)\s*)?\|")
+_HEADER = re.compile(
+    r"\|\s*\S+\s+(?P<scope>self|intra-node|inter-node)\s+cfg#\d+\s*(?:\|\s*(?P<op>[^|]+?)\s*)?\|"
+)
 _OPERATION = re.compile(r"^\s*\|\s*(?P<op>[a-z][^|]*? by ucp_[^|]*?)\s*\|\s*$")
 _VERSION = re.compile(r"UCX\s+INFO\s+Version (?P<version>\d+\.\d+\.\d+)")
-_ROW = re.compile(r"\|\s*(?P<range>[0-9.KMGinf]+\.\.[0-9.KMGinf]+)\s*\|\s*(?P<proto>[^|]+?)\s*\|\s*(?P<tl>[^|]+?)\s*\|")
+_ROW = re.compile(
+    r"\|\s*(?P<range>[0-9.KMGinf]+\.\.[0-9.KMGinf]+)\s*\|\s*(?P<proto>[^|]+?)\s*\|\s*(?P<tl>[^|]+?)\s*\|"
+)
 
 
 def _version(distribution: str) -> str | None:
@@ -86,7 +90,13 @@ def parse_proto_info(text: str) -> list[dict[str, str]]:
         row = _ROW.search(body)
         if row and operation:
             rows.append(
-                {"operation": operation, "scope": scope, "range": row["range"], "protocol": row["proto"], "transport": row["tl"]}
+                {
+                    "operation": operation,
+                    "scope": scope,
+                    "range": row["range"],
+                    "protocol": row["proto"],
+                    "transport": row["tl"],
+                }
             )
     return rows
 
@@ -117,14 +127,25 @@ def probe_transport(name: str, device: str = "cpu", timeout: float = 120.0) -> d
         for prefix, label in wanted.items():
             op = row["operation"]
             if op.startswith(prefix) and memory in op and "(" not in op and row["scope"] != "self":
-                entry = {"range": row["range"], "protocol": row["protocol"], "transport": row["transport"], "scope": row["scope"]}
+                entry = {
+                    "range": row["range"],
+                    "protocol": row["protocol"],
+                    "transport": row["transport"],
+                    "scope": row["scope"],
+                }
                 if entry not in operations.setdefault(label, []):
                     operations[label].append(entry)
     ok = done.returncode == 0
     error = None if ok else (done.stderr.strip().splitlines() or ["failed"])[-1]
     tcp = any("tcp" in e["transport"] for entries in operations.values() for e in entries)
     found = _VERSION.search(done.stdout + done.stderr)
-    return {"ok": ok, "error": error, "operations": operations, "tcp": tcp, "ucx_version": found["version"] if found else None}
+    return {
+        "ok": ok,
+        "error": error,
+        "operations": operations,
+        "tcp": tcp,
+        "ucx_version": found["version"] if found else None,
+    }
 
 
 async def _probe_main(name: str, device: str) -> None:
@@ -137,7 +158,9 @@ async def _probe_main(name: str, device: str) -> None:
     import anyio
 
     with await anyio.to_thread.run_sync(lambda: PeerProcess(name, device=device, env=clean)) as proc:
-        async with get_transport(name)() as transport:
+        # the UCX transports of NIXL itself: its CUDA IPC path (cuda_ipc) would bypass them
+        options = {"cuda_ipc": False} if name == "nixl" else {}
+        async with get_transport(name)(**options) as transport:
             peer = await transport.connect(proc.address)
             size = 4 << 20
             dst = (await proc.call(op="alloc", name="probe", size=size))["address"]

@@ -38,7 +38,9 @@ def get_transport(name: str) -> TransportFactory:
     try:
         module_name, library, extra = _MODULES[name]
     except KeyError:
-        raise LookupError(f"no transport called {name!r}; choose one of {', '.join(TRANSPORT_NAMES)}") from None
+        raise LookupError(
+            f"no transport called {name!r}; choose one of {', '.join(TRANSPORT_NAMES)}"
+        ) from None
     if library is not None:
         try:
             importlib.import_module(library)

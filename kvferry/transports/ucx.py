@@ -63,7 +63,9 @@ def translate(exc: BaseException, what: str) -> TransportError:
     return TransportError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-def plan_messages(lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int) -> list[tuple[int, int, bool]]:
+def plan_messages(
+    lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int
+) -> list[tuple[int, int, bool]]:
     """Cut rows into messages: ``(first_row, end_row, packed)``; both sides compute the same plan."""
     plan: list[tuple[int, int, bool]] = []
     start, packed_bytes = -1, 0
@@ -83,7 +85,9 @@ def plan_messages(lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_by
     if start >= 0:
         plan.append((start, len(lengths), True))
     if len(plan) > _MAX_MESSAGES:
-        raise ValueError(f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {len(plan)}")
+        raise ValueError(
+            f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {len(plan)}"
+        )
     return plan
 
 
@@ -232,7 +236,9 @@ class UcxTransport(ChannelTransport):
     """
 
     name = "ucx"
-    capabilities = Capabilities(one_sided_write=False, device_memory=True, cross_process=True, cross_host=True)
+    capabilities = Capabilities(
+        one_sided_write=False, device_memory=True, cross_process=True, cross_host=True
+    )
     _uses_tag_prefix = True
 
     def __init__(
@@ -256,7 +262,9 @@ class UcxTransport(ChannelTransport):
         self._endpoints = 0
 
     async def _backend_open(self) -> None:
-        with suppress(RuntimeError):  # already initialised in this process (by us or the application): share it
+        with suppress(
+            RuntimeError
+        ):  # already initialised in this process (by us or the application): share it
             ucxx.init(progress_mode=self._progress_mode)
         try:
             ucxx.continuous_ucx_progress()
@@ -280,7 +288,9 @@ class UcxTransport(ChannelTransport):
                     address, endpoint_error_handling=self._endpoint_error_handling
                 )
         except TimeoutError as exc:
-            raise PeerDisconnected(f"no UCX endpoint to {peer.address} within {self._connect_timeout} s") from exc
+            raise PeerDisconnected(
+                f"no UCX endpoint to {peer.address} within {self._connect_timeout} s"
+            ) from exc
         except ucx_errors.UCXError as exc:
             raise WireFormatError(f"cannot reach the UCX worker address of {peer.address}: {exc}") from exc
         self._endpoints += 1
@@ -309,7 +319,9 @@ class UcxTransport(ChannelTransport):
         write_id = self.new_write_id()
         replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
         peer.pending[write_id] = replies_out
-        request = wire.WriteRequest(write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify)
+        request = wire.WriteRequest(
+            write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify
+        )
         announced = finished = False
         try:
             async with self.guard(peer, stall) as guard:
@@ -320,7 +332,9 @@ class UcxTransport(ChannelTransport):
                     except anyio.EndOfStream:
                         raise peer.error from None
 
-                await self.send_frame(peer, wire.FrameKind.WRITE_REQUEST, wire.encode(self._converter, request))
+                await self.send_frame(
+                    peer, wire.FrameKind.WRITE_REQUEST, wire.encode(self._converter, request)
+                )
                 announced = True
                 answer = await reply()
                 _raise_for(answer, peer, wire.WriteStatus.READY)
@@ -329,7 +343,11 @@ class UcxTransport(ChannelTransport):
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
                     # packing copies (and faults in) megabytes: off the event loop
-                    buffer = await anyio.to_thread.run_sync(views.gather, first, end) if packed else views.row(first)
+                    buffer = (
+                        await anyio.to_thread.run_sync(views.gather, first, end)
+                        if packed
+                        else views.row(first)
+                    )
                     return endpoint.send(buffer, tag=answer.tag + k, force_tag=True), buffer
 
                 async def sent(k: int, buffer: Any) -> None:

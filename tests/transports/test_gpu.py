@@ -24,15 +24,22 @@ pytestmark = [
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("transport_name", ["nixl", "ucx"])
-async def test_cuda_regions_across_processes(transport_name: str) -> None:
+@pytest.mark.parametrize(
+    ("transport_name", "options"), [("nixl", {}), ("nixl", {"cuda_ipc": False}), ("ucx", {}), ("local", {})]
+)
+async def test_cuda_regions_across_processes(transport_name: str, options: dict[str, bool]) -> None:
+    """Bytes verified and the notification after them; nixl goes by CUDA IPC unless told not to, local copies on
+    the device between two transports of this process."""
     try:
         get_transport(transport_name)
     except MissingExtraError as exc:
         pytest.skip(str(exc))
+    if transport_name == "local":
+        await _local_cuda()
+        return
     proc = await anyio.to_thread.run_sync(lambda: PeerProcess(transport_name, device="cuda"))
     try:
-        async with get_transport(transport_name)() as transport:
+        async with get_transport(transport_name)(**options) as transport:
             peer = await transport.connect(proc.address)
             size = 256 * MiB
             dst = await remote_buffer(transport, peer, proc, "gpu", size)
@@ -47,8 +54,49 @@ async def test_cuda_regions_across_processes(transport_name: str) -> None:
                 start = time.perf_counter()
                 await transport.write(peer, src_f, dst_f, b"gpu")
                 seconds = time.perf_counter() - start
-                reply = await proc.call(op="wait_notify", name="gpu", fragments=[[int(p) * page, page] for p in perm])
+                reply = await proc.call(
+                    op="wait_notify", name="gpu", fragments=[[int(p) * page, page] for p in perm]
+                )
                 assert reply["sha"] == expected
-                print(f"{transport_name} cuda {page >> 10} KiB pages: {size / seconds / 1e9:.1f} GB/s")
+                print(
+                    f"{transport_name} {options} cuda {page >> 10} KiB pages: {size / seconds / 1e9:.1f} GB/s"
+                )
+            # both sides scattered: the staged (gather, then scatter) copy
+            page = 64 << 10
+            n = size // page
+            perm_s, perm_d = np.random.default_rng(1).permutation(n), np.random.default_rng(2).permutation(n)
+            await transport.write(
+                peer, page_fragments(src.data_ptr(), page, perm_s), page_fragments(dst, page, perm_d), b"gpu"
+            )
+            fragments = [[int(d) * page, page] for d in perm_d[np.argsort(perm_s)]]
+            reply = await proc.call(op="wait_notify", name="gpu", fragments=fragments)
+            assert reply["sha"] == expected
+            if transport_name == "nixl":
+                assert (transport.ipc_writes > 0) == options.get("cuda_ipc", True)  # type: ignore[attr-defined]
     finally:
         proc.close()
+
+
+async def _local_cuda() -> None:
+    size = 64 * MiB
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        peer = await a.connect(b.address)
+        remote = await b.accept()
+        src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+        dst = torch.zeros_like(src)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(remote, b"registered")
+        await a.receive_message(peer)
+        page = 64 << 10
+        n = size // page
+        perm_s, perm_d = np.random.default_rng(3).permutation(n), np.random.default_rng(4).permutation(n)
+        await a.write(
+            peer,
+            page_fragments(src.data_ptr(), page, perm_s),
+            page_fragments(dst.data_ptr(), page, perm_d),
+            b"x",
+        )
+        assert await b.receive_notification(remote) == b"x"
+        view_s, view_d = src.view(n, page), dst.view(n, page)
+        assert torch.equal(view_d[torch.from_numpy(perm_d).cuda()], view_s[torch.from_numpy(perm_s).cuda()])

@@ -74,7 +74,9 @@ async def asha(data: bytes | np.ndarray) -> str:
 
 
 @pytest.mark.parametrize("size", [1, 4097, MiB + 3, 64 * MiB])
-async def test_round_trip_bytes_verified(transport_name: str, remote: Remote, loop_lag: LoopLag, size: int) -> None:
+async def test_round_trip_bytes_verified(
+    transport_name: str, remote: Remote, loop_lag: LoopLag, size: int
+) -> None:
     async with connected(transport_name, remote) as (transport, peer):
         dst = await remote_buffer(transport, peer, remote, "rt", size + 64)
         src = await arandom(size + 7, seed=size)
@@ -99,9 +101,14 @@ async def test_many_fragments_scattered(transport_name: str, remote: Remote, loo
         loop_lag.reset()
         perm = rng.permutation(pages)
         await transport.write(
-            peer, page_fragments(src.data_ptr(), page, np.arange(pages)), page_fragments(dst, page, perm), b"p"
+            peer,
+            page_fragments(src.data_ptr(), page, np.arange(pages)),
+            page_fragments(dst, page, perm),
+            b"p",
         )
-        reply = await remote.call(op="wait_notify", name="pages", fragments=[[int(p) * page, page] for p in perm])
+        reply = await remote.call(
+            op="wait_notify", name="pages", fragments=[[int(p) * page, page] for p in perm]
+        )
         assert reply["sha"] == await asha(src.numpy())
 
         # irregular lengths, both sides scattered, some rows contiguous on both sides (coalesced)
@@ -161,7 +168,9 @@ async def test_messages_and_size_limit(transport_name: str, remote: Remote) -> N
         assert await transport.receive_message(peer) == b"after"
 
 
-async def test_handshake_refused_before_body(transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_handshake_refused_before_body(
+    transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with get_transport(transport_name)(compat_hash=b"another model") as transport:
         with pytest.raises(PeerIncompatible, match="compatibility hash"):
             await transport.connect(remote.address)
@@ -171,7 +180,9 @@ async def test_handshake_refused_before_body(transport_name: str, remote: Remote
     async with get_transport(transport_name)() as transport:
         # a future peer's body would not decode; it must be refused by version before anyone tries
         monkeypatch.setattr(transport, "_hello", lambda: b"not a hello at all")
-        monkeypatch.setattr(wire, "encode", lambda converter, obj: obj if isinstance(obj, bytes) else converter.dumps(obj))
+        monkeypatch.setattr(
+            wire, "encode", lambda converter, obj: obj if isinstance(obj, bytes) else converter.dumps(obj)
+        )
         with pytest.raises(PeerIncompatible, match="wire version"):
             await transport.connect(remote.address)
     monkeypatch.undo()
@@ -215,7 +226,9 @@ async def test_write_outside_registered_memory(transport_name: str, remote: Remo
         ]:
             with pytest.raises(RegionError):
                 await transport.write(peer, src_f, dst_f, b"never")
-        assert (await remote.call(op="digest", name="guarded", fragments=[[0, 4096]]))["sha"] == sha(bytes(4096))
+        assert (await remote.call(op="digest", name="guarded", fragments=[[0, 4096]]))["sha"] == sha(
+            bytes(4096)
+        )
         with pytest.raises(ValueError):
             await transport.write(peer, [[src.data_ptr(), 16]], [[dst, 8]])
 
@@ -233,9 +246,13 @@ async def test_receiver_refuses_what_it_did_not_register(transport_name: str, re
         peer.regions = RegionTable([RegionInfo(dst, 1 << 40, "cpu")])  # type: ignore[attr-defined]
         with pytest.raises(RegionError):
             await transport.write(peer, [[src.data_ptr(), 4096]], [[dst + 4096, 4096]], b"x")
-        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(bytes(4096))
+        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(
+            bytes(4096)
+        )
         await transport.write(peer, [[src.data_ptr(), 4096]], [[dst, 4096]], b"still fine")
-        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(src.numpy().tobytes())
+        assert (await remote.call(op="digest", name="victim", fragments=[[0, 4096]]))["sha"] == sha(
+            src.numpy().tobytes()
+        )
 
 
 @pytest.mark.parametrize("transport_name", ["nixl", "ucx"])
@@ -342,7 +359,10 @@ async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPat
         monkeypatch.undo()
         assert a.statistics().writes_in_flight == 0
         if transport_name == "nixl":
-            assert a.statistics().backend_handles in (1, 4)  # the remote agent (+ handles NIXL would not release)
+            assert a.statistics().backend_handles in (
+                1,
+                4,
+            )  # the remote agent (+ handles NIXL would not release)
 
 
 async def test_use_after_aclose(transport_name: str, remote: Remote) -> None:
@@ -402,9 +422,9 @@ async def test_clean_shutdown(transport_name: str, remote: Remote) -> None:
                 await waiter_done.wait()
         assert transport.statistics().peers == 0
     stats = transport.statistics()
-    assert stats._replace(writes_completed=0, bytes_written=0, messages_sent=0, messages_received=0) == type(stats)(
-        *([0] * len(stats))
-    )
+    assert stats._replace(writes_completed=0, bytes_written=0, messages_sent=0, messages_received=0) == type(
+        stats
+    )(*([0] * len(stats)))
     assert our_tasks() <= tasks_before
     await anyio.sleep(0.05)
     new_threads = {t for t in set(threading.enumerate()) - before if t.is_alive()}

@@ -69,7 +69,12 @@ def test_handshake_round_trip(compat: bytes, body: bytes, version: int) -> None:
 
 def test_malformed_wire_is_refused() -> None:
     converter = wire.make_converter()
-    for data in (b"", b"\xc1", b"\x93\x01\x02\x03", converter.dumps({"wire_version": -1, "compat_hash": b"", "body": b""})):
+    for data in (
+        b"",
+        b"\xc1",
+        b"\x93\x01\x02\x03",
+        converter.dumps({"wire_version": -1, "compat_hash": b"", "body": b""}),
+    ):
         with pytest.raises(WireFormatError):
             wire.decode(converter, data, wire.Handshake)
     extra = converter.dumps({"wire_version": 1, "compat_hash": b"", "body": b"", "surprise": 1})
@@ -115,3 +120,48 @@ def test_missing_library_names_the_extra() -> None:
     with pytest.raises(LookupError):
         get_transport("carrier-pigeon")
     assert issubclass(MissingExtraError, ImportError)
+
+
+@pytest.mark.parametrize(
+    "layout", ["both scattered", "source in order", "destination in order", "one fragment"]
+)
+@given(seed=st.integers(0, 2**16), unit=st.sampled_from([1, 2, 8, 64, 4096]), runs=st.integers(1, 12))
+def test_device_copy_moves_exactly_the_fragments(layout: str, seed: int, unit: int, runs: int) -> None:
+    """The batched copy of the CUDA paths (local on CUDA, nixl by CUDA IPC) cuts rows at the gcd granularity and
+    picks a plain, an index_copy, an index_select or a staged copy; on CPU tensors it must move the same bytes."""
+    import torch
+
+    from kvferry.transports._memory import device_copy
+
+    rng = np.random.default_rng(seed)
+    if layout == "one fragment":
+        runs = 1
+    lengths = rng.integers(1, 4, runs) * unit
+    if layout in ("source in order", "destination in order"):
+        lengths[:] = unit * 2  # runs that touch each other, so the in-order side is one run of rows
+    slots = int(lengths.max())
+    size = slots * runs + unit
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    dst = torch.zeros(size, dtype=torch.uint8)
+    order_s = np.arange(runs) if layout in ("source in order", "one fragment") else rng.permutation(runs)
+    order_d = np.arange(runs) if layout == "destination in order" else rng.permutation(runs)
+    base_s, base_d = src.data_ptr(), dst.data_ptr()
+    s_off = order_s * slots if layout != "source in order" else np.arange(runs) * unit * 2
+    d_off = order_d * slots if layout != "destination in order" else np.arange(runs) * unit * 2
+    src_f = np.stack([base_s + s_off, lengths], axis=1).astype(np.uint64)
+    dst_f = np.stack([base_d + d_off, lengths], axis=1).astype(np.uint64)
+    device_copy(src, base_s, src_f, dst, base_d, dst_f)
+    expected = np.zeros(size, dtype=np.uint8)
+    source = src.numpy()
+    for (a, n), (b, _) in zip(src_f - [base_s, 0], dst_f - [base_d, 0], strict=True):
+        expected[int(b) : int(b) + int(n)] = source[int(a) : int(a) + int(n)]
+    assert np.array_equal(dst.numpy(), expected)
+
+
+def test_granularity_and_row_indices() -> None:
+    from kvferry.transports._memory import granularity, row_indices
+
+    assert granularity(np.array([4096, 8192]), np.array([0, 12288]), np.array([4096])) == 4096
+    assert granularity(np.array([64, 96])) == 32
+    rows = row_indices(np.array([5, 0, 9], dtype=np.int64), np.array([2, 1, 3], dtype=np.int64))
+    assert rows.tolist() == [5, 6, 0, 9, 10, 11]

@@ -116,7 +116,10 @@ async def main() -> None:
     parser.add_argument("--max-message-bytes", type=int, default=16 << 20)
     args = parser.parse_args()
     factory = get_transport(args.name)
-    options: dict[str, Any] = {"compat_hash": bytes.fromhex(args.compat), "max_message_bytes": args.max_message_bytes}
+    options: dict[str, Any] = {
+        "compat_hash": bytes.fromhex(args.compat),
+        "max_message_bytes": args.max_message_bytes,
+    }
     async with factory(**options) as transport, anyio.create_task_group() as tg:
         server = PeerServer(transport, args.device)
         tg.start_soon(server.accept_forever)
