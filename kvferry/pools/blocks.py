@@ -18,6 +18,7 @@ One :class:`PagePool` per paged group. It hands out page ids and never touches m
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, NewType
 
@@ -58,7 +59,14 @@ def hash_block(parent: PageHash, token_ids: Sequence[int] | np.ndarray) -> PageH
     :param parent: the previous block's hash, or :func:`root_hash` for the first block.
     :param token_ids: the block's token ids, packed as little-endian int64.
     """
-    packed = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8")).tobytes()
+    packed = b""
+    if type(token_ids) is list or type(token_ids) is tuple:  # the per-block fast path, same bytes
+        try:
+            packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
+        except struct.error:
+            packed = b""
+    if not packed:
+        packed = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8")).tobytes()
     digest = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
     digest.update(packed)
     return PageHash(digest.digest())

@@ -74,6 +74,8 @@ DRAFT = "draft"
 
 RequestId = Hashable
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class CacheState(enum.Enum):
     """Where a request's cache is in its lifecycle."""
@@ -371,7 +373,7 @@ class CacheManager:
         """
         if request_id in self._requests:
             raise InvalidTransition(f"request {request_id!r} already exists")
-        prompt = _token_list(prompt_token_ids)
+        prompt = list(_token_list(prompt_token_ids))  # our own copy
         if not prompt:
             raise ConfigError("a request needs at least one prompt token")
         req = _Request(request_id=request_id, prompt=prompt, parent=root_hash(salt))
@@ -435,18 +437,62 @@ class CacheManager:
         :raises ~kvferry.errors.PoolExhausted: if the pages do not suffice; nothing changed.
         :raises ~kvferry.errors.InvalidTransition: if the request is not ACTIVE.
         """
-        req = self._active(request_id, "grow")
-        if capacity <= req.capacity:
-            return
-        need_pages = self._blocks(capacity) - len(req.pages)
-        need_draft = self._draft_blocks(capacity) - len(req.draft_pages)
-        if need_pages > 0 or need_draft > 0:  # most decode steps stay inside the last page
-            for victim in self._plan(need_pages, need_draft, 0, exclude=req):
+        self.grow_many(((request_id, capacity),))
+
+    def grow_many(self, grows: Iterable[tuple[RequestId, int]]) -> None:
+        """:meth:`grow` for several ``(request id, capacity)`` pairs, in order, all or nothing.
+
+        The result is exactly that of calling :meth:`grow` for each pair in turn (the same pages, the same
+        suspended requests moved to the host), except that a refusal changes nothing at all: every pair is
+        checked and the pages of all of them are counted before anything is taken.
+
+        :raises ~kvferry.errors.PoolExhausted: if the pages of all of them do not suffice; nothing changed.
+        :raises ~kvferry.errors.InvalidTransition: if one of them is not ACTIVE; nothing changed.
+        :raises ~kvferry.errors.UnknownRequest: if one of them does not exist; nothing changed.
+        """
+        requests, active = self._requests, CacheState.ACTIVE
+        tpb = self.config.tokens_per_block
+        draft_tpb = self.config.draft_tokens_per_block if self._draft is not None else 0
+        staged: list[tuple[_Request, int, int, int]] = []
+        # (capacity, pages, draft pages) of requests grown earlier in this batch
+        ahead: dict[RequestId, tuple[int, int, int]] = {}
+        need_pages = need_draft = 0
+        for request_id, capacity in grows:
+            req = requests.get(request_id)
+            if req is None or req.state is not active:
+                self._active(request_id, "grow")  # raises the precise error
+            assert req is not None
+            state = ahead.get(request_id)
+            current, num_pages, num_draft = (
+                (req.capacity, len(req.pages), len(req.draft_pages)) if state is None else state
+            )
+            if capacity <= current:
+                continue
+            # most decode steps stay inside the last page: no pages
+            pages = -(-capacity // tpb) - num_pages
+            pages = pages if pages > 0 else 0
+            draft = -(-capacity // draft_tpb) - num_draft if draft_tpb else 0
+            draft = draft if draft > 0 else 0
+            staged.append((req, capacity, pages, draft))
+            ahead[request_id] = (capacity, num_pages + pages, num_draft + draft)
+            need_pages += pages
+            need_draft += draft
+        if need_pages or need_draft:
+            for victim in self._plan(need_pages, need_draft, 0):
                 self._offload(victim)
-            req.pages.extend(self._pages.allocate(need_pages))
-            if self._draft is not None:
-                req.draft_pages.extend(self._draft.allocate(need_draft))
-        req.capacity = capacity
+        # NOTE: nothing below may fail: the plan guaranteed every allocation. One allocation per pool, handed out
+        # in order: the same pages as one allocation per request (both take the free queue's head in turn).
+        new_pages = self._pages.allocate(need_pages) if need_pages else []
+        new_draft = self._draft.allocate(need_draft) if need_draft and self._draft is not None else []
+        taken = taken_draft = 0
+        for req, capacity, pages, draft in staged:
+            if pages:
+                req.pages.extend(new_pages[taken : taken + pages])
+                taken += pages
+            if draft:
+                req.draft_pages.extend(new_draft[taken_draft : taken_draft + draft])
+                taken_draft += draft
+            req.capacity = capacity
 
     def commit(
         self, request_id: RequestId, token_ids: Sequence[int] | np.ndarray, *, num_pending_replay: int = 0
@@ -460,37 +506,74 @@ class CacheManager:
 
         :raises ~kvferry.errors.InvalidTransition: if the request is not ACTIVE, the tokens exceed the capacity,
             disagree with the prompt, or the slot position would move backwards; nothing changed.
+        :raises ~kvferry.errors.ConfigError: if the token ids are not 64-bit integers; nothing changed.
         """
-        req = self._active(request_id, "commit")
-        tokens = _token_list(token_ids)
-        total = len(req.tokens) + len(tokens)
-        if total > req.capacity:
-            raise InvalidTransition(
-                f"commit of {request_id!r}: {total} tokens exceed capacity {req.capacity}"
+        self.commit_many(((request_id, token_ids, num_pending_replay),))
+
+    def commit_many(self, commits: Iterable[tuple[RequestId, Sequence[int] | np.ndarray, int]]) -> None:
+        """:meth:`commit` for several ``(request id, token ids, num_pending_replay)`` triples (one engine step's
+        commits), in order, all or nothing.
+
+        The result is exactly that of calling :meth:`commit` for each triple in turn (the same prefix index
+        entries, the same snapshots in the same slots), except that a refusal changes nothing at all: every
+        triple is checked first, against the state the earlier triples of the batch leave (a request may
+        appear more than once).
+
+        :raises ~kvferry.errors.InvalidTransition: as :meth:`commit`, for any of them; nothing changed.
+        :raises ~kvferry.errors.UnknownRequest: if one of them does not exist; nothing changed.
+        :raises ~kvferry.errors.ConfigError: if token ids are not 64-bit integers; nothing changed.
+        """
+        # NOTE: runs for every request every engine step: checks inlined, no per-token Python work beyond
+        # the integer check, blocks hashed only when they fill up
+        requests, active = self._requests, CacheState.ACTIVE
+        staged: list[tuple[_Request, list[int], int]] = []
+        # (committed tokens, slot position) of requests committed earlier in this batch
+        ahead: dict[RequestId, tuple[int, int]] = {}
+        for request_id, token_ids, num_pending_replay in commits:
+            req = requests.get(request_id)
+            if req is None or req.state is not active:
+                self._active(request_id, "commit")  # raises the precise error
+            assert req is not None
+            tokens = _token_list(token_ids)
+            state = ahead.get(request_id)
+            start, position = (
+                (len(req.tokens), len(req.tokens) - req.pending_replay) if state is None else state
             )
-        start = len(req.tokens)
-        overlap = min(total, len(req.prompt)) - start
-        if overlap > 0 and tokens[:overlap] != req.prompt[start : start + overlap]:
-            raise InvalidTransition(f"commit of {request_id!r}: tokens disagree with the prompt")
-        if not 0 <= num_pending_replay <= total or total - num_pending_replay < req.state_tokens:
-            raise InvalidTransition(
-                f"commit of {request_id!r}: num_pending_replay {num_pending_replay} would move the slot from "
-                f"{req.state_tokens} to {total - num_pending_replay}"
-            )
-        req.tokens.extend(tokens)
-        req.pending_replay = num_pending_replay
+            total = start + len(tokens)
+            if total > req.capacity:
+                raise InvalidTransition(
+                    f"commit of {request_id!r}: {total} tokens exceed capacity {req.capacity}"
+                )
+            prompt = req.prompt
+            if start < len(prompt):
+                overlap = min(total, len(prompt)) - start
+                if tokens[:overlap] != prompt[start : start + overlap]:
+                    raise InvalidTransition(f"commit of {request_id!r}: tokens disagree with the prompt")
+            if not 0 <= num_pending_replay <= total or total - num_pending_replay < position:
+                raise InvalidTransition(
+                    f"commit of {request_id!r}: num_pending_replay {num_pending_replay} would move the slot "
+                    f"from {position} to {total - num_pending_replay}"
+                )
+            staged.append((req, tokens, num_pending_replay))
+            ahead[request_id] = (total, total - num_pending_replay)
+        # NOTE: nothing below may fail (registering owned pages and best-effort snapshots cannot)
         tpb = self.config.tokens_per_block
         reusable = self.config.enable_reuse
-        while len(req.block_hashes) < total // tpb:
-            index = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else req.parent
-            block_hash = hash_block(parent, req.tokens[index * tpb : (index + 1) * tpb])
-            req.block_hashes.append(block_hash)
-            if reusable:
-                self._pages.register(req.pages[index], block_hash)
-        position = req.state_tokens
-        if reusable and position > req.last_snapshot and self._is_boundary(req, position):
-            self._take_snapshot(req, position)
+        snapshots = reusable and self._slots is not None
+        for req, tokens, num_pending_replay in staged:
+            req.tokens.extend(tokens)
+            req.pending_replay = num_pending_replay
+            total = len(req.tokens)
+            if len(req.block_hashes) < total // tpb:
+                self._hash_full_blocks(req, total // tpb)
+            position = total - num_pending_replay
+            if (
+                snapshots
+                and position > req.last_snapshot
+                and position % tpb == 0
+                and self._is_boundary(req, position)
+            ):
+                self._take_snapshot(req, position)
 
     def suspend(self, request_id: RequestId, *, offload: Offload = Offload.ON_PRESSURE) -> None:
         """ACTIVE -> SUSPENDED: give up the batch row; keep (or with ``Offload.NOW`` move to host) the memory.
@@ -897,6 +980,17 @@ class CacheManager:
             self.arena.zero_pages(DRAFT, stale)
         return (0, req.reused_tokens)
 
+    def _hash_full_blocks(self, req: _Request, num_blocks: int) -> None:
+        """Hash the request's newly full blocks (up to ``num_blocks``) and offer their pages for reuse."""
+        tpb, tokens, hashes = self.config.tokens_per_block, req.tokens, req.block_hashes
+        reusable = self.config.enable_reuse
+        parent = hashes[-1] if hashes else req.parent
+        for index in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tokens[index * tpb : (index + 1) * tpb])
+            hashes.append(parent)
+            if reusable:
+                self._pages.register(req.pages[index], parent)
+
     def _take_snapshot(self, req: _Request, position: int) -> None:
         assert self._slots is not None
         req.last_snapshot = position
@@ -911,7 +1005,9 @@ class CacheManager:
             self.arena.copy_slots([req.slot], [snapshot_slot])
         self._counters.snapshots_taken += 1
 
-    def _plan(self, pages: int, draft_pages: int, slots: int, *, exclude: _Request) -> list[_Request]:
+    def _plan(
+        self, pages: int, draft_pages: int, slots: int, *, exclude: _Request | None = None
+    ) -> list[_Request]:
         """Suspended requests to move to the host so the need fits; raises PoolExhausted if it cannot."""
         if pages <= 0 and draft_pages <= 0 and slots <= 0:
             return []
@@ -1005,17 +1101,24 @@ class CacheManager:
 
 
 def _token_list(token_ids: Iterable[int] | np.ndarray) -> list[int]:
-    if type(token_ids) in (list, tuple) and all(type(t) is int for t in token_ids):  # the per-step fast path
-        return list(token_ids)
+    """Token ids as a list of Python ints (a list input of int64 ints is returned as is, not copied)."""
+    if type(token_ids) is list or type(token_ids) is tuple:  # the per-step fast path
+        for t in token_ids:
+            if type(t) is not int or not INT64_MIN <= t <= INT64_MAX:
+                break
+        else:
+            return token_ids if type(token_ids) is list else list(token_ids)
     try:
         array = np.asarray(token_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise ConfigError(
-                f"token ids must be a 1-D sequence of integers, got {array.dtype} {array.shape}"
+                f"token ids must be a 1-D sequence of 64-bit integers, got {array.dtype} {array.shape}"
             )
+        if array.dtype == np.uint64 and array.size and int(array.max()) > INT64_MAX:
+            raise ConfigError("token ids must be 64-bit integers, got values above 2**63 - 1")
         return [int(t) for t in array.tolist()]
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(f"token ids must be a 1-D sequence of integers: {exc}") from None
+        raise ConfigError(f"token ids must be a 1-D sequence of 64-bit integers: {exc}") from None
 
 
 def _check_arena_fits(config: CacheManagerConfig, layout: CacheLayout) -> None:
