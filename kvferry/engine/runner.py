@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import attrs
-import msgpack
 import torch
 from attrs import define, frozen
 
+from kvferry import wire
 from kvferry.engine.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
 from kvferry.engine.model import Model, SequenceInput
 from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.engine.weights import ModelWeights, tiny_args
-from kvferry.errors import ConfigError, KvferryError
+from kvferry.errors import ConfigError, KvferryError, WireFormatError
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheManagerStatistics, Resumed
-from kvferry.pools.spec import ModelSpec, dtype_from_name, preset
+from kvferry.pools.spec import ModelSpec, dtype_from_name, dtype_name, preset
 
-__all__ = ["EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
+__all__ = ["DrafterHandoff", "EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
 
 
 # --- cache: one manager per rank, in lockstep -------------------------------------------------------------
@@ -101,6 +101,38 @@ class LockstepCache:
 
     def __repr__(self) -> str:
         return f"<LockstepCache tp={len(self.managers)} {self.primary!r}>"
+
+
+# --- the drafter's hand-off --------------------------------------------------------------------------------
+
+
+@frozen
+class DrafterHandoff:
+    """What a generation engine's drafter needs of a prefilled request besides its draft KV pages: the target's
+    hidden state of the prompt's last position (``start``, holding ``token``) and the token chosen after it
+    (``pending``). ``hidden``: the raw bytes of one ``[hidden_size]`` row of ``dtype``."""
+
+    start: int
+    token: int
+    pending: int
+    dtype: str
+    hidden: bytes
+
+    def validate(self) -> None:
+        if min(self.start, self.token, self.pending) < 0:
+            raise WireFormatError(f"drafter hand-off with a negative position or token: {self!r}")
+        try:
+            itemsize = dtype_from_name(self.dtype).itemsize
+        except ConfigError:
+            raise WireFormatError(f"drafter hand-off of unknown dtype {self.dtype!r}") from None
+        if not self.hidden or len(self.hidden) % itemsize:
+            raise WireFormatError(f"drafter hand-off of {len(self.hidden)} bytes of {self.dtype}")
+
+    def __repr__(self) -> str:
+        return (
+            f"DrafterHandoff(start={self.start}, token={self.token}, pending={self.pending}, "
+            f"dtype={self.dtype}, {len(self.hidden)} bytes)"
+        )
 
 
 # --- the model runner ---------------------------------------------------------------------------------------
@@ -197,53 +229,87 @@ class PagedRunner:
         self._fed.pop(request_id, None)
 
     def export_handoff(self, request_id: int, pending_token: int) -> bytes:
-        """The drafter's host state of a request (target hidden states not yet drafted from), for a hand-off.
+        """Finish the drafter's part of a prefilled request for a hand-off; returns the bytes to send along.
 
-        Empty when the request keeps none (it was submitted with ``spec_k == 0``, or there is no drafter).
-        ``pending_token`` is recorded so the receiver can check it continues the same sequence.
+        Runs the drafter's catch-up over every target hidden state fed since its last proposal (the prompt,
+        with ``pending_token``, the token the target just chose, after its last position), exactly the pass
+        the first proposal of aggregated serving makes: this writes the request's draft KV for the whole
+        prompt into its draft pages (the transfer carries them). The bytes returned
+        (:class:`DrafterHandoff`) hold only what the receiver's first proposal needs besides those pages:
+        the last position's hidden state. Afterwards this runner keeps just that row too, so the request
+        could also continue here.
+
+        Empty when the request keeps no drafter state (submitted with ``spec_k == 0``, or no drafter).
+        On failure (bad draft block table: ConfigError) nothing is written and the state is kept.
         """
         fed = self._fed.get(request_id)
-        if not fed:
+        if not fed or self.drafter is None:
             return b""
-        hidden = torch.cat([f.hidden for f in fed]).detach().to("cpu").contiguous()
-        return bytes(
-            msgpack.packb(
-                {
-                    "v": 1,
-                    "start": fed[0].start,
-                    "tokens": [t for f in fed for t in f.token_ids],
-                    "pending": int(pending_token),
-                    "dtype": str(hidden.dtype).removeprefix("torch."),
-                    "shape": list(hidden.shape),
-                    "hidden": hidden.view(torch.uint8).numpy().tobytes(),
-                }
+        hidden = torch.cat([f.hidden for f in fed])
+        tokens = [t for f in fed for t in f.token_ids]
+        start = fed[0].start
+        # k=1: the catch-up rows plus one draft token, which is discarded (it writes no draft KV)
+        self.drafter.propose(
+            [
+                DraftInput(
+                    hidden=hidden,
+                    next_tokens=(*tokens[1:], int(pending_token)),  # type: ignore[arg-type,unused-ignore]
+                    start=start,
+                    block_table=self.cache.draft_block_table(request_id),  # type: ignore[arg-type,unused-ignore]
+                )
+            ],
+            1,
+        )
+        last = _Fed(start + len(tokens) - 1, tokens[-1:], hidden[-1:])
+        self._fed[request_id] = [last]
+        row = last.hidden.detach().to("cpu").contiguous()
+        return wire.encode(
+            DrafterHandoff(
+                start=last.start,
+                token=last.token_ids[0],
+                pending=int(pending_token),
+                dtype=dtype_name(row.dtype),
+                hidden=row.view(torch.uint8).numpy().tobytes(),
             )
         )
 
-    def import_handoff(self, request_id: int, data: bytes) -> None:
-        """Install drafter host state made by :meth:`export_handoff` on another engine.
+    def import_handoff(
+        self,
+        request_id: int,
+        data: bytes,
+        *,
+        prompt: Sequence[int] | None = None,
+        pending_token: int | None = None,
+    ) -> None:
+        """Install the drafter state :meth:`export_handoff` made on another engine (the request's draft KV
+        arrives in its draft pages by transfer; without it they hold zeros and proposals get worse).
 
-        :raises ~kvferry.errors.ConfigError: on bytes that do not decode to a consistent state (nothing changes).
+        ``prompt`` / ``pending_token``, when given, must be what the hand-off continues: its position is the
+        prompt's last, its token the prompt's last token, its pending token ``pending_token``.
+
+        :raises ~kvferry.errors.WireFormatError: bytes that do not decode to a hand-off of this model (another
+            dtype, hidden size) or that continue another sequence; nothing changes.
         """
-        if not data:
-            return
-        try:
-            state = msgpack.unpackb(data)
-            dtype = dtype_from_name(str(state["dtype"]))
-            shape = [int(n) for n in state["shape"]]
-            tokens = [int(t) for t in state["tokens"]]
-            start = int(state["start"])
-            raw = bytearray(state["hidden"])
-            hidden = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
-        except (KvferryError, KeyError, TypeError, ValueError, RuntimeError, msgpack.UnpackException) as exc:
-            raise ConfigError(f"bad drafter hand-off state: {exc}") from None
+        handoff = wire.decode(data, DrafterHandoff)
+        dtype = self.model.weights.dtype
         width = self.model.spec.hidden_size
-        if state.get("v") != 1 or shape != [len(tokens), width] or start < 0:
-            raise ConfigError(
-                f"drafter hand-off state of shape {shape} does not fit {len(tokens)} tokens x {width}"
+        if handoff.dtype != dtype_name(dtype):
+            raise WireFormatError(f"drafter hand-off of dtype {handoff.dtype}, this model runs {dtype}")
+        if len(handoff.hidden) != width * dtype.itemsize:
+            raise WireFormatError(
+                f"drafter hand-off of {len(handoff.hidden)} bytes is not one hidden state of {width} x {dtype}"
             )
-        hidden = hidden.to(device=self.model.device, dtype=self.model.weights.dtype)
-        self._fed[request_id] = [_Fed(start, tokens, hidden)]
+        if prompt is not None and (handoff.start, handoff.token) != (len(prompt) - 1, prompt[-1]):
+            raise WireFormatError(
+                f"drafter hand-off at position {handoff.start} (token {handoff.token}) does not continue a "
+                f"prompt of {len(prompt)} tokens ending in {prompt[-1] if prompt else None}"
+            )
+        if pending_token is not None and handoff.pending != pending_token:
+            raise WireFormatError(
+                f"drafter hand-off continues with token {handoff.pending}, not {pending_token}"
+            )
+        row = torch.frombuffer(bytearray(handoff.hidden), dtype=torch.uint8).view(dtype).reshape(1, width)
+        self._fed[request_id] = [_Fed(handoff.start, [handoff.token], row.to(self.model.device))]
 
     def __repr__(self) -> str:
         return f"<PagedRunner {self.model!r} drafter={self.drafter is not None} speculating={len(self._fed)}>"

@@ -12,6 +12,7 @@ import torch
 
 from kvferry.engine.engine import DraftItem, Engine, ForwardItem
 from kvferry.engine.runner import BuiltEngine, EngineOptions, PagedRunner, build_engine
+from kvferry.pools.spec import DRAFT_LAYER_SHIFT
 
 torch.set_num_threads(1)  # the tiny model's kernels are far faster on one thread than on two busy ones
 
@@ -275,7 +276,9 @@ async def test_the_real_drafter_gives_the_same_tokens(k: int, tp: int, alone: li
     initial = free_counts(built)
     assert await run_all(built, spec_k=k) == alone
     stats = built.engine.statistics()
-    assert 0 < stats.num_accepted < stats.num_drafted and built.runner.drafter is not None  # accept and reject
+    assert (
+        0 < stats.num_accepted < stats.num_drafted and built.runner.drafter is not None
+    )  # accept and reject
     assert built.runner.drafter.statistics()["proposals"] > 0
     assert not built.runner._fed  # every request's drafter input was released
     assert_all_free(built, initial)
@@ -302,31 +305,61 @@ async def test_decode_snapshots_let_a_follow_up_turn_reuse_the_generated_tokens(
 
 
 @pytest.mark.asyncio
-async def test_drafter_hand_off_state_round_trips_and_bad_bytes_are_refused() -> None:
-    from kvferry.errors import ConfigError
+async def test_drafter_hand_off_writes_the_prompts_draft_kv_and_carries_only_the_last_hidden_state() -> None:
+    from kvferry.engine.runner import LockstepCache
+    from kvferry.errors import WireFormatError
 
-    built = build_engine("tiny", options(max_spec_k=2))
-    exported: dict[int, bytes] = {}
+    prompt = PROMPTS[5]
+    n = len(prompt)
+    draft_layer = DRAFT_LAYER_SHIFT
 
-    class ExportingRunner(PagedRunner):
-        def release(self, request_id: int) -> None:
-            exported[request_id] = self.export_handoff(request_id, 7)
-            super().release(request_id)
+    def draft_kv(built: BuiltEngine, rid: int) -> torch.Tensor:
+        # positions [0, n) of the request's draft K and V, from its draft pages (rank 0)
+        k, v = built.arenas[0].kv(draft_layer)
+        ids = list(built.cache.draft_block_table(rid))
+        rows = [kv[ids].permute(0, 2, 1, 3).reshape(-1, *kv.shape[1:2], kv.shape[3])[:n] for kv in (k, v)]
+        return torch.stack(rows).clone()
 
-    runner = ExportingRunner(built.runner.model, built.cache, built.runner.drafter)
-    async with Engine(runner, built.cache, built.engine.config) as engine:
-        await engine.generate(PROMPTS[4], max_tokens=1, spec_k=2).collect()
+    seen: dict[int, tuple[bytes, torch.Tensor, torch.Tensor]] = {}
+    first: list[int] = []  # the token the target chooses after the prompt (the export's pending token)
+
+    def engine_with(built: BuiltEngine, export: bool) -> Engine:
+        class Closing(LockstepCache):
+            def close(self, request_id: int) -> None:  # the request's pages are still its own here
+                before = draft_kv(built, request_id)
+                data = built.runner.export_handoff(request_id, first[0]) if export else b""
+                seen[request_id] = (data, before, draft_kv(built, request_id))
+                super().close(request_id)
+
+        return Engine(built.runner, Closing(built.cache.managers), built.engine.config)
+
+    # aggregated: the first proposal catches the drafter up on the prompt; later steps write past position n
+    aggregated = build_engine("tiny", options(max_spec_k=2, enable_reuse=False))
+    async with engine_with(aggregated, export=False) as engine:
+        first.extend(await engine.generate(prompt, max_tokens=4, spec_k=2).collect())
+    reference = seen.pop(0)[1]
+    context = build_engine("tiny", options(max_spec_k=2, enable_reuse=False))
+    async with engine_with(context, export=True) as engine:
+        await engine.generate(prompt, max_tokens=1, spec_k=2).collect()
         await engine.generate(PROMPTS[3], max_tokens=1).collect()  # spec_k 0 keeps no drafter state
-    data, empty = exported[0], exported[1]
-    assert data and empty == b""
+    (data, before, after), (empty, _, _) = seen[0], seen[1]
+    assert empty == b""
+    assert not before.any()  # nothing drafted during the prefill ...
+    assert torch.equal(after, reference)  # ... the export wrote exactly the aggregated run's draft KV
+
     receiver = build_engine("tiny", options(max_spec_k=2)).runner
-    receiver.import_handoff(5, data)
+    receiver.import_handoff(5, data, prompt=prompt, pending_token=first[0])
     (fed,) = receiver._fed[5]
-    assert fed.start == 0 and fed.token_ids == list(PROMPTS[4])
-    assert fed.hidden.shape == (len(PROMPTS[4]), 64) and fed.hidden.dtype == torch.float64
-    for bad in (b"\x01\x02", data[:-10], data.replace(b"float64", b"float16")):
-        with pytest.raises(ConfigError):
-            receiver.import_handoff(6, bad)
+    assert (fed.start, fed.token_ids) == (n - 1, [prompt[-1]])
+    assert fed.hidden.shape == (1, 64) and fed.hidden.dtype == torch.float64
+    bad = [b"\x01\x02", data[:-10], data + b"\x00", data.replace(b"float64", b"float16")]
+    for blob in bad:
+        with pytest.raises(WireFormatError):
+            receiver.import_handoff(6, blob)
+    with pytest.raises(WireFormatError):
+        receiver.import_handoff(6, data, prompt=prompt[:-1], pending_token=first[0])
+    with pytest.raises(WireFormatError):
+        receiver.import_handoff(6, data, prompt=prompt, pending_token=first[0] + 1)
     assert 6 not in receiver._fed
 
 

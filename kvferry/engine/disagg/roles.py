@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,11 +46,11 @@ from kvferry.engine.disagg.session import Receiver, SendSession, TransferStatist
 from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, ManagerHold, expected_writers, plan_transfer
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine, LockstepCache
-from kvferry.errors import KvferryError, PeerDisconnected, PeerIncompatible, TransferError
+from kvferry.errors import KvferryError, PeerDisconnected, TransferError
 from kvferry.pools.manager import CacheState, Offload, Resumed
 from kvferry.transports import Peer, Transport
 
-__all__ = ["ContextWorker", "GenerationWorker", "Handoff", "HandoffCache", "trim_host_state"]
+__all__ = ["ContextWorker", "GenerationWorker", "Handoff", "HandoffCache"]
 
 log = logging.getLogger("kvferry.disagg")
 
@@ -227,13 +225,18 @@ class ContextWorker:
         rid = generation.request.request_id
         held = _Held(rid)
         host_state = b""
+        export_error: KvferryError | None = None
         runner = self.built.runner
 
         def on_hold(request_id: int) -> None:
-            nonlocal host_state
-            export = getattr(runner, "export_handoff", None)
-            if export is not None and req.spec_k > 0:
-                host_state = export(request_id, generation.request.output_ids[-1])
+            # runs when the engine ends the prefilled request, before anything else touches its pages: the
+            # drafter catches up on the prompt here (its draft KV lands in the held draft pages)
+            nonlocal host_state, export_error
+            if req.spec_k > 0:
+                try:
+                    host_state = runner.export_handoff(request_id, generation.request.output_ids[-1])
+                except KvferryError as exc:
+                    export_error = exc
 
         wants_more = req.max_tokens > 1
         if wants_more:
@@ -242,6 +245,8 @@ class ContextWorker:
         try:
             try:
                 tokens = await generation.collect()
+                if export_error is not None:
+                    raise export_error
             except KvferryError as exc:
                 self._counts["failed"] += 1
                 await self._answer(
@@ -253,7 +258,9 @@ class ContextWorker:
             self._counts["prefilled"] += 1
             if not keep:
                 self.cache.release(rid)
-            await self._answer(peer, ContextDone(req.key, first, keep, len(req.prompt), host_state))
+            await self._answer(
+                peer, ContextDone(req.key, first, keep, len(req.prompt), host_state if keep else b"")
+            )
             if not keep:
                 return
             with anyio.move_on_after(self.hold_timeout):
@@ -412,6 +419,23 @@ class GenerationWorker:
             with anyio.move_on_after(1.0), contextlib.suppress(PeerDisconnected, KvferryError):
                 await self.transport.send_message(self.peer, encode_control(ReleaseContext(key)))
 
+    def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:
+        """Give the local drafter the context side's hand-off of ``rid`` (the prompt's last hidden state); call
+        before :meth:`receive`, undo with ``built.runner.release(rid)``. No-op without speculation.
+
+        :raises ~kvferry.errors.WireFormatError: a malformed hand-off, or one of another sequence.
+        :raises ~kvferry.errors.TransferError: the request speculates but the context side sent no drafter state.
+        """
+        if spec_k <= 0:
+            return
+        if not handoff.host_state:
+            raise TransferError(
+                f"request {handoff.key}: speculates (spec_k={spec_k}) but the context side sent no drafter state"
+            )
+        self.built.runner.import_handoff(
+            rid, handoff.host_state, prompt=prompt, pending_token=handoff.first_token
+        )
+
     async def receive(self, rid: int, prompt: Sequence[int], key: str) -> TransferStatistics:
         """Allocate ``rid``'s cache for the whole prompt, receive it, commit it and leave it suspended for the
         engine to adopt. On any failure or cancel the allocation is freed (or quarantined until the writers
@@ -455,29 +479,3 @@ class GenerationWorker:
 
     def __repr__(self) -> str:
         return f"<GenerationWorker receiver={self.receiver!r} transfers={len(self._transfers)}>"
-
-
-def trim_host_state(data: bytes) -> bytes:
-    """The drafter host state without the prompt's history: only the last position's hidden state.
-
-    What a generation engine has when the draft KV stays behind: its drafter must start from zeroed draft pages
-    and cannot rebuild them. Relies on :meth:`kvferry.engine.runner.PagedRunner.export_handoff`'s format; bytes
-    of another format are returned unchanged.
-    """
-    import msgpack
-
-    try:
-        state = msgpack.unpackb(data)
-        n = len(state["tokens"])
-        rows, width = state["shape"]
-        row_bytes = len(state["hidden"]) // rows
-        state["start"] += n - 1
-        state["tokens"] = state["tokens"][-1:]
-        state["shape"] = [1, width]
-        state["hidden"] = state["hidden"][-row_bytes:]
-        return bytes(msgpack.packb(state))
-    except Exception:  # not the format we know: leave it alone
-        return data
-
-
-_ = (math, time, PeerIncompatible)

@@ -14,7 +14,7 @@ import attrs
 from attrs import define
 
 from kvferry.engine.disagg.protocol import ContextRequest
-from kvferry.engine.disagg.roles import GenerationWorker, trim_host_state
+from kvferry.engine.disagg.roles import GenerationWorker
 from kvferry.engine.disagg.session import TransferStatistics
 from kvferry.engine.engine import Generation
 
@@ -68,15 +68,13 @@ class RoutedGeneration:
         self.generation = generation
         rid = generation.request.request_id
         try:
+            worker.install_drafter_state(rid, self.prompt, handoff, self.spec_k)
             self.transfer = await worker.receive(rid, self.prompt, self.key)
         except BaseException:
+            worker.built.runner.release(rid)
             with anyio.CancelScope(shield=True):
                 await worker.release_remote(self.key)
             raise
-        importer = getattr(worker.built.runner, "import_handoff", None)
-        if importer is not None and handoff.host_state:
-            state = handoff.host_state if worker.transfer_draft else trim_host_state(handoff.host_state)
-            importer(rid, state)
         generation.request.append_tokens([handoff.first_token])
         # the request's output list is the truth (the engine's stream may or may not repeat the first token)
         output = generation.request.output_ids

@@ -3,57 +3,83 @@ incompatible peer, poisoned receiver pages change nothing, and accounting return
 
 from __future__ import annotations
 
+import random
+
 import anyio
 import attrs
 import pytest
 
 from kvferry import wire
 from kvferry.engine.disagg.link import exchange_hello
-from kvferry.engine.disagg.protocol import PeerRole, decode_hello, encode_hello
+from kvferry.engine.disagg.protocol import ContextRequest, PeerRole, decode_hello, encode_hello
+from kvferry.engine.disagg.roles import GenerationWorker, Handoff
 from kvferry.engine.disagg.serve import _options, disaggregated
-from kvferry.engine.runner import build_engine
+from kvferry.engine.drafter import Drafter, DrafterWeights
+from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.pagetable import PageTable
 from kvferry.transports import get_transport
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPTS = [[5, 9, 14, 200, 3, 3, 77, 1, 2, 8, 40], [250, 1, 7]]
-MAX_TOKENS = 5
+PROMPTS = [
+    [5, 9, 14, 200, 3, 3, 77, 1, 2, 8, 40],
+    [250, 1, 7],
+    [random.Random(5).randrange(256) for _ in range(45)],
+]
+MAX_TOKENS = 8
+SPEC_K = 2
 
 
-async def aggregated(prompts: list[list[int]]) -> list[list[int]]:
-    built = build_engine("tiny", _options(1, 0, 0, "float64"))
+def loud_drafter(built: BuiltEngine) -> None:
+    """Give ``built`` a drafter whose attention weighs as much as the rest (attention_scale 3 instead of 0.1),
+    so proposals visibly depend on the draft KV of the prompt (the default drafter's barely do)."""
+    model = built.runner.model
+    assert model.spec.drafter is not None
+    weights = DrafterWeights.derived(model.weights, model.spec.drafter, 0, attention_scale=3.0)
+    built.runner.drafter = Drafter.build(model, weights)
+
+
+Result = tuple[list[list[int]], list[list[tuple[int, ...]]]]
+
+
+async def aggregated(prompts: list[list[int]], *, loud: bool = False) -> Result:
+    built = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
+    if loud:
+        loud_drafter(built)
+    tokens, drafts = [], []
     async with built.engine:
-        return [await built.engine.generate(p, max_tokens=MAX_TOKENS).collect() for p in prompts]
+        for p in prompts:
+            g = built.engine.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+            tokens.append(await g.collect())
+            drafts.append(list(g.request.draft_history))
+    return tokens, drafts
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 1), (1, 2)])
 @pytest.mark.asyncio
-async def test_disaggregated_tokens_equal_aggregated(ctx_tp: int, gen_tp: int) -> None:
+async def test_disaggregated_tokens_and_proposals_equal_aggregated(ctx_tp: int, gen_tp: int) -> None:
     expected = await aggregated(PROMPTS)
-    async with disaggregated(transport="local", ctx_tp=ctx_tp, gen_tp=gen_tp, separate_process=False) as (
-        router,
-        parts,
-    ):
+    async with disaggregated(
+        transport="local", ctx_tp=ctx_tp, gen_tp=gen_tp, spec_k=SPEC_K, separate_process=False
+    ) as (router, parts):
         gen, ctx = parts["gen"], parts["ctx"]
         gen_free = gen.cache.statistics()
         ctx_free = ctx.cache.statistics()
         # poison every free page and slot of the receiver: a correct transfer overwrites what it uses
         for arena in gen.arenas:
-            arena.fill_garbage(
-                "attention", list(range(1, arena.layout.pool_group("attention").num_slots)), seed=4
-            )
-            arena.fill_garbage("mamba2", list(range(1, arena.layout.pool_group("mamba2").num_slots)), seed=5)
-        got = [None, None]
+            for group in ("attention", "draft", "mamba2"):
+                arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
+        routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
+        got: list[list[int]] = [[] for _ in PROMPTS]
 
         async def one(i: int) -> None:
-            got[i] = await router.generate(PROMPTS[i], max_tokens=MAX_TOKENS).collect()  # type: ignore[call-overload]
+            got[i] = await routed[i].collect()
 
         async with anyio.create_task_group() as tg:
             for i in range(len(PROMPTS)):
                 tg.start_soon(one, i)
-        assert got == expected
+        assert (got, [r.draft_history for r in routed]) == expected
         await gen.engine.wait_idle()
         with anyio.fail_after(5):
             while parts["context"].statistics()["held"]:  # noqa: ASYNC110
@@ -65,8 +91,72 @@ async def test_disaggregated_tokens_equal_aggregated(ctx_tp: int, gen_tp: int) -
                 before.slots_free + before.slots_snapshot,
                 0,
             )
-            assert now.requests_active + now.requests_suspended == 0
+            assert (now.draft_pages_free, now.requests_active + now.requests_suspended) == (
+                before.draft_pages_free,
+                0,
+            )
         assert len(parts["worker"].transfers()) == len(PROMPTS)
+        assert not gen.runner._fed and not ctx.runner._fed
+
+
+@pytest.mark.asyncio
+async def test_draft_kv_travels_and_is_not_recomputed() -> None:
+    """The generation side drafts from the transferred draft KV: with it, proposals equal aggregated serving's;
+    without it (pages left zero, nothing recomputed: the hand-off holds one hidden state), they differ while
+    the target's tokens stay the same."""
+    expected_tokens, expected_drafts = await aggregated(PROMPTS, loud=True)
+    async with disaggregated(transport="local", spec_k=SPEC_K, separate_process=False) as (router, parts):
+        loud_drafter(parts["gen"])
+        loud_drafter(parts["ctx"])
+        worker = parts["worker"]
+        for transfer_draft in (True, False):
+            worker.transfer_draft = transfer_draft
+            for i, prompt in enumerate(PROMPTS):
+                routed = router.generate(prompt, max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+                assert await routed.collect() == expected_tokens[i]
+                if transfer_draft:
+                    assert routed.draft_history == expected_drafts[i], (transfer_draft, i)
+                else:
+                    assert routed.draft_history != expected_drafts[i], i
+            draft_bytes = [t.nbytes for t in worker.transfers()[-len(PROMPTS) :]]
+            if transfer_draft:
+                with_draft = draft_bytes
+        # the draft pages of the prompt are what the transfer adds
+        assert all(a > b for a, b in zip(with_draft, draft_bytes, strict=True))
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_hand_off_is_a_typed_error_and_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with disaggregated(transport="local", spec_k=SPEC_K, separate_process=False) as (router, parts):
+        gen = parts["gen"]
+        free = gen.cache.statistics()
+        real = GenerationWorker.prefill_remote
+
+        async def tampered(self: GenerationWorker, request: ContextRequest) -> Handoff:
+            handoff = await real(self, request)
+            handoff.host_state = handoff.host_state[:-8]
+            return handoff
+
+        monkeypatch.setattr(GenerationWorker, "prefill_remote", tampered)
+        with pytest.raises(WireFormatError):
+            await router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
+        monkeypatch.undo()
+        with anyio.fail_after(5):
+            while parts["context"].statistics()["held"]:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        now = gen.cache.statistics()
+        assert (now.pages_free, now.draft_pages_free, now.requests_suspended) == (
+            free.pages_free,
+            free.draft_pages_free,
+            0,
+        )
+        assert not gen.runner._fed
+        # the engines keep serving
+        expected = await aggregated(PROMPTS[:1])
+        routed = router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+        assert ([await routed.collect()], [routed.draft_history]) == expected
 
 
 def test_handshake_compares_hash_first() -> None:
