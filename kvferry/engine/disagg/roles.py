@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -164,6 +164,8 @@ class ContextWorker:
     transport: Transport
     hold_timeout: float = 60.0
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
+    write_delay: float = 0.0
     cache: HandoffCache = attrs.field(init=False)
     _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
     _sending: dict[int, SendSession] = attrs.field(factory=dict, init=False)
@@ -303,8 +305,9 @@ class ContextWorker:
             return
         session = SendSession(request.session_id, plan)
         self._sending[request.session_id] = session
+        transport = self.transport if self.write_delay <= 0 else _Paced(self.transport, self.write_delay)
         try:
-            await send(self.transport, peer, session)
+            await send(cast(Transport, transport), peer, session)
         finally:
             self._sending.pop(request.session_id, None)
         stats = session.statistics()
@@ -320,6 +323,21 @@ class ContextWorker:
 
     def __repr__(self) -> str:
         return f"<ContextWorker {self.statistics()}>"
+
+
+class _Paced:
+    """A transport whose writes each start ``delay`` seconds late (everything else passes through)."""
+
+    def __init__(self, transport: Transport, delay: float) -> None:
+        self._transport = transport
+        self._delay = delay
+
+    async def write(self, *args: Any, **kwargs: Any) -> Any:
+        await anyio.sleep(self._delay)
+        return await self._transport.write(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 # --- generation -------------------------------------------------------------------------------------------

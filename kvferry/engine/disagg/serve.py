@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import IO, Any
 
 import anyio
@@ -22,6 +23,7 @@ from attrs import define
 
 from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
 from kvferry.engine.disagg.router import Router
+from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
 from kvferry.errors import PeerDisconnected
 from kvferry.transports import get_transport
@@ -37,11 +39,18 @@ def _options(tp: int, spec_k: int, seed: int, dtype: str) -> EngineOptions:
     )
 
 
-async def _serve_context(transport_name: str, options: EngineOptions, out: IO[str]) -> None:
+async def _serve_context(
+    transport_name: str,
+    options: EngineOptions,
+    out: IO[str],
+    *,
+    write_delay: float = 0.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
     built = build_engine("tiny", options)
     async with get_transport(transport_name)() as transport, built.engine:
         await transport.register([t for a in built.arenas for t in a.pool_tensors().values()])
-        worker = ContextWorker(built, transport)
+        worker = ContextWorker(built, transport, max_chunk_bytes=chunk_bytes, write_delay=write_delay)
         out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
         out.flush()
         peer = await transport.accept()
@@ -63,9 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float64")
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes per transfer chunk"
+    )
+    parser.add_argument("--write-delay", type=float, default=0.0, help="seconds before each chunk (tests)")
     args = parser.parse_args(argv)
+    options = _options(args.tp, args.spec_k, args.seed, args.dtype)
     anyio.run(
-        _serve_context, args.transport, _options(args.tp, args.spec_k, args.seed, args.dtype), sys.stdout
+        partial(
+            _serve_context,
+            args.transport,
+            options,
+            sys.stdout,
+            write_delay=args.write_delay,
+            chunk_bytes=args.chunk_bytes,
+        )
     )
     return 0
 
@@ -95,7 +116,14 @@ class ContextProcess:
 
 
 def start_context_process(
-    transport: str, tp: int, spec_k: int, seed: int, dtype: str = "float64"
+    transport: str,
+    tp: int,
+    spec_k: int,
+    seed: int,
+    dtype: str = "float64",
+    *,
+    write_delay: float = 0.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> ContextProcess:
     """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address.
 
@@ -116,6 +144,10 @@ def start_context_process(
             str(seed),
             "--dtype",
             dtype,
+            "--write-delay",
+            str(write_delay),
+            "--chunk-bytes",
+            str(chunk_bytes),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -144,6 +176,8 @@ async def disaggregated(
     dtype: str = "float64",
     separate_process: bool = True,
     stall_timeout: float = 30.0,
+    write_delay: float = 0.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
     """A :class:`~.router.Router` over a context engine (another process, or this one with
     ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
@@ -159,7 +193,16 @@ async def disaggregated(
             parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
             if separate_process:
                 context_process = await anyio.to_thread.run_sync(
-                    start_context_process, transport, ctx_tp, spec_k, seed, dtype
+                    partial(
+                        start_context_process,
+                        transport,
+                        ctx_tp,
+                        spec_k,
+                        seed,
+                        dtype,
+                        write_delay=write_delay,
+                        chunk_bytes=chunk_bytes,
+                    )
                 )
                 parts["context"] = context_process
                 peer = await gen_transport.connect(context_process.address)
@@ -170,7 +213,9 @@ async def disaggregated(
                 ctx = build_engine("tiny", _options(ctx_tp, spec_k, seed, dtype))
                 async with factory() as ctx_transport, ctx.engine:
                     await ctx_transport.register([t for a in ctx.arenas for t in a.pool_tensors().values()])
-                    context = ContextWorker(ctx, ctx_transport)
+                    context = ContextWorker(
+                        ctx, ctx_transport, max_chunk_bytes=chunk_bytes, write_delay=write_delay
+                    )
                     parts["context"] = context
                     parts["ctx"] = ctx
                     peer = await gen_transport.connect(ctx_transport.address)
