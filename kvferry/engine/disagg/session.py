@@ -536,6 +536,8 @@ class Receiver:
                 # unpack each bounced writer as soon as all of its chunks landed (overlaps other writers)
                 await self._scatter(live, scattered)
                 if session.settled:
+                    # reports that arrived during the scatter above may have completed other writers
+                    await self._scatter(live, scattered)
                     break
                 live.changed = anyio.Event()
                 with anyio.move_on_after(self.stall_timeout):
@@ -686,13 +688,15 @@ async def send(
     session: SendSession,
     *,
     stall_timeout: float | None = None,
+    max_in_flight: int = 4,
 ) -> None:
-    """Push every writer's chunks of ``session`` (writers concurrently, each writer's chunks in order).
+    """Push every writer's chunks of ``session`` (writers concurrently, each with up to ``max_in_flight``
+    chunks posted at once, in order of posting).
 
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
-    reported CANCELLED. A bounced writer packs its staging (in a worker thread) before its first chunk; a
-    failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
+    reported CANCELLED. A bounced chunk packs its own bytes into the writer's staging (in a worker thread)
+    right before it is posted; a failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
     peer is gone): then the source pages may be freed, and the writers' staging leases have been released.
     Never raises for a failed chunk (it is reported instead).
 
@@ -717,8 +721,8 @@ async def send(
                 await report(ok)
                 continue
             try:
-                if chunk.staged is not None and not chunk.staged.packed:
-                    await anyio.to_thread.run_sync(chunk.staged.pack)
+                if chunk.staged is not None:  # pack this chunk's bytes (overlaps the writes in flight)
+                    await anyio.to_thread.run_sync(chunk.staged.pack_chunk, chunk.src)
                 await transport.write(
                     peer, chunk.src, chunk.dst, encode_control(ok), stall_timeout=stall_timeout
                 )
@@ -740,7 +744,8 @@ async def send(
     try:
         async with anyio.create_task_group() as tg:
             for w in session.writers:
-                tg.start_soon(writer, w)
+                for _ in range(max(1, max_in_flight)):
+                    tg.start_soon(writer, w)
     finally:
         # every posted write has ended (a write returns only then, cancel included): nothing reads the leases
         session.release_staging()

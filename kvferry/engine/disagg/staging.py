@@ -18,12 +18,15 @@ from collections.abc import Mapping
 
 import anyio
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 from attrs import define
 
-from kvferry.engine.disagg.mapping import StagingPlan
+from kvferry.engine.disagg.mapping import StagingPlan, StagingSegment
 from kvferry.engine.disagg.protocol import StagingArea
 from kvferry.errors import ConfigError
+from kvferry.kernels.copy import gather_fragments, scatter_fragments
 
 __all__ = ["ReceiveStaging", "StagedWrite", "StagingLease", "StagingPool"]
 
@@ -34,6 +37,57 @@ ALIGNMENT = 256
 def _synchronize(tensor: torch.Tensor) -> None:
     if tensor.device.type == "cuda":
         torch.cuda.synchronize(tensor.device)
+
+
+def _range(segment: StagingSegment, start: int, end: int) -> tuple[npt.NDArray[np.int64], int, int]:
+    """The fragments of ``segment`` that fill staging bytes ``[start, end)``, trimmed to it, and the staging
+    range they fill (empty when the segment lies outside)."""
+    lo, hi = max(start, segment.offset), min(end, segment.offset + segment.nbytes)
+    table = np.asarray(segment.fragments, dtype=np.int64).reshape(-1, 2)
+    if lo >= hi:
+        return table[:0], lo, lo
+    ends = segment.offset + np.cumsum(table[:, 1])
+    first = int(np.searchsorted(ends, lo, side="right"))
+    last = int(np.searchsorted(ends, hi, side="left"))
+    sub = table[first : last + 1].copy()
+    starts = ends[first : last + 1] - sub[:, 1]
+    cut = lo - int(starts[0])  # trim the head of the first fragment and the tail of the last
+    sub[0, 0] += cut
+    sub[0, 1] -= cut
+    sub[-1, 1] -= int(ends[last]) - hi
+    return sub, lo, hi
+
+
+def _copy(
+    plan: StagingPlan,
+    pools: Mapping[str, torch.Tensor],
+    staging: torch.Tensor,
+    start: int,
+    end: int,
+    *,
+    pack: bool,
+) -> None:
+    """Pack (or unpack) staging bytes ``[start, end)`` of ``plan``. On the host one numpy slice copy per
+    fragment (kernels.copy's host path builds an int64 index per byte: 8x the bytes, and slow); on a device
+    kernels.copy's fragment kernels."""
+    for segment in plan.segments:
+        table, lo, hi = _range(segment, start, end)
+        if lo >= hi:
+            continue
+        pool = pools[segment.pool]
+        if pool.device.type == "cpu" and staging.device.type == "cpu":
+            stage, memory = staging.numpy(), pool.numpy()
+            position = lo
+            for offset, length in table.tolist():
+                if pack:
+                    stage[position : position + length] = memory[offset : offset + length]
+                else:
+                    memory[offset : offset + length] = stage[position : position + length]
+                position += length
+        elif pack:
+            gather_fragments(pool, table, staging[lo:hi])
+        else:
+            scatter_fragments(pool, table, staging[lo:hi])
 
 
 @define(eq=False)
@@ -186,23 +240,37 @@ class StagedWrite:
     plan: StagingPlan
     pools: Mapping[str, torch.Tensor]
     lease: StagingLease
-    packed: bool = False
+    packed: int = 0
 
-    def pack(self) -> None:
-        """Gather the fragments into the lease (once) and wait for the device: a transport may read it next.
+    def pack(self, start: int = 0, end: int | None = None) -> None:
+        """Gather the fragments that fill staging bytes ``[start, end)`` (default all) into the lease and wait
+        for the device: a transport may read them next. Chunks pack their own ranges, so packing the next
+        chunk overlaps writing this one.
 
-        :raises ~kvferry.errors.ConfigError: a pool is missing (nothing is packed).
+        :raises ~kvferry.errors.ConfigError: a pool is missing or the range is outside (nothing is packed).
         """
-        if not self.packed:
-            self.plan.gather(self.pools, self.lease.tensor)
-            _synchronize(self.lease.tensor)
-            self.packed = True
+        end = self.plan.nbytes if end is None else end
+        if not 0 <= start <= end <= self.plan.nbytes:
+            raise ConfigError(f"staging range [{start}, {end}) outside [0, {self.plan.nbytes})")
+        self.plan._check(self.pools, self.lease.tensor)
+        _copy(self.plan, self.pools, self.lease.tensor, start, end, pack=True)
+        _synchronize(self.lease.tensor)
+        self.packed += end - start
+
+    def pack_chunk(self, src: npt.NDArray[np.uint64]) -> None:
+        """Pack the staging bytes a chunk's ``src`` fragments (addresses in the lease) will write."""
+        for address, length in np.asarray(src, dtype=np.int64).tolist():
+            offset = address - self.lease.address
+            self.pack(offset, offset + length)
 
     def release(self) -> None:
         self.lease.release()
 
     def __repr__(self) -> str:
-        return f"<StagedWrite {self.plan.nbytes} bytes, {self.plan.num_fragments} fragments, packed={self.packed}>"
+        return (
+            f"<StagedWrite {self.plan.nbytes} bytes, {self.plan.num_fragments} fragments, "
+            f"{self.packed} bytes packed>"
+        )
 
 
 @define(eq=False)
@@ -250,7 +318,8 @@ class ReceiveStaging:
         if area is None:
             raise ConfigError(f"writer {writer} has no staging area")
         if not area.scattered:
-            area.plan.scatter(area.pools, area.lease.tensor)
+            area.plan._check(area.pools, area.lease.tensor)
+            _copy(area.plan, area.pools, area.lease.tensor, 0, area.plan.nbytes, pack=False)
             _synchronize(area.lease.tensor)
             area.scattered = True
 

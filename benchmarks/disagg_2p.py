@@ -1,0 +1,547 @@
+"""One disaggregated request between TWO PROCESSES over a real transport, through the real session protocol.
+
+For one request of ``--preset`` (default nemotron-h-8b, 8K-token prompt, draft KV included) and each TP pair:
+the receiver (this process, the generation side) allocates scattered pages, sends a receive request and waits
+until every writer reported (and every bounced writer was scattered); the sender (a child process, the
+context side) maps, packs (bounce) and writes. Three modes, each measured ``--repeat`` times, median kept:
+
+- ``contiguous``: one write of the same number of bytes from one buffer into one buffer (the ceiling),
+  requested and notified the same way;
+- ``direct``: the coalesced fragments written straight into the pages;
+- ``bounce``: the receiver offers staging areas, the sender gathers into its staging, writes a few large
+  fragments, the receiver scatters.
+
+Every mode's receiver bytes are checked against the sender's (a digest of each writer's bytes in canonical
+order, computed on each side), after poisoning the receiving pages.
+
+    python benchmarks/disagg_2p.py --transport nixl --json benchmarks/results/disagg_2p_cpu.json
+    python benchmarks/disagg_2p.py --device cuda --transport nixl --json $OUT/disagg_2p_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+import torch
+
+from kvferry import wire
+from kvferry.engine.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
+from kvferry.engine.disagg.protocol import (
+    BlockIds,
+    ChunkResult,
+    PeerInfo,
+    PeerRole,
+    ReceiveRequest,
+    decode_control,
+    decode_hello,
+    encode_hello,
+)
+from kvferry.engine.disagg.session import Receiver, SendSession, send
+from kvferry.engine.disagg.staging import StagingPool
+from kvferry.engine.disagg.transfer import expected_writers, offer_staging, plan_transfer, writer_id
+from kvferry.errors import WireFormatError
+from kvferry.pools.arena import CacheArena
+from kvferry.pools.layout import CacheLayout
+from kvferry.pools.pagetable import PageTable
+from kvferry.pools.spec import ModelSpec, preset
+from kvferry.transports import Peer, Transport, get_transport
+
+CASES = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1)]
+
+
+def spec_of(args: Any) -> ModelSpec:
+    spec = preset(args.preset)
+    if args.dtype:
+        spec = spec.with_dtype(getattr(torch, args.dtype))
+    return spec
+
+
+def build_arenas(spec: ModelSpec, tp: int, tokens: int, device: str, seed: int) -> list[CacheArena]:
+    """Arenas for one request with 2x the pages it needs (its ids are scattered over them) and 3 slots."""
+    assert spec.drafter is not None
+    pages = -(-tokens // spec.tokens_per_block) * 2
+    draft = -(-tokens // spec.drafter.tokens_per_block) * 2
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for rank in range(tp):
+        layout = CacheLayout.build(spec.shard(tp, rank), num_pages=pages, num_slots=3, num_draft_pages=draft)
+        arena = CacheArena(layout, device)
+        for tensor in arena.pool_tensors().values():
+            tensor.random_(0, 256, generator=gen)
+        out.append(arena)
+    return out
+
+
+def block_ids(spec: ModelSpec, tokens: int, seed: int) -> dict[str, list[int]]:
+    """Odd page ids in shuffled order: never two adjacent pages, never the reserved page 0."""
+    assert spec.drafter is not None
+    rng = np.random.default_rng(seed)
+    n, d = -(-tokens // spec.tokens_per_block), -(-tokens // spec.drafter.tokens_per_block)
+    return {
+        "attention": (2 * rng.permutation(n) + 1).tolist(),
+        "draft": (2 * rng.permutation(d) + 1).tolist(),
+    }
+
+
+def digest(data: torch.Tensor) -> str:
+    return hashlib.blake2b(data.cpu().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def info(role: PeerRole, transport: Transport, arenas: Sequence[CacheArena]) -> PeerInfo:
+    tables = tuple(a.page_table() for a in arenas)
+    return PeerInfo(role, "bench", transport.name, transport.address, len(tables), tables)
+
+
+async def hello(transport: Transport, peer: Peer, local: PeerInfo, inbox: Any = None) -> PeerInfo:
+    await transport.send_message(peer, encode_hello(local))
+    data = await (transport.receive_message(peer) if inbox is None else inbox.receive())
+    return decode_hello(data, wire_version=wire.WIRE_VERSION, compat_hash=local.compat_hash)
+
+
+def as_json(data: bytes) -> dict[str, Any] | None:
+    return json.loads(data) if data[:1] == b"{" else None
+
+
+# --- the sender (child process) ---------------------------------------------------------------------------
+
+
+async def sender(args: Any) -> None:
+    device = args.device
+    async with get_transport(args.transport)() as transport:
+        peer = await transport.connect(args.address)
+        state: dict[str, Any] = {}
+        while True:
+            data = await transport.receive_message(peer)
+            cmd = as_json(data)
+            if cmd is None:
+                message = decode_control(data)
+                assert isinstance(message, ReceiveRequest), message
+                began = time.perf_counter()
+                plan = plan_transfer(
+                    state["peer_map"],
+                    range(state["tp"]),
+                    state["blocks"],
+                    1,
+                    message,
+                    list(state["remote"].page_tables),
+                    max_chunk_bytes=args.chunk_mib << 20,
+                    policy=BouncePolicy.always(),
+                    src_pools=[a.pool_tensors() for a in state["arenas"]],
+                    staging=state["staging"],
+                )
+                planned = time.perf_counter()
+                session = SendSession(message.session_id, plan)
+                await send(transport, peer, session, max_in_flight=args.in_flight)
+                done = time.perf_counter()
+                stats = session.statistics()
+                await transport.send_message(
+                    peer,
+                    json.dumps(
+                        {"plan_s": planned - began, "send_s": done - planned, "fragments": stats["fragments"]}
+                    ).encode(),
+                )
+            elif cmd["op"] == "case":
+                for registration in state.get("registrations", []):
+                    await transport.deregister(registration)
+                state.clear()
+                spec = spec_of(args)
+                arenas = build_arenas(spec, cmd["src_tp"], args.tokens, device, seed=1)
+                blocks = block_ids(spec, args.tokens, seed=2)
+                nbytes = cmd["nbytes"]
+                staging = StagingPool.allocate(nbytes + (1 << 20) * cmd["dst_tp"] * cmd["src_tp"], device)
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+                sync(device)
+                registrations = [
+                    await transport.register([t for a in arenas for t in a.pool_tensors().values()]),
+                    await transport.register([staging.buffer, flat]),
+                ]
+                remote = await hello(transport, peer, info(PeerRole.CONTEXT, transport, arenas))
+                peer_map = PeerMap.build([a.page_table() for a in arenas], list(remote.page_tables))
+                # each writer's bytes in canonical order (the receiver digests its side the same way)
+                src = RequestCache(blocks, slot=1)
+                dst = RequestCache(cmd["dst_blocks"], slot=2)
+                span = TokenRange(0, args.tokens)
+                digests = {}
+                for s in range(cmd["src_tp"]):
+                    for d in peer_map.targets(s):
+                        p = peer_map.pair(s, d).plan(src, dst, span, policy=BouncePolicy.always())
+                        if p.gather is not None:
+                            buf = torch.empty(p.nbytes, dtype=torch.uint8, device=device)
+                            digests[writer_id(s, d, cmd["dst_tp"])] = digest(
+                                p.gather.gather(arenas[s].pool_tensors(), buf)
+                            )
+                state.update(
+                    tp=cmd["src_tp"],
+                    arenas=arenas,
+                    blocks=blocks,
+                    staging=staging,
+                    flat=flat,
+                    remote=remote,
+                    peer_map=peer_map,
+                    registrations=registrations,
+                )
+                await transport.send_message(
+                    peer, json.dumps({"digests": digests, "flat": digest(flat)}).encode()
+                )
+            elif cmd["op"] == "contiguous":
+                src = np.array([[state["flat"].data_ptr(), cmd["nbytes"]]], dtype=np.uint64)
+                dst = np.array([[cmd["address"], cmd["nbytes"]]], dtype=np.uint64)
+                await transport.write(peer, src, dst, b"{}")
+            elif cmd["op"] == "exit":
+                return
+
+
+# --- the receiver (this process) --------------------------------------------------------------------------
+
+
+class NoHold:
+    def free(self) -> None:
+        pass
+
+    def quarantine(self) -> Any:
+        return lambda: None
+
+
+async def run_case(
+    transport: Transport, peer: Peer, src_tp: int, dst_tp: int, args: Any, inbox: Any, notes: Any
+) -> dict[str, Any]:
+    device = args.device
+    spec = spec_of(args)
+    arenas = build_arenas(spec, dst_tp, args.tokens, device, seed=3)
+    blocks = block_ids(spec, args.tokens, seed=4)
+    dst = RequestCache(blocks, slot=2)
+    span = TokenRange(0, args.tokens)
+    # bytes per writer from the receiver's side (the sender's tables arrive with its hello)
+    tables = [a.page_table() for a in arenas]
+    request_bytes = _request_bytes(spec, src_tp, dst_tp, tables, dst, span)
+    staging = StagingPool.allocate(request_bytes + (1 << 20) * src_tp * dst_tp, device)
+    flat = torch.zeros(request_bytes, dtype=torch.uint8, device=device)
+    sync(device)
+    registrations = [
+        await transport.register([t for a in arenas for t in a.pool_tensors().values()]),
+        await transport.register([staging.buffer, flat]),
+    ]
+    await transport.send_message(
+        peer,
+        json.dumps(
+            {"op": "case", "src_tp": src_tp, "dst_tp": dst_tp, "nbytes": request_bytes, "dst_blocks": blocks}
+        ).encode(),
+    )
+    remote = await hello(transport, peer, info(PeerRole.GENERATION, transport, arenas), notes.hellos)
+    peer_map = PeerMap.build(list(remote.page_tables), tables)
+    sums = await inbox.receive()
+    receiver = Receiver(transport, peer, expected_writers(peer_map), stall_timeout=120)
+    notes.receiver = receiver
+
+    base = ReceiveRequest(
+        0,
+        "bench",
+        0,
+        args.tokens,
+        tuple(BlockIds(g, tuple(ids)) for g, ids in blocks.items()),
+        2,
+    )
+    pools = [a.pool_tensors() for a in arenas]
+    row: dict[str, Any] = {"src_tp": src_tp, "dst_tp": dst_tp, "tokens": args.tokens, "bytes": request_bytes}
+
+    def poison() -> None:
+        for tensor in (t for a in arenas for t in a.pool_tensors().values()):
+            tensor.random_(0, 256)
+        sync(device)
+
+    def check() -> bool:
+        ok = True
+        for d in range(dst_tp):
+            for s in peer_map.expected_writers(d):
+                w = str(writer_id(s, d, dst_tp))
+                if w not in sums["digests"]:
+                    continue
+                rx = peer_map.pair(s, d).scatter_plan(dst, span)
+                buf = torch.empty(rx.nbytes, dtype=torch.uint8, device=device)
+                ok &= digest(rx.gather(pools[d], buf)) == sums["digests"][w]
+        return ok
+
+    async def contiguous() -> float:
+        notes.contiguous = anyio.Event()
+        began = time.perf_counter()
+        await transport.send_message(
+            peer,
+            json.dumps({"op": "contiguous", "address": flat.data_ptr(), "nbytes": request_bytes}).encode(),
+        )
+        await notes.contiguous.wait()
+        return time.perf_counter() - began
+
+    async def transfer(mode: str) -> tuple[float, Any, dict[str, Any]]:
+        session_staging = None
+        request = base
+        began = time.perf_counter()
+        if mode == "bounce":
+            request, session_staging = offer_staging(
+                peer_map, base, pools, staging, policy=BouncePolicy.always()
+            )
+        session = receiver.new_session("bench", NoHold(), session_staging)
+        request = attrs.evolve(request, session_id=session.session_id)
+        stats = await receiver.receive(session, request)
+        seconds = time.perf_counter() - began
+        assert staging.used == 0, staging
+        return seconds, stats, await inbox.receive()
+
+    # correctness first: each mode into poisoned pages, checked against the sender's digests (warms up too)
+    await contiguous()
+    sync(device)
+    row["contiguous_identical"] = digest(flat) == sums["flat"]
+    for mode in ("direct", "bounce"):
+        poison()
+        await transfer(mode)
+        row[f"{mode}_identical"] = check()
+    # then the timed runs, the modes interleaved so that a noisy neighbour hits all of them alike
+    times: dict[str, list[float]] = {"contiguous": [], "direct": [], "bounce": []}
+    sender: dict[str, list[dict[str, Any]]] = {"direct": [], "bounce": []}
+    last: dict[str, Any] = {}
+    for _ in range(args.repeat):
+        times["contiguous"].append(await contiguous())
+        for mode in ("direct", "bounce"):
+            seconds, last[mode], note = await transfer(mode)
+            times[mode].append(seconds)
+            sender[mode].append(note)
+    row["contiguous_s"] = statistics.median(times["contiguous"])
+    row["contiguous_gbps"] = request_bytes / row["contiguous_s"] / 1e9
+    for mode in ("direct", "bounce"):
+        seconds = statistics.median(times[mode])
+        row[f"{mode}_s"] = seconds
+        row[f"{mode}_gbps"] = request_bytes / seconds / 1e9
+        # per repetition against the contiguous write right before it, then the median
+        row[f"{mode}_ratio"] = statistics.median(
+            c / t for c, t in zip(times["contiguous"], times[mode], strict=True)
+        )
+        row[f"{mode}_posted_fragments"] = last[mode].fragments
+        row[f"{mode}_chunks"] = last[mode].chunks
+        row[f"{mode}_bounced_writers"] = last[mode].bounced
+        row[f"{mode}_sender_plan_ms"] = 1e3 * statistics.median(x["plan_s"] for x in sender[mode])
+        row[f"{mode}_sender_send_ms"] = 1e3 * statistics.median(x["send_s"] for x in sender[mode])
+    mapping = MappingStatistics.total(
+        peer_map.pair(s, d)
+        .plan(RequestCache(block_ids(spec, args.tokens, seed=2), slot=1), dst, span, policy=BouncePolicy())
+        .statistics
+        for s in range(src_tp)
+        for d in peer_map.targets(s)
+    )
+    row.update(
+        units=mapping.units,
+        fragments=mapping.fragments,
+        auto_bounce_writers=mapping.bounced,
+        writers=len(expected_writers(peer_map)),
+    )
+    row["scatter_fragments"] = sum(
+        peer_map.pair(s, d).scatter_plan(dst, span).num_fragments
+        for d in range(dst_tp)
+        for s in peer_map.expected_writers(d)
+        if peer_map.writes(s, d)
+    )
+    for registration in registrations:
+        await transport.deregister(registration)
+    return row
+
+
+def _request_bytes(
+    spec: ModelSpec, src_tp: int, dst_tp: int, dst_tables: list[Any], dst: RequestCache, span: TokenRange
+) -> int:
+    """Bytes of the request over every writer, from page tables of a throwaway sender layout."""
+    src_tables = []
+    for r in range(src_tp):
+        layout = CacheLayout.build(spec.shard(src_tp, r), num_pages=2, num_slots=3, num_draft_pages=2)
+        bases = {}
+        offset = 1 << 40
+        for group in layout.pool_groups:
+            for pool in group.pools:
+                bases[pool.name] = offset
+                offset += 1 << 36
+        src_tables.append(PageTable.from_layout(layout, bases))
+    peer_map = PeerMap.build(src_tables, dst_tables)
+    return sum(peer_map.pair(s, d).nbytes(dst, span) for s in range(src_tp) for d in peer_map.targets(s))
+
+
+async def receiver_main(args: Any) -> dict[str, Any]:
+    results = []
+    async with get_transport(args.transport)() as transport:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        child = subprocess.Popen(  # noqa: ASYNC220 (started once, before any transfer)
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "sender",
+                "--address",
+                transport.address,
+                *[a for a in sys.argv[1:] if a not in ("--role",)],
+            ],
+            env=env,
+        )
+        try:
+            peer = await transport.accept()
+            send_inbox, inbox = anyio.create_memory_object_stream[dict[str, Any]](16)
+            send_hellos, hellos = anyio.create_memory_object_stream[bytes](4)
+
+            class Notes:
+                contiguous = anyio.Event()
+                receiver: Receiver | None = None
+
+            Notes.hellos = hellos  # type: ignore[attr-defined]
+
+            notes = Notes()
+
+            async def messages() -> None:
+                while True:
+                    data = await transport.receive_message(peer)
+                    cmd = as_json(data)
+                    if cmd is not None:
+                        await send_inbox.send(cmd)
+                        continue
+                    try:
+                        message = decode_control(data)
+                    except WireFormatError:  # the sender's hello
+                        await send_hellos.send(data)
+                        continue
+                    if isinstance(message, ChunkResult) and notes.receiver is not None:
+                        notes.receiver.on_result(message)
+
+            async def notifications() -> None:
+                while True:
+                    data = await transport.receive_notification(peer)
+                    if data[:1] == b"{":
+                        notes.contiguous.set()
+                        continue
+                    message = decode_control(data)
+                    if isinstance(message, ChunkResult) and notes.receiver is not None:
+                        notes.receiver.on_result(message)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(messages)
+                tg.start_soon(notifications)
+                cases = [tuple(int(x) for x in c.split("-")) for c in args.cases.split(",")]
+                for src_tp, dst_tp in cases:
+                    row = await run_case(transport, peer, src_tp, dst_tp, args, inbox, notes)
+                    results.append(row)
+                    print(
+                        f"tp {src_tp}->{dst_tp}: {row['bytes'] / 1e6:.0f} MB, fragments {row['fragments']}, "
+                        f"contiguous {row['contiguous_gbps']:.2f} GB/s | direct {row['direct_gbps']:.2f} GB/s "
+                        f"({row['direct_ratio']:.2f}, {row['direct_posted_fragments']} fragments in "
+                        f"{row['direct_chunks']} writes) | bounce {row['bounce_gbps']:.2f} GB/s "
+                        f"({row['bounce_ratio']:.2f}, {row['bounce_chunks']} writes) | identical "
+                        f"{row['direct_identical'] and row['bounce_identical'] and row['contiguous_identical']}",
+                        flush=True,
+                    )
+                await transport.send_message(peer, json.dumps({"op": "exit"}).encode())
+                tg.cancel_scope.cancel()
+        finally:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+    return {"results": results}
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["results"]
+    labels = [f"{r['src_tp']}->{r['dst_tp']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, (mode, color) in enumerate((("direct", "tab:blue"), ("bounce", "tab:orange"))):
+        values = [r[f"{mode}_ratio"] for r in rows]
+        bars = ax.bar(x + (i - 0.5) * 0.38, values, 0.38, label=mode, color=color)
+        for bar, r in zip(bars, rows, strict=True):
+            ax.annotate(
+                f"{r[f'{mode}_gbps']:.2f}\n{r[f'{mode}_posted_fragments']}f",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.axhline(0.7, color="green", ls="--", lw=0.8, label="goal same TP")
+    ax.axhline(0.6, color="red", ls=":", lw=0.8, label="goal mismatched TP")
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("TP sender -> receiver")
+    ax.set_ylabel("ratio to one contiguous write")
+    ax.set_title(
+        f"{out['preset']} {out['tokens']}-token request, {out['transport']} two processes, {out['device']}"
+        f" (labels: GB/s, fragments)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="nemotron-h-8b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument(
+        "--dtype", default="", help="cache dtype override (e.g. float16); default the preset's"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--transport", default="nixl")
+    parser.add_argument("--cases", default=",".join(f"{a}-{b}" for a, b in CASES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, default=64, help="bytes per write (and per report)")
+    parser.add_argument("--in-flight", type=int, default=4, help="writes in flight per writer")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.role == "sender":
+        anyio.run(sender, args)
+        return 0
+    out = {
+        "preset": args.preset,
+        "tokens": args.tokens,
+        "device": args.device,
+        "transport": args.transport,
+        "chunk_bytes": args.chunk_mib << 20,
+        "in_flight": args.in_flight,
+        "repeat": args.repeat,
+        "torch": torch.__version__,
+        "statistic": "median seconds from sending the request to the last report (+ scatter)",
+        "cpus": os.cpu_count(),
+        **anyio.run(receiver_main, args),
+    }
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        plot(out, args.plot)
+    ok = all(
+        r["direct_identical"] and r["bounce_identical"] and r["contiguous_identical"] for r in out["results"]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,320 @@
+"""Bounced transfers: the bounded staging pool, bounce == direct bit for bit over the local transport for
+several TP pairs (and across processes over nixl), fallbacks when staging is short, and cancel mid-bounce."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvferry.engine.disagg.link import pump
+from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
+from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus
+from kvferry.engine.disagg.session import Receiver, ReceiveSession, SendSession, send
+from kvferry.engine.disagg.staging import StagingPool
+from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, offer_staging, plan_transfer
+from kvferry.errors import ConfigError, WireFormatError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import Side, connected, make_side, tiny_spec, whole_cache
+from test_session import GatedTransport, _cancel_when
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = list(range(3, 40))  # 37 tokens: 10 attention blocks of 4, 5 draft blocks of 8
+ROOT = Path(__file__).parents[3]
+
+
+# --- the pool ---------------------------------------------------------------------------------------------
+
+
+def test_pool_leases_are_bounded_aligned_and_merge_back() -> None:
+    pool = StagingPool.allocate(4096)
+    a, b, c = pool.try_reserve(1000), pool.try_reserve(2000), pool.try_reserve(1024)
+    assert a is not None and b is not None and c is not None
+    assert (a.offset, b.offset, c.offset) == (0, 1024, 3072)  # aligned starts, first fit
+    assert pool.try_reserve(1) is None and pool.statistics()["refused"] == 1
+    assert pool.used == 4024 and pool.available == 0
+    b.release()
+    b.release()  # idempotent
+    assert pool.available == 2048 and pool.try_reserve(2049) is None
+    d = pool.try_reserve(2048)
+    assert d is not None and d.offset == 1024 and d.address == pool.buffer.data_ptr() + 1024
+    for lease in (a, c, d):
+        lease.release()
+    s = pool.statistics()
+    assert (s["used"], s["held"], s["free_ranges"], s["peak_bytes"]) == (0, 0, 1, 4072)
+    assert pool.try_reserve(4096) is not None  # everything merged back into one range
+    with pytest.raises(ConfigError):
+        pool.try_reserve(0)
+    with pytest.raises(ConfigError):
+        pool.release(StagingPool.allocate(512).try_reserve(8))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        StagingPool(torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.asyncio
+async def test_pool_reserve_waits_for_a_release_or_gives_up() -> None:
+    pool = StagingPool.allocate(1024)
+    held = pool.try_reserve(1024)
+    assert held is not None
+    assert await pool.reserve(2048, wait=10) is None  # can never fit: no wait
+    with anyio.fail_after(5):
+        assert await pool.reserve(512, wait=0.05) is None  # nobody releases
+    async with anyio.create_task_group() as tg:
+
+        async def later() -> None:
+            await anyio.sleep(0.05)
+            held.release()
+
+        tg.start_soon(later)
+        with anyio.fail_after(5):
+            got = await pool.reserve(512, wait=5)
+    assert got is not None and got.nbytes == 512
+    got.release()
+    assert pool.used == 0
+
+
+def test_receive_session_refuses_staged_reports_it_did_not_offer() -> None:
+    session = ReceiveSession(1, "k", (0, 1), staging_writers=frozenset({1}))
+    session.requested()
+    with pytest.raises(WireFormatError):
+        session.on_result(ChunkResult(1, 0, 0, 1, ChunkStatus.OK, 8, 1, staged=True))
+    session.on_result(ChunkResult(1, 1, 0, 2, ChunkStatus.OK, 8, 1, staged=True))
+    with pytest.raises(WireFormatError):  # a writer cannot mix staged and direct chunks
+        session.on_result(ChunkResult(1, 1, 1, 2, ChunkStatus.OK, 8, 1, staged=False))
+    assert session.staged_done() == []
+    session.on_result(ChunkResult(1, 1, 1, 2, ChunkStatus.OK, 8, 1, staged=True))
+    assert session.staged_done() == [1]
+
+
+# --- whole transfers over the local transport ------------------------------------------------------------
+
+
+async def transfer(
+    ctx: Side,
+    gen: Side,
+    *,
+    rx_capacity: int | None,
+    tx_capacity: int | None,
+    policy: BouncePolicy,
+    chunk: int = 2048,
+) -> tuple[Any, StagingPool | None, StagingPool | None]:
+    """Receive ``PROMPT``'s cache from ``ctx`` into a new request "g" of ``gen`` (poisoned first); staging pools
+    of the given capacities (None: no bouncing on that side). Returns (stats, rx pool, tx pool)."""
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        rx_pool = tx_pool = None
+        if rx_capacity is not None:
+            rx_pool = StagingPool.allocate(rx_capacity)
+            await gen.transport.register(rx_pool.buffer)
+        if tx_capacity is not None:
+            tx_pool = StagingPool.allocate(tx_capacity)
+            await ctx.transport.register(tx_pool.buffer)
+        tables = [a.page_table() for a in gen.arenas]
+        peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
+        receiver = Receiver(gen.transport, to_ctx, expected_writers(peer_map), stall_timeout=10)
+        gen.create("g", PROMPT)
+        for arena, m in zip(gen.arenas, gen.managers, strict=True):
+            arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
+            arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
+            arena.fill_garbage("mamba2", [m.slot_id("g")], seed=97)
+        request = gen.receive_request(0, "r", "g", len(PROMPT))
+        staging = None
+        if rx_pool is not None:
+            request, staging = offer_staging(
+                peer_map, request, [a.pool_tensors() for a in gen.arenas], rx_pool, policy=policy
+            )
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"), staging)
+        request = type(request)(
+            session.session_id,
+            *[getattr(request, f) for f in ("key", "token_start", "token_end", "blocks", "slot", "staging")],
+        )
+        plan = plan_transfer(
+            peer_map,
+            range(ctx.tp),
+            ctx.blocks("c"),
+            ctx.slot("c"),
+            request,
+            tables,
+            max_chunk_bytes=chunk,
+            policy=policy,
+            src_pools=[a.pool_tensors() for a in ctx.arenas],
+            staging=tx_pool,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump, gen.transport, to_ctx, receiver)
+            tg.start_soon(send, ctx.transport, to_gen, SendSession(session.session_id, plan))
+            stats = await receiver.receive(session, request)
+            tg.cancel_scope.cancel()
+        assert receiver.statistics()["sessions"] == 0 and receiver.statistics()["staging_bytes"] == 0
+        return stats, rx_pool, tx_pool
+
+
+def bounced_writers(ctx: Side, gen: Side) -> int:
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    return sum(peer_map.writes(s, d) for s in range(ctx.tp) for d in peer_map.targets(s))
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (2, 1), (4, 2)])
+@pytest.mark.asyncio
+async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_tp: int) -> None:
+    spec = tiny_spec()
+    ctx, direct, bounced = make_side(spec, ctx_tp), make_side(spec, gen_tp), make_side(spec, gen_tp)
+    ctx.fake_prefill("c", PROMPT, seed=11)
+    before = bounced.free_counts()
+    d_stats, _, _ = await transfer(ctx, direct, rx_capacity=None, tx_capacity=None, policy=BouncePolicy())
+    b_stats, rx, tx = await transfer(
+        ctx, bounced, rx_capacity=1 << 20, tx_capacity=1 << 20, policy=BouncePolicy.always()
+    )
+    assert d_stats.bounced == 0 and b_stats.bounced == bounced_writers(ctx, bounced) > 0
+    assert b_stats.nbytes == d_stats.nbytes and b_stats.fragments == b_stats.chunks  # one per staged write
+    for a, b in zip(direct.read("g", len(PROMPT)), bounced.read("g", len(PROMPT)), strict=True):
+        assert a.keys() == b.keys()
+        for group in a:
+            assert torch.equal(a[group], b[group]), group
+    src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(bounced, "g", len(PROMPT))
+    for key in src:
+        assert torch.equal(src[key], dst[key]), key
+    assert rx is not None and tx is not None
+    assert rx.used == 0 and tx.used == 0 and rx.statistics()["leases"] == b_stats.bounced
+    ManagerHold(bounced.managers, "g").free()
+    assert bounced.free_counts() == before
+
+
+@pytest.mark.parametrize("short", ["receiver", "sender"])
+@pytest.mark.asyncio
+async def test_short_staging_falls_back_to_direct_writes(short: str) -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 2), make_side(spec, 1)
+    ctx.fake_prefill("c", PROMPT, seed=3)
+    rx_cap, tx_cap = (256, 1 << 20) if short == "receiver" else (1 << 20, 256)
+    stats, rx, tx = await transfer(
+        ctx, gen, rx_capacity=rx_cap, tx_capacity=tx_cap, policy=BouncePolicy.always()
+    )
+    assert stats.bounced == 0
+    src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(gen, "g", len(PROMPT))
+    for key in src:
+        assert torch.equal(src[key], dst[key]), key
+    assert rx is not None and tx is not None and rx.used == 0 and tx.used == 0
+    assert (rx if short == "receiver" else tx).statistics()["refused"] > 0
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer_reports() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    ctx.fake_prefill("c", PROMPT, seed=5)
+    gen_before = gen.free_counts()
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        rx_pool, tx_pool = StagingPool.allocate(1 << 20), StagingPool.allocate(1 << 20)
+        await gen.transport.register(rx_pool.buffer)
+        await ctx.transport.register(tx_pool.buffer)
+        gated = GatedTransport(ctx.transport)
+        tables = [a.page_table() for a in gen.arenas]
+        peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
+        receiver = Receiver(gen.transport, to_ctx, expected_writers(peer_map), stall_timeout=10)
+        gen.create("g", PROMPT)
+        request = gen.receive_request(0, "r", "g", len(PROMPT))
+        request, staging = offer_staging(
+            peer_map, request, [a.pool_tensors() for a in gen.arenas], rx_pool, policy=BouncePolicy.always()
+        )
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"), staging)
+        request = type(request)(
+            session.session_id,
+            *[getattr(request, f) for f in ("key", "token_start", "token_end", "blocks", "slot", "staging")],
+        )
+        plan = plan_transfer(
+            peer_map,
+            range(1),
+            ctx.blocks("c"),
+            ctx.slot("c"),
+            request,
+            tables,
+            max_chunk_bytes=1024,
+            policy=BouncePolicy.always(),
+            src_pools=[a.pool_tensors() for a in ctx.arenas],
+            staging=tx_pool,
+        )
+        assert len(plan[0]) > 3 and all(c.staged is not None for c in plan[0])
+        send_session = SendSession(session.session_id, plan)
+        area = rx_pool.used
+
+        async def on_ctx_message(message: Any) -> None:  # the context side obeys CancelTransfer
+            if message.session_id == send_session.session_id:
+                send_session.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=on_ctx_message))  # type: ignore[arg-type]
+            tg.start_soon(pump, gen.transport, to_ctx, receiver)
+            tg.start_soon(lambda: send(gated, to_gen, send_session, max_in_flight=1))  # type: ignore[arg-type]
+            with anyio.CancelScope() as scope:
+                tg.start_soon(_cancel_when, scope, lambda: gated.posted >= 1)
+                await receiver.receive(session, request)
+            assert scope.cancelled_caught
+            # a posted write may still land in the staging area: it stays reserved, the pages quarantined
+            assert rx_pool.used == area > 0 and tx_pool.used > 0
+            assert receiver.statistics()["quarantined"] == 1
+            assert rx_pool.try_reserve(rx_pool.capacity - area + 1) is None
+            gated.gate.set()
+            with anyio.fail_after(10):
+                while receiver.statistics()["quarantined"] or not send_session.finished:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert any(r.status is ChunkStatus.CANCELLED for r in send_session._reports.values())
+            with anyio.fail_after(10):
+                while tx_pool.used:  # noqa: ASYNC110 (send() releases when its last write ended)
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert rx_pool.used == 0 and tx_pool.used == 0
+    assert rx_pool.statistics()["free_ranges"] == 1 and tx_pool.statistics()["free_ranges"] == 1
+    for m in ctx.managers:
+        m.close("c")
+    assert gen.free_counts() == gen_before
+
+
+# --- across processes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_bounce_across_processes_over_nixl_is_bit_exact(tmp_path: Path) -> None:
+    pytest.importorskip("nixl")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "disagg_2p.py"),
+            "--preset",
+            "tiny",
+            "--tokens",
+            "37",
+            "--cases",
+            "2-1,1-2",
+            "--repeat",
+            "1",
+            "--chunk-mib",
+            "1",
+            "--transport",
+            "nixl",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["src_tp"], r["dst_tp"]) for r in rows] == [(2, 1), (1, 2)]
+    for r in rows:
+        assert r["direct_identical"] and r["bounce_identical"] and r["contiguous_identical"]
+        assert r["bounce_bounced_writers"] > 0 and r["direct_bounced_writers"] == 0
+        assert r["bounce_posted_fragments"] < r["direct_posted_fragments"]
