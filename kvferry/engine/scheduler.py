@@ -88,6 +88,11 @@ class CacheOps(Protocol):
         ``num_pending_replay`` of the committed tokens are still in the replay buffers, not in the slot."""
         ...
 
+    # Optional, used when present (the manager and LockstepCache have them): the same as calling grow / commit
+    # for each tuple in order, all or nothing, in one call per step:
+    #   grow_many(grows: Sequence[tuple[request_id, capacity]]) -> None
+    #   commit_many(commits: Sequence[tuple[request_id, token_ids, num_pending_replay]]) -> None
+
     def next_snapshot_boundary(self, request_id: int) -> int | None:
         """The next token count past the live slot's where the manager wants a recurrent snapshot."""
         ...
@@ -182,10 +187,10 @@ class StepPlan:
     items: tuple[StepItem, ...]
     preempted: tuple[Request, ...] = ()
     failed: tuple[Request, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.items)
+    #: tokens fed to the target model (prompt chunks, pending and draft tokens); counted once, when planned
+    num_tokens: int = attrs.field(
+        default=attrs.Factory(lambda plan: sum(item.num_tokens for item in plan.items), takes_self=True)
+    )
 
     @property
     def is_empty(self) -> bool:
@@ -218,6 +223,8 @@ class Scheduler:
     _waiting: deque[Request] = attrs.field(factory=deque, init=False)
     _running: list[Request] = attrs.field(factory=list, init=False)
     _created: set[int] = attrs.field(factory=set, init=False)
+    #: commits recorded since the last flush: (request id, token ids, num_pending_replay), in order
+    _commits: list[tuple[int, Sequence[int], int]] = attrs.field(factory=list, init=False)
     _num_steps: int = attrs.field(default=0, init=False)
     _num_preemptions: int = attrs.field(default=0, init=False)
     _last_step_tokens: int = attrs.field(default=0, init=False)
@@ -237,8 +244,10 @@ class Scheduler:
     def finish(self, request: Request, state: RequestState) -> None:
         """Take ``request`` out (moving it to terminal ``state`` unless it is there) and close its cache.
 
-        Idempotent. Whatever the request held in the manager is freed before this returns.
+        Idempotent. Whatever the request held in the manager is freed before this returns (its last commits
+        reach the manager first, so its blocks and snapshots stay in the prefix cache).
         """
+        self.flush()
         if not request.state.is_terminal:
             request.transition(state)
         if request in self._running:
@@ -264,7 +273,11 @@ class Scheduler:
     # --- planning -------------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plan the next step (see the module docstring for the rules); mutates the manager as it goes."""
+        """Plan the next step (see the module docstring for the rules); mutates the manager as it goes.
+
+        The commits recorded since the last step reach the manager first (:meth:`flush`).
+        """
+        self.flush()
         budget = self.config.token_budget
         items: list[StepItem] = []
         planned: set[int] = set()
@@ -272,22 +285,29 @@ class Scheduler:
         failed: list[Request] = []
         blocked: Request | None = None
 
-        decoding, max_k = RequestState.DECODING, self.config.max_spec_k
-        for request in [r for r in self._running if r.state is decoding]:
-            if request.state is not decoding:  # preempted by an older request's growth this step
-                continue
-            # this loop runs for every decoding request every step: kept free of helper calls
-            k = min(request.spec_k, max_k, request.max_tokens - len(request.output_ids) - 1, budget - 1)
-            k = k if k > 0 else 0
-            start = request.num_computed
-            if not self._grow(request, start + 1 + k, planned, preempted):
-                blocked = blocked or request
-                continue
-            items.append(StepItem(request, ItemKind.DECODE, (request.output_ids[-1],), start, k))
-            planned.add(request.request_id)
-            budget -= 1 + k
+        decoding, prefilling = RequestState.DECODING, RequestState.PREFILLING
+        decodes = [r for r in self._running if r.state is decoding]
+        prefills = [r for r in self._running if r.state is prefilling]
+        left = self._decode_all(decodes, budget, items, planned)
+        if left is not None:
+            budget = left
+        else:
+            # pages are short: request by request, preempting newer requests (the batch changed nothing)
+            max_k = self.config.max_spec_k
+            for request in decodes:
+                if request.state is not decoding:  # preempted by an older request's growth this step
+                    continue
+                k = min(request.spec_k, max_k, request.max_tokens - len(request.output_ids) - 1, budget - 1)
+                k = k if k > 0 else 0
+                start = request.num_computed
+                if not self._grow(request, start + 1 + k, planned, preempted):
+                    blocked = blocked or request
+                    continue
+                items.append(StepItem(request, ItemKind.DECODE, (request.output_ids[-1],), start, k))
+                planned.add(request.request_id)
+                budget -= 1 + k
 
-        for request in [r for r in self._running if r.state is RequestState.PREFILLING]:
+        for request in prefills:
             if budget <= 0:
                 break
             if request.state is RequestState.PREEMPTED:
@@ -319,24 +339,87 @@ class Scheduler:
             failed.append(blocked)
 
         self._num_steps += 1
-        plan = StepPlan(tuple(items), tuple(preempted), tuple(failed))
-        self._last_step_tokens = plan.num_tokens
-        return plan
+        self._last_step_tokens = self.config.token_budget - budget
+        return StepPlan(tuple(items), tuple(preempted), tuple(failed), self._last_step_tokens)
 
     def commit(self, request: Request, num_computed: int, *, num_pending_replay: int = 0) -> None:
         """Record that the cache of ``request`` now holds ``num_computed`` final tokens (the last
         ``num_pending_replay`` of them still in the replay buffers); PREFILLING -> DECODING when the prompt is
-        done (the engine has appended the first output token by then)."""
-        self.cache.commit(
-            request.request_id,
-            _token_range(request, request.num_computed, num_computed),
-            num_pending_replay=num_pending_replay,
+        done (the engine has appended the first output token by then).
+
+        The manager gets a step's commits in one batch (``commit_many`` when the cache has it) when the next
+        :meth:`schedule` starts or a request finishes, whichever comes first; :meth:`flush` hands them over now.
+        Until then only the manager lags: the request's counters move here.
+        """
+        # NOTE: runs for every request every step: a decode's tokens are a slice of its outputs
+        lo, n = request.num_computed, len(request.prompt_ids)
+        tokens = (
+            request.output_ids[lo - n : num_computed - n]
+            if lo >= n
+            else _token_range(request, lo, num_computed)
         )
+        self._commits.append((request.request_id, tokens, num_pending_replay))
         request.num_computed = num_computed
-        if request.state is RequestState.PREFILLING and request.prefill_done:
+        if request.state is RequestState.PREFILLING and num_computed >= n:
             request.transition(RequestState.DECODING)
 
+    def flush(self) -> None:
+        """Hand the commits recorded since the last flush to the cache, in order, in one ``commit_many``.
+
+        If the cache refuses them (a bug: the scheduler only commits what it planned), nothing of this batch
+        is committed and the error propagates; the batch is dropped either way.
+        """
+        if not self._commits:
+            return
+        commits, self._commits = self._commits, []
+        commit_many = getattr(self.cache, "commit_many", None)
+        if commit_many is not None:
+            commit_many(commits)
+            return
+        for request_id, token_ids, num_pending_replay in commits:
+            self.cache.commit(request_id, token_ids, num_pending_replay=num_pending_replay)
+
     # --- helpers --------------------------------------------------------------------------------------
+
+    def _decode_all(
+        self, decodes: list[Request], budget: int, items: list[StepItem], planned: set[int]
+    ) -> int | None:
+        """Plan every decode, growing those that need pages with one ``grow_many``: the budget left, or None
+        when the cache has no ``grow_many`` or the pages do not suffice for all of them (nothing changed)."""
+        grow_many = getattr(self.cache, "grow_many", None)
+        if grow_many is None:
+            return None
+        # NOTE: runs for every decoding request every step: kept free of helper calls, and the items are built
+        # with tuple.__new__ (the same StepItem; NamedTuple's generated __new__ is a Python-level call)
+        max_k, granularity, decode, new = (
+            self.config.max_spec_k,
+            self.config.grow_granularity,
+            ItemKind.DECODE,
+            tuple.__new__,
+        )
+        batch: list[StepItem] = []
+        grown: list[tuple[Request, int]] = []
+        for request in decodes:
+            k = 0
+            if max_k:
+                k = min(request.spec_k, max_k, request.max_tokens - len(request.output_ids) - 1, budget - 1)
+                k = k if k > 0 else 0
+            start = request.num_computed
+            end = start + 1 + k
+            if end > request.capacity:
+                grown.append((request, -(-end // granularity) * granularity))
+            batch.append(new(StepItem, (request, decode, (request.output_ids[-1],), start, k)))
+            budget -= 1 + k
+        if grown:
+            try:
+                grow_many([(request.request_id, capacity) for request, capacity in grown])
+            except PoolExhausted:
+                return None
+            for request, capacity in grown:
+                request.capacity = capacity
+        items.extend(batch)
+        planned.update(request.request_id for request in decodes)
+        return budget
 
     def _prefill_end(self, request: Request, budget: int) -> int:
         start = request.num_computed
