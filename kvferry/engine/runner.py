@@ -67,9 +67,19 @@ class LockstepCache:
         for m in self.managers:
             m.grow(request_id, capacity)
 
+    def grow_many(self, grows: Sequence[tuple[int, int]]) -> None:
+        """:meth:`CacheManager.grow_many <kvferry.pools.manager.CacheManager.grow_many>` on every rank."""
+        for m in self.managers:
+            m.grow_many(grows)
+
     def commit(self, request_id: int, token_ids: Sequence[int], *, num_pending_replay: int = 0) -> None:
         for m in self.managers:
             m.commit(request_id, token_ids, num_pending_replay=num_pending_replay)
+
+    def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """:meth:`CacheManager.commit_many <kvferry.pools.manager.CacheManager.commit_many>` on every rank."""
+        for m in self.managers:
+            m.commit_many(commits)
 
     def next_snapshot_boundary(self, request_id: int) -> int | None:
         return self.primary.next_snapshot_boundary(request_id)
