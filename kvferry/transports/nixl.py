@@ -76,7 +76,11 @@ class _IpcPeer:
     mapped: dict[tuple[int, int, bytes], tuple[Any, int, str]] = field(factory=dict)
     table: RegionTable = field(factory=lambda: RegionTable(()))
     local: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
+    starts: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
+    local_table: RegionTable = field(factory=lambda: RegionTable(()))
     failed: bool = False
+    #: exports changed since the last mapping
+    dirty: bool = True
 
 
 def _pack_blob(metadata: bytes, exports: Sequence[_IpcExport]) -> bytes:
@@ -326,6 +330,7 @@ class NixlTransport(ChannelTransport):
         metadata, exports = _unpack_blob(blob)
         if peer in self._ipc:
             self._ipc[peer].exports = exports
+            self._ipc[peer].dirty = True
         async with self._lock:
             try:
                 self._agent.add_remote_agent(metadata)
@@ -471,16 +476,14 @@ class NixlTransport(ChannelTransport):
             index = ipc.table.locate(dst, "destination")
         except RegionError:
             return None
-        starts = np.array([r.address for r in ipc.table.regions], dtype=np.uint64)
         translated = dst.copy()
-        translated[:, 0] = dst[:, 0] - starts[index] + ipc.local[index]
-        local_table = RegionTable(
-            [wire.RegionInfo(int(ipc.local[i]), r.length, r.device) for i, r in enumerate(ipc.table.regions)]
-        )
-        return translated, local_table
+        translated[:, 0] = dst[:, 0] - ipc.starts[index] + ipc.local[index]
+        return translated, ipc.local_table
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
         """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""
+        if not ipc.dirty:
+            return True
         import torch
 
         keys = set()
@@ -505,6 +508,11 @@ class NixlTransport(ChannelTransport):
         keys_in_order = list(ipc.mapped)
         ipc.table = RegionTable([wire.RegionInfo(k[0], k[1], ipc.mapped[k][2]) for k in keys_in_order])
         ipc.local = np.array([ipc.mapped[k][1] for k in keys_in_order], dtype=np.uint64)
+        ipc.starts = np.array([k[0] for k in keys_in_order], dtype=np.uint64)
+        ipc.dirty = False
+        ipc.local_table = RegionTable(
+            [wire.RegionInfo(ipc.mapped[k][1], k[1], ipc.mapped[k][2]) for k in keys_in_order]
+        )
         return True
 
     async def _ipc_write(
