@@ -534,11 +534,20 @@ class CacheManager:
             if req is None or req.state is not active:
                 self._active(request_id, "commit")  # raises the precise error
             assert req is not None
-            tokens = _token_list(token_ids)
+            if type(token_ids) is list:  # what the engine passes: checked here, without a call
+                tokens = token_ids
+                for t in tokens:
+                    if type(t) is not int or not INT64_MIN <= t <= INT64_MAX:
+                        tokens = _token_list(token_ids)  # converts, or raises ConfigError
+                        break
+            else:
+                tokens = _token_list(token_ids)
             state = ahead.get(request_id)
-            start, position = (
-                (len(req.tokens), len(req.tokens) - req.pending_replay) if state is None else state
-            )
+            if state is None:
+                start = len(req.tokens)
+                position = start - req.pending_replay
+            else:
+                start, position = state
             total = start + len(tokens)
             if total > req.capacity:
                 raise InvalidTransition(
