@@ -15,14 +15,16 @@ import pytest
 from kvferry.engine.disagg.roles import GenerationWorker
 from kvferry.engine.disagg.serve import _options, disaggregated
 from kvferry.engine.disagg.session import ReceiveState
-from kvferry.engine.runner import build_engine
+from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import KvferryError, TransferError
 
 pytestmark = pytest.mark.timeout(120)
 
 SPEC_K = 2
 STALL_TIMEOUT = 20.0
-DEADLINE = 10.0  # the typed error comes from the transport noticing the dead peer, well before the stall timeout
+DEADLINE = (
+    10.0  # the typed error comes from the transport noticing the dead peer, well before the stall timeout
+)
 rng = random.Random(11)
 ROUTED = [rng.randrange(256) for _ in range(60)]
 LOCAL = [rng.randrange(256) for _ in range(20)]
@@ -44,6 +46,15 @@ def mid_transfer(worker: GenerationWorker) -> bool:
     return False
 
 
+def free_counts(built: BuiltEngine) -> list[tuple[int, int, int, int]]:
+    """Per rank: free pages, free draft pages, free slots (snapshots are evictable prefix cache), quarantines."""
+    out = []
+    for m in built.cache.managers:
+        s = m.statistics()
+        out.append((s.pages_free, s.draft_pages_free, s.slots_free + s.slots_snapshot, s.quarantines))
+    return out
+
+
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
 @pytest.mark.asyncio
 async def test_context_process_killed_mid_transfer(transport: str) -> None:
@@ -57,7 +68,7 @@ async def test_context_process_killed_mid_transfer(transport: str) -> None:
         write_delay=0.02,
     ) as (router, parts):
         gen, worker, context = parts["gen"], parts["worker"], parts["context"]
-        initial = [m.statistics() for m in gen.cache.managers]
+        initial = free_counts(gen)
         # a whole routed request first: the slow transfer works
         assert await router.generate(ROUTED, max_tokens=6, spec_k=SPEC_K).collect() == expected_routed
         outcome: dict[str, object] = {}
@@ -85,10 +96,7 @@ async def test_context_process_killed_mid_transfer(transport: str) -> None:
         assert outcome["local"] == expected_local
         await gen.engine.wait_idle()
         with anyio.fail_after(DEADLINE):  # quarantined pages come back once the peer is known to be gone
-            while [
-                (s.pages_free, s.draft_pages_free, s.slots_free + s.slots_snapshot, s.quarantines)
-                for s in (m.statistics() for m in gen.cache.managers)
-            ] != [(s.pages_free, s.draft_pages_free, s.slots_free + s.slots_snapshot, 0) for s in initial]:
+            while free_counts(gen) != [(*free[:3], 0) for free in initial]:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         assert worker.receiver is not None and worker.receiver.statistics()["sessions"] == 0
         assert not gen.runner._fed
