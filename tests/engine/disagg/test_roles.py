@@ -56,12 +56,24 @@ async def aggregated(prompts: list[list[int]], *, loud: bool = False) -> Result:
     return tokens, drafts
 
 
-@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 1), (1, 2)])
+PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+#: in the default (CI) suite; the rest of PAIRS x transports is the slow suite
+CI = {(1, 1, "nixl"), (2, 1, "ucx"), (1, 2, "local"), (4, 2, "local")}
+MATRIX = [
+    pytest.param(c, g, t, marks=() if (c, g, t) in CI else pytest.mark.slow, id=f"{c}-{g}-{t}")
+    for c, g in PAIRS
+    for t in ("nixl", "ucx", "local")
+]
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp", "transport"), MATRIX)
 @pytest.mark.asyncio
-async def test_disaggregated_tokens_and_proposals_equal_aggregated(ctx_tp: int, gen_tp: int) -> None:
+async def test_disaggregated_tokens_and_proposals_equal_aggregated(
+    ctx_tp: int, gen_tp: int, transport: str
+) -> None:
     expected = await aggregated(PROMPTS)
     async with disaggregated(
-        transport="local", ctx_tp=ctx_tp, gen_tp=gen_tp, spec_k=SPEC_K, separate_process=False
+        transport=transport, ctx_tp=ctx_tp, gen_tp=gen_tp, spec_k=SPEC_K, separate_process=False
     ) as (router, parts):
         gen, ctx = parts["gen"], parts["ctx"]
         gen_free = gen.cache.statistics()
