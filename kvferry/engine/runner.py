@@ -92,9 +92,14 @@ class LockstepCache:
         for m in self.managers:
             m.close(request_id)
 
-    def set_num_accepted(self, request_id: int, num_accepted: int) -> None:
+    def set_num_accepted(self, request_id: int, num_accepted: int, *, defer: bool = False) -> None:
         for m in self.managers:
-            m.set_num_accepted(request_id, num_accepted)
+            m.set_num_accepted(request_id, num_accepted, defer=defer)
+
+    def flush_num_accepted(self) -> None:
+        """Write every rank's deferred ``num_accepted`` (before a model step reads them)."""
+        for m in self.managers:
+            m.flush_num_accepted()
 
     def block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.block_table(request_id))
@@ -175,6 +180,7 @@ class PagedRunner:
         return self.model.spec.vocab_size
 
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        self.cache.flush_num_accepted()  # the last step's acceptances, which this step's replay reads
         batch = [
             SequenceInput(
                 token_ids=item.token_ids,  # type: ignore[arg-type,unused-ignore]
@@ -229,7 +235,9 @@ class PagedRunner:
         return proposals
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:
-        self.cache.set_num_accepted(request_id, num_accepted)
+        # deferred: the step's acceptances reach the arena in one write per rank, before the next model step
+        # (forward flushes them) or any manager operation that moves, frees or resets a slot
+        self.cache.set_num_accepted(request_id, num_accepted, defer=True)
         fed = self._fed.get(request_id)
         if fed:
             last = fed[-1]

@@ -320,6 +320,8 @@ class CacheManager:
             (config.max_batch_size,), DUMMY_SLOT, dtype=torch.int64, device=device
         )
         self._counters = _Counters()
+        #: slot -> num_accepted recorded with ``defer=True``, not yet in the arena (see flush_num_accepted)
+        self._accepted: dict[int, int] = {}
 
     @classmethod
     def for_arena(
@@ -406,7 +408,9 @@ class CacheManager:
             raise PoolExhausted(
                 f"resume of {request_id!r}: all {self.config.max_batch_size} batch rows are taken"
             )
-        for victim in self._plan(need_pages, need_draft, need_slot, exclude=req):
+        victims = self._plan(need_pages, need_draft, need_slot, exclude=req)
+        self.flush_num_accepted()
+        for victim in victims:
             self._offload(victim)
         # NOTE: nothing below may fail: the plan guaranteed every allocation.
         pages = self._pages.allocate(need_pages)
@@ -478,7 +482,10 @@ class CacheManager:
             need_pages += pages
             need_draft += draft
         if need_pages or need_draft:
-            for victim in self._plan(need_pages, need_draft, 0):
+            victims = self._plan(need_pages, need_draft, 0)
+            if victims:
+                self.flush_num_accepted()
+            for victim in victims:
                 self._offload(victim)
         # NOTE: nothing below may fail: the plan guaranteed every allocation. One allocation per pool, handed out
         # in order: the same pages as one allocation per request (both take the free queue's head in turn).
@@ -591,6 +598,7 @@ class CacheManager:
         :raises ~kvferry.errors.InvalidTransition: if the request is not ACTIVE.
         """
         req = self._active(request_id, "suspend")
+        self.flush_num_accepted()
         self._release_row(req)
         req.state = CacheState.SUSPENDED
         req.offload = offload
@@ -608,6 +616,7 @@ class CacheManager:
         req = self._get(request_id)
         if req.state is not CacheState.SUSPENDED:
             raise InvalidTransition(f"offload of {request_id!r}: it is {req.state.value}")
+        self.flush_num_accepted()
         self._offload(req)
 
     def close(self, request_id: RequestId, *, quarantine: bool = False) -> Quarantine | None:
@@ -621,6 +630,7 @@ class CacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        self.flush_num_accepted()
         self._release_row(req)
         if req.pinned is not None:
             assert self._slots is not None
@@ -644,26 +654,49 @@ class CacheManager:
             return
         if self._quarantines.pop(quarantine.quarantine_id, None) is not quarantine:
             raise UnknownRequest(f"quarantine {quarantine.quarantine_id} does not belong to this manager")
+        self.flush_num_accepted()
         self._free_memory(quarantine.pages, quarantine.draft_pages, quarantine.slot)
         quarantine.released = True
 
     # --- replay state ------------------------------------------------------------------------------------------
 
-    def set_num_accepted(self, request_id: RequestId, num_accepted: int) -> None:
-        """Record a verify step's acceptance: in the live slot, or in the host copy of a suspended request."""
+    def set_num_accepted(self, request_id: RequestId, num_accepted: int, *, defer: bool = False) -> None:
+        """Record a verify step's acceptance: in the live slot, or in the host copy of a suspended request.
+
+        :param defer: queue the write to a live slot instead of writing it now (one tensor write per slot is
+            costly per request and step): every queued write lands at once in :meth:`flush_num_accepted`,
+            which runs before anything of this manager that moves, copies, frees or resets a slot; call it
+            before a model step reads ``num_accepted``.
+        """
         req = self._get(request_id)
         if self.arena is None or self._slots is None:
             return
         if req.host is not None and req.host.slots is not None and req.host.slots.num_accepted is not None:
             req.host.slots.num_accepted.fill_(num_accepted)
         elif req.slot is not None:
+            if defer:
+                self._accepted[req.slot] = num_accepted
+                return
+            self.flush_num_accepted()
             self.arena.num_accepted[req.slot] = num_accepted
+
+    def flush_num_accepted(self) -> None:
+        """Write every ``set_num_accepted(..., defer=True)`` still queued into the arena (one tensor write)."""
+        if not self._accepted:
+            return
+        assert self.arena is not None
+        device = self.arena.num_accepted.device
+        slots = torch.tensor(list(self._accepted), dtype=torch.int64, device=device)
+        values = torch.tensor(list(self._accepted.values()), dtype=torch.int64, device=device)
+        self._accepted.clear()
+        self.arena.num_accepted.index_put_((slots,), values)
 
     def drop_replay(self, request_id: RequestId) -> None:
         """Forget the request's replay state (it continues as a fresh context): ``num_accepted = 0``."""
         req = self._get(request_id)
         if self.arena is None or self._slots is None:
             return
+        self.flush_num_accepted()
         if req.host is not None and req.host.slots is not None:
             req.host.slots.replay = None
             req.host.slots.num_accepted = None
@@ -758,6 +791,7 @@ class CacheManager:
                     f"replay buffers hold {new.num_slots} slots x {new.max_tokens} tokens; the state pool needs "
                     f"{config.num_slots} x {old.max_tokens}: they must grow with it"
                 )
+        self.flush_num_accepted()
         for req in self._requests.values():
             if not req.resumed:
                 self._forget_match(req)
@@ -907,6 +941,7 @@ class CacheManager:
             tuple(sorted(self._dummy_rows)),
             tuple(self.state_indices.tolist()),
             tuple(sorted(self._quarantines)),
+            tuple(sorted(self._accepted.items())),
         )
 
     # --- internals -------------------------------------------------------------------------------------------------

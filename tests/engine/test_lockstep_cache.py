@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.engine.runner import LockstepCache
+from kvferry.engine.runner import EngineOptions, LockstepCache, build_engine
 from kvferry.errors import InvalidTransition, PoolExhausted
 from kvferry.pools.manager import CacheManager, CacheManagerConfig
 
@@ -32,3 +32,17 @@ def test_batches_run_on_every_rank_or_none() -> None:
     with pytest.raises(InvalidTransition):
         cache.commit_many([(1, [8], 0), (2, [1], 5)])
     assert [m.debug_state() for m in cache.managers] == states
+
+
+def test_deferred_num_accepted_reaches_every_rank_at_flush() -> None:
+    built = build_engine("tiny", EngineOptions(tp=2, max_spec_k=2, num_pages=32, max_running=4))
+    cache = built.cache
+    for rid in (1, 2):
+        cache.create(rid, [1, 2, 3])
+        cache.resume(rid)
+    cache.set_num_accepted(1, 3, defer=True)
+    cache.set_num_accepted(2, 1, defer=True)
+    assert all(int(a.num_accepted.sum()) == 0 for a in built.arenas)
+    cache.flush_num_accepted()
+    for arena in built.arenas:
+        assert [int(arena.num_accepted[cache.slot_id(rid)]) for rid in (1, 2)] == [3, 1]
