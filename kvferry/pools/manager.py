@@ -314,11 +314,11 @@ class CacheManager:
         self._free_rows = list(range(config.max_batch_size))
         self._dummy_rows: set[int] = set()
         device = arena.device if arena is not None else torch.device("cpu")
-        #: ``[max_batch_size]`` int64: the state slot of each batch row; free and dummy rows hold DUMMY_SLOT.
-        #: One tensor for the manager's life, so kernels (and CUDA graphs) may keep pointing at it.
-        self.state_indices = torch.full(
+        self._state_indices = torch.full(
             (config.max_batch_size,), DUMMY_SLOT, dtype=torch.int64, device=device
         )
+        #: row -> slot changed since state_indices was last read (written there in one go)
+        self._rows: dict[int, int] = {}
         self._counters = _Counters()
         #: slot -> num_accepted recorded with ``defer=True``, not yet in the arena (see flush_num_accepted)
         self._accepted: dict[int, int] = {}
@@ -348,6 +348,23 @@ class CacheManager:
             offload_under_pressure=offload_under_pressure,
         )
         return cls(config, arena)
+
+    @property
+    def state_indices(self) -> torch.Tensor:
+        """``[max_batch_size]`` int64 on the arena's device: the state slot of each batch row (free and dummy rows
+        hold DUMMY_SLOT).
+
+        One tensor for the manager's life, so kernels (and CUDA graphs) may keep pointing at it; but read this
+        property once per step before they run: rows changed since the last read are written then, in one go
+        (a step's admissions and endings cost one tensor write, not one per request).
+        """
+        if self._rows:
+            device = self._state_indices.device
+            rows = torch.tensor(list(self._rows), dtype=torch.int64, device=device)
+            slots = torch.tensor(list(self._rows.values()), dtype=torch.int64, device=device)
+            self._rows.clear()
+            self._state_indices.index_put_((rows,), slots)
+        return self._state_indices
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -430,7 +447,7 @@ class CacheManager:
         req.resumed = True
         req.state = CacheState.ACTIVE
         req.row = heapq.heappop(self._free_rows)
-        self.state_indices[req.row] = DUMMY_SLOT if slot is None else slot
+        self._rows[req.row] = DUMMY_SLOT if slot is None else slot
         return Resumed(req.reused_tokens, len(req.tokens), first, restored, draft_zeroed)
 
     def grow(self, request_id: RequestId, capacity: int) -> None:
@@ -714,7 +731,7 @@ class CacheManager:
             raise PoolExhausted(f"all {self.config.max_batch_size} batch rows are taken")
         row = heapq.heappop(self._free_rows)
         self._dummy_rows.add(row)
-        self.state_indices[row] = DUMMY_SLOT
+        self._rows[row] = DUMMY_SLOT
         return row
 
     def remove_dummy(self, row: int) -> None:
@@ -849,17 +866,15 @@ class CacheManager:
     def next_snapshot_boundary(self, request_id: RequestId) -> int | None:
         """The next token position past the live slot's where a snapshot is wanted (end prefill chunks there)."""
         req = self._get(request_id)
-        position = req.state_tokens
-        tpb, interval = self.config.tokens_per_block, self.config.snapshot_interval
         if self._slots is None or not self.config.enable_reuse:
             return None
-        candidates = []
-        if interval:
-            candidates.append((position // interval + 1) * interval)
+        position = len(req.tokens) - req.pending_replay
+        tpb, interval = self.config.tokens_per_block, self.config.snapshot_interval
+        boundary = (position // interval + 1) * interval if interval else None
         prompt_end = len(req.prompt) // tpb * tpb
-        if prompt_end > position:
-            candidates.append(prompt_end)
-        return min(candidates) if candidates else None
+        if prompt_end > position and (boundary is None or prompt_end < boundary):
+            return prompt_end
+        return boundary
 
     def request_ids(self) -> list[RequestId]:
         return list(self._requests)
@@ -1139,7 +1154,7 @@ class CacheManager:
 
     def _release_row(self, req: _Request) -> None:
         if req.row is not None:
-            self.state_indices[req.row] = DUMMY_SLOT
+            self._rows[req.row] = DUMMY_SLOT
             heapq.heappush(self._free_rows, req.row)
             req.row = None
 
