@@ -3,12 +3,19 @@
 Runs N generated prompts of mixed lengths through one aggregated engine (the reference), then through a
 context engine (prefill, another OS process by default) and a generation engine (decode, this process) that
 hand each request's cache over a real transport, and compares every request's tokens and draft proposals.
+With speculation (``--spec-k``, default 2) it runs the disaggregated pass twice, with and without the draft KV
+transfer, to show what leaving the draft KV behind costs.
+
+Progress goes to stderr; stdout gets the summary table, or with ``--json`` exactly one JSON object with the
+keys of :data:`JSON_KEYS`. Library output (NIXL's log lines, anything written to file descriptor 1) is sent
+to stderr so that stdout stays parseable.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -19,6 +26,26 @@ import anyio
 from kvferry.errors import KvferryError
 
 MAX_TOKENS = 12
+
+#: the keys of ``--json``, in order
+JSON_KEYS = (
+    "transport",  # the transport actually used ("auto" resolved)
+    "ctx_tp",
+    "gen_tp",
+    "requests",
+    "spec_k",
+    "draft_transfer",  # False with --no-draft-transfer
+    "identical",  # every request's tokens and draft proposals equal the aggregated run's
+    "mismatched_requests",  # indices of the requests that differ
+    "bytes_transferred",  # of the reported pass (with draft KV unless --no-draft-transfer)
+    "fragments",
+    "transfer_seconds",  # wall seconds with at least one transfer in flight (overlaps counted once)
+    "transfer_gbps",  # bytes_transferred / transfer_seconds / 1e9
+    "acceptance_rate",  # accepted / drafted drafts of the reported pass (0.0 without speculation)
+    "acceptance_rate_without_draft_transfer",  # the other pass; null without speculation
+    "tokens_identical_without_draft_transfer",  # null without speculation
+    "wall_seconds",  # the whole demo
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +77,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
-    if not args.json:
-        print(text, file=sys.stderr, flush=True)
+    print(text, file=sys.stderr, flush=True)
 
 
 async def _aggregated(
@@ -83,6 +109,12 @@ async def _disaggregated(
     local = args.transport == "local"
     results: list[dict[str, Any]] = [{}] * len(prompts)
     extra: dict[str, Any] = {}
+    started = time.perf_counter()
+    where = "this process" if local else "another OS process"
+    _say(
+        args,
+        f"starting a context engine (TP {args.ctx_tp}, {where}) and a generation engine (TP {args.gen_tp})",
+    )
     async with disaggregated(
         transport=args.transport,
         ctx_tp=args.ctx_tp,
@@ -93,6 +125,7 @@ async def _disaggregated(
     ) as (router, parts):
         worker = parts["worker"]
         extra["transport"] = parts["transport"].name
+        _say(args, f"  connected over {extra['transport']} in {time.perf_counter() - started:.1f} s")
         passes = [not args.no_draft_transfer]
         if spec_k and not args.no_draft_transfer:
             passes.append(False)
@@ -130,10 +163,11 @@ async def _disaggregated(
             stats = {
                 "bytes": sum(t.nbytes for t in transfers),
                 "fragments": sum(t.fragments for t in transfers),
-                "seconds": sum(t.seconds for t in transfers),
+                "seconds": worker.transfer_seconds(start),
                 "acceptance": accepted / drafted if drafted else 0.0,
                 "wall": time.perf_counter() - t0,
             }
+            _say(args, f"  done in {stats['wall']:.1f} s")
             if transfer_draft == (not args.no_draft_transfer):
                 results = pass_results
                 extra["main"] = stats
@@ -143,15 +177,18 @@ async def _disaggregated(
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     spec_k = args.spec_k
     if spec_k is None:
         spec_k = 2 if _drafter_available() else 0
     prompts = _prompts(args.requests, args.seed)
     _say(
         args,
-        f"aggregated reference: {len(prompts)} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, spec_k={spec_k}",
+        f"aggregated reference: {len(prompts)} requests, prompts of {min(map(len, prompts))}.."
+        f"{max(map(len, prompts))} tokens, spec_k={spec_k}",
     )
     reference = await _aggregated(prompts, args, spec_k)
+    _say(args, f"  done in {time.perf_counter() - t0:.1f} s")
     results, extra = await _disaggregated(prompts, args, spec_k)
     mismatched = [
         i
@@ -164,7 +201,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     )
     main = extra["main"]
     seconds = main["seconds"]
-    return {
+    result = {
         "transport": extra["transport"],
         "ctx_tp": args.ctx_tp,
         "gen_tp": args.gen_tp,
@@ -179,11 +216,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "transfer_gbps": main["bytes"] / seconds / 1e9 if seconds else 0.0,
         "acceptance_rate": main["acceptance"],
         "acceptance_rate_without_draft_transfer": extra["without"]["acceptance"]
-        if "without" in extra
+        if spec_k and "without" in extra
         else None,
-        "tokens_identical_without_draft_transfer": tokens_identical_without,
-        "wall_seconds": main["wall"],
+        "tokens_identical_without_draft_transfer": tokens_identical_without if spec_k else None,
+        "wall_seconds": time.perf_counter() - t0,
     }
+    assert tuple(result) == JSON_KEYS
+    return result
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -195,7 +234,7 @@ def _table(result: dict[str, Any]) -> str:
         ("bytes transferred", result["bytes_transferred"]),
         ("fragments", result["fragments"]),
         ("transfer seconds", f"{result['transfer_seconds']:.4f}"),
-        ("transfer GB/s", f"{result['transfer_gbps']:.3f}"),
+        ("transfer GB/s", f"{result['transfer_gbps']:.3g}"),
         ("spec_k", result["spec_k"]),
         ("acceptance rate", f"{result['acceptance_rate']:.3f}"),
     ]
@@ -219,13 +258,23 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # NIXL logs INFO lines to stdout (its own handler), and C libraries may print there too: quiet NIXL
+    # (here and in the context process) and point file descriptor 1 at stderr for the whole run, keeping
+    # the real stdout for our one result
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    sys.stdout.flush()
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
         result = anyio.run(_run, args)
     except KvferryError as exc:
         print(f"kvferry demo: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(_table(result))
+    finally:
+        sys.stdout.flush()
+    with stdout:
+        if args.json:
+            print(json.dumps(result), file=stdout)
+        else:
+            print(_table(result), file=stdout)
     return 0 if result["identical"] else 1

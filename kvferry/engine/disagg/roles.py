@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -370,6 +372,7 @@ class GenerationWorker:
     receiver: Receiver | None = attrs.field(default=None, init=False)
     _waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict, init=False)
     _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
+    _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.cache = _install(self.built)
@@ -490,10 +493,21 @@ class GenerationWorker:
             m.suspend(rid)
         self.cache.adopt(rid, len(prompt))
         self._transfers.append(stats)
+        now = time.perf_counter()
+        self._windows.append((now - stats.seconds, now))
         return stats
 
     def transfers(self) -> list[TransferStatistics]:
         return list(self._transfers)
+
+    def transfer_seconds(self, first: int = 0) -> float:
+        """Wall seconds during which at least one of the completed transfers ``first..`` was in flight
+        (overlapping transfers counted once; from each receive request to its last report)."""
+        busy, end = 0.0, -math.inf
+        for a, b in sorted(self._windows[first:]):
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return busy
 
     def __repr__(self) -> str:
         return f"<GenerationWorker receiver={self.receiver!r} transfers={len(self._transfers)}>"

@@ -8,20 +8,7 @@ import sys
 
 import pytest
 
-KEYS = {
-    "transport",
-    "ctx_tp",
-    "gen_tp",
-    "requests",
-    "identical",
-    "mismatched_requests",
-    "bytes_transferred",
-    "fragments",
-    "transfer_seconds",
-    "transfer_gbps",
-    "acceptance_rate",
-    "acceptance_rate_without_draft_transfer",
-}
+from kvferry.commands.demo import JSON_KEYS
 
 
 def run_demo(*args: str) -> dict[str, object]:
@@ -33,17 +20,20 @@ def run_demo(*args: str) -> dict[str, object]:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, object] = json.loads(proc.stdout)  # stdout is exactly one JSON object, no log lines
+    assert tuple(result) == JSON_KEYS
+    assert "aggregated reference" in proc.stderr  # progress goes to stderr
     return result
 
 
 @pytest.mark.timeout(180)
-def test_demo_local_json() -> None:
-    result = run_demo("--transport", "local", "--gen-tp", "2")
-    assert result.keys() >= KEYS
+@pytest.mark.parametrize(("transport", "ctx_tp", "gen_tp"), [("local", 1, 2), ("nixl", 2, 1)])
+def test_demo_json(transport: str, ctx_tp: int, gen_tp: int) -> None:
+    result = run_demo("--transport", transport, "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp))
     assert result["identical"] is True and result["mismatched_requests"] == []
-    assert result["transport"] == "local" and result["gen_tp"] == 2
+    assert (result["transport"], result["ctx_tp"], result["gen_tp"]) == (transport, ctx_tp, gen_tp)
     assert isinstance(result["bytes_transferred"], int) and result["bytes_transferred"] > 0
+    assert result["tokens_identical_without_draft_transfer"] is True
 
 
 @pytest.mark.slow
