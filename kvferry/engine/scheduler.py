@@ -244,19 +244,22 @@ class Scheduler:
     def finish(self, request: Request, state: RequestState) -> None:
         """Take ``request`` out (moving it to terminal ``state`` unless it is there) and close its cache.
 
-        Idempotent. Whatever the request held in the manager is freed before this returns (its last commits
-        reach the manager first, so its blocks and snapshots stay in the prefix cache).
+        Idempotent. Whatever the request held in the manager is freed before this returns (the commits not yet
+        handed over reach the manager first, so its blocks and snapshots stay in the prefix cache; if the
+        manager refuses them, the request is still taken out and closed, then the error propagates).
         """
-        self.flush()
-        if not request.state.is_terminal:
-            request.transition(state)
-        if request in self._running:
-            self._running.remove(request)
-        if request in self._waiting:
-            self._waiting.remove(request)
-        if request.request_id in self._created:
-            self._created.discard(request.request_id)
-            self.cache.close(request.request_id)
+        try:
+            self.flush()
+        finally:
+            if not request.state.is_terminal:
+                request.transition(state)
+            if request in self._running:
+                self._running.remove(request)
+            if request in self._waiting:
+                self._waiting.remove(request)
+            if request.request_id in self._created:
+                self._created.discard(request.request_id)
+                self.cache.close(request.request_id)
 
     @property
     def has_work(self) -> bool:

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from engine_fakes import FakeCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.engine.request import Request, RequestState
 from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig, StepPlan
+from kvferry.errors import InvalidTransition
 from kvferry.pools.manager import CacheManager, CacheManagerConfig
 
 S = RequestState
@@ -196,3 +198,20 @@ def test_batched_and_one_by_one_scheduling_are_identical(
         assert not scheduler.has_work
         runs.append((trace, [(r.state, tuple(r.output_ids)) for r in requests]))
     assert runs[0] == runs[1]
+
+
+def test_a_refused_batch_still_lets_finish_close_the_request() -> None:
+    class Refusing(BatchingFake):
+        def commit_many(self, commits: Sequence[tuple[int, Sequence[int], int]]) -> None:
+            raise InvalidTransition("refused")
+
+    cache = Refusing(num_pages=64, num_slots=4)
+    scheduler = Scheduler(cache, SchedulerConfig(token_budget=16, max_running=2, max_prefill_chunk=8))
+    request = Request(0, [1, 2, 3], max_tokens=5)
+    scheduler.add(request)
+    run_step(scheduler, scheduler.schedule())
+    with pytest.raises(InvalidTransition):
+        scheduler.finish(request, S.CANCELLED)
+    assert request.state is S.CANCELLED and not scheduler.has_work
+    assert cache.log[-1] == ("close", 0) and not cache.live
+    scheduler.flush()  # the refused batch is gone
