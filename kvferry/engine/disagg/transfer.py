@@ -133,7 +133,8 @@ def plan_transfer(
     that the request offers a staging area, is staged when ``src_pools`` (``CacheArena.pool_tensors()`` per
     context rank, indexed by rank) and ``staging`` (the writer's registered staging) are given and ``staging``
     has room: its chunks are pieces of one packed write (:class:`~.staging.StagedWrite`), whose lease
-    :func:`~.session.send` releases. Otherwise the writer writes directly.
+    :func:`~.session.send` releases (call :meth:`~.session.SendSession.release_staging` if the plan is never
+    sent). Otherwise the writer writes directly. On an exception nothing stays reserved.
 
     :raises ~kvferry.errors.WireFormatError: the request does not fit the receiver's page tables, or a staging
         area is smaller than what its writer would stage.
@@ -148,31 +149,43 @@ def plan_transfer(
     src = RequestCache({k: list(v) for k, v in src_blocks.items()}, src_slot)
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
     bounce = staging is not None and src_pools is not None and bool(areas)
+    lease = None
     plan: WriterPlan = {}
-    for s in src_ranks:
-        for d in peer_map.targets(s):
-            w = writer_id(s, d, peer_map.dst_tp)
-            area = areas.get(w)
-            rank_policy = policy if bounce and area is not None else BouncePolicy.never()
-            rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=rank_policy)
-            if rank_plan.empty:
-                plan[w] = []
-                continue
-            lease = None
-            if rank_plan.gather is not None and area is not None and staging is not None:
-                if area.nbytes < rank_plan.nbytes:
-                    raise WireFormatError(
-                        f"staging area of writer {w}: {area.nbytes} bytes < {rank_plan.nbytes} to write"
-                    )
-                lease = staging.try_reserve(rank_plan.nbytes)
-            if lease is None or rank_plan.gather is None or area is None or src_pools is None:
-                plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
-                continue
-            staged = StagedWrite(rank_plan.gather, src_pools[s], lease)
-            src_f, dst_f = rank_plan.staged_fragments(
-                lease.address, area.address, chunk_bytes=max_chunk_bytes
-            )
-            plan[w] = [Chunk(d, src_f[i : i + 1], dst_f[i : i + 1], staged=staged) for i in range(len(src_f))]
+    try:
+        for s in src_ranks:
+            for d in peer_map.targets(s):
+                w = writer_id(s, d, peer_map.dst_tp)
+                area = areas.get(w)
+                rank_policy = policy if bounce and area is not None else BouncePolicy.never()
+                rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=rank_policy)
+                if rank_plan.empty:
+                    plan[w] = []
+                    continue
+                lease = None
+                if rank_plan.gather is not None and area is not None and staging is not None:
+                    if area.nbytes < rank_plan.nbytes:
+                        raise WireFormatError(
+                            f"staging area of writer {w}: {area.nbytes} bytes < {rank_plan.nbytes} to write"
+                        )
+                    lease = staging.try_reserve(rank_plan.nbytes)
+                if lease is None or rank_plan.gather is None or area is None or src_pools is None:
+                    plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
+                    continue
+                staged = StagedWrite(rank_plan.gather, src_pools[s], lease)
+                src_f, dst_f = rank_plan.staged_fragments(
+                    lease.address, area.address, chunk_bytes=max_chunk_bytes
+                )
+                plan[w] = [
+                    Chunk(d, src_f[i : i + 1], dst_f[i : i + 1], staged=staged) for i in range(len(src_f))
+                ]
+    except BaseException:
+        for chunks in plan.values():  # nothing was sent: give back the leases already taken
+            for chunk in chunks:
+                if chunk.staged is not None:
+                    chunk.staged.release()
+        if lease is not None:
+            lease.release()
+        raise
     return plan
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -125,7 +126,7 @@ async def transfer(
         for arena, m in zip(gen.arenas, gen.managers, strict=True):
             arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
             arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
-            arena.fill_garbage("mamba2", [m.slot_id("g")], seed=97)
+            arena.fill_garbage("mamba2", [gen.slot("g")], seed=97)
         request = gen.receive_request(0, "r", "g", len(PROMPT))
         staging = None
         if rx_pool is not None:
@@ -318,3 +319,38 @@ def test_bounce_across_processes_over_nixl_is_bit_exact(tmp_path: Path) -> None:
         assert r["direct_identical"] and r["bounce_identical"] and r["contiguous_identical"]
         assert r["bounce_bounced_writers"] > 0 and r["direct_bounced_writers"] == 0
         assert r["bounce_posted_fragments"] < r["direct_posted_fragments"]
+
+
+def test_a_plan_that_fails_midway_keeps_no_staging_reserved() -> None:
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 2), make_side(spec, 1)
+    ctx.fake_prefill("c", PROMPT, seed=3)
+    gen.create("g", PROMPT)
+    tables = [a.page_table() for a in gen.arenas]
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
+    rx_pool, tx_pool = StagingPool.allocate(1 << 20), StagingPool.allocate(1 << 20)
+    request, staging = offer_staging(
+        peer_map,
+        gen.receive_request(1, "r", "g", len(PROMPT)),
+        [a.pool_tensors() for a in gen.arenas],
+        rx_pool,
+        policy=BouncePolicy.always(),
+    )
+    assert len(request.staging) == 2 and rx_pool.used > 0
+    areas = list(request.staging)
+    areas[-1] = attrs.evolve(areas[-1], nbytes=8)  # the last writer's area is too small: a peer's bad request
+    with pytest.raises(WireFormatError):
+        plan_transfer(
+            peer_map,
+            range(2),
+            ctx.blocks("c"),
+            ctx.slot("c"),
+            attrs.evolve(request, staging=tuple(areas)),
+            tables,
+            policy=BouncePolicy.always(),
+            src_pools=[a.pool_tensors() for a in ctx.arenas],
+            staging=tx_pool,
+        )
+    assert tx_pool.used == 0 and tx_pool.statistics()["leases"] == 1  # the first writer's lease came back
+    staging.release()
+    assert rx_pool.used == 0
