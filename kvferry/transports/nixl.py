@@ -201,6 +201,9 @@ class NixlTransport(ChannelTransport):
         self.ipc_writes = 0
         self._agent: Any = None
         self._busy = 0
+        #: NIXL writes posted (or being prepared) per remote agent name: a metadata reload waits for zero
+        self._writes_to: dict[str, int] = {}
+        self._writes_ended: dict[str, anyio.Event] = {}
         self._wake = anyio.Event()
         self._by_agent: dict[str, ChannelPeer] = {}
         self._handles = 0
@@ -334,6 +337,28 @@ class NixlTransport(ChannelTransport):
         async with self._lock:
             try:
                 self._agent.add_remote_agent(metadata)
+            except _NIXL_ERRORS as first:
+                refused: BaseException | None = first
+            else:
+                refused = None
+        if refused is None:
+            return
+        # NIXL merges an update only when it adds to what it knows; after the peer deregistered a region (seen
+        # with VRAM on the H200: NIXL_ERR_NOT_ALLOWED) the agent must be loaded afresh, which would pull the
+        # descriptors from under a write still in flight to it: wait for ours to end first (they complete
+        # without this reader), bounded by the stall deadline.
+        log.debug("reloading NIXL metadata of %s after %s", peer.address, refused)
+        name = peer.backend
+        with anyio.move_on_after(self._stall_timeout):
+            while self._writes_to.get(name, 0):
+                await self._writes_ended.setdefault(name, anyio.Event()).wait()
+        async with self._lock:
+            try:
+                if self._writes_to.get(name, 0):
+                    raise TransportError(f"writes to {peer.address} did not end within the stall deadline")
+                with suppress(*_NIXL_ERRORS):
+                    self._agent.remove_remote_agent(name)
+                self._agent.add_remote_agent(metadata)
             except _NIXL_ERRORS as exc:
                 raise WireFormatError(f"NIXL refused the updated metadata of {peer.address}: {exc}") from exc
 
@@ -391,6 +416,7 @@ class NixlTransport(ChannelTransport):
         agent = self._agent
         handles: list[Any] = []
         self._busy += 1
+        self._writes_to[name] = self._writes_to.get(name, 0) + 1
         self._wake.set()
         try:
             async with self._lock:
@@ -427,6 +453,9 @@ class NixlTransport(ChannelTransport):
                     raise TransportError(f"NIXL write to {peer.address} failed ({state})")
         finally:
             self._busy -= 1
+            self._writes_to[name] -= 1
+            if not self._writes_to[name] and name in self._writes_ended:
+                self._writes_ended.pop(name).set()
             with anyio.CancelScope(shield=True):
                 await self._release_handles(handles)
 
