@@ -83,22 +83,25 @@ class _IpcPeer:
     dirty: bool = True
 
 
-def _pack_blob(metadata: bytes, exports: Sequence[_IpcExport]) -> bytes:
+def _pack_blob(metadata: bytes, exports: Sequence[_IpcExport], partial: Sequence[bytes] = ()) -> bytes:
+    """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of new regions only (updates)."""
     rows = [[e.address, e.length, e.offset, list(e.share)] for e in exports]
-    packed: bytes = msgpack.packb({"nixl": metadata, "ipc": rows}, use_bin_type=True)
+    body = {"nixl": metadata, "ipc": rows, "partial": list(partial)}
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
     return _BLOB_MARK + packed
 
 
-def _unpack_blob(blob: bytes) -> tuple[bytes, list[_IpcExport]]:
+def _unpack_blob(blob: bytes) -> tuple[bytes, list[_IpcExport], list[bytes]]:
     if not blob.startswith(_BLOB_MARK):
-        return blob, []
+        return blob, [], []
     try:
         body = msgpack.unpackb(blob[len(_BLOB_MARK) :], raw=False)
         exports = [_IpcExport(int(a), int(n), int(o), tuple(share)) for a, n, o, share in body["ipc"]]
         metadata = bytes(body["nixl"])
+        partial = [bytes(b) for b in body.get("partial", ())]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise WireFormatError(f"malformed NIXL backend blob: {exc}") from exc
-    return metadata, exports
+    return metadata, exports, partial
 
 
 def _export_cuda(tensor: Any) -> _IpcExport | None:
@@ -201,9 +204,6 @@ class NixlTransport(ChannelTransport):
         self.ipc_writes = 0
         self._agent: Any = None
         self._busy = 0
-        #: NIXL writes posted (or being prepared) per remote agent name: a metadata reload waits for zero
-        self._writes_to: dict[str, int] = {}
-        self._writes_ended: dict[str, anyio.Event] = {}
         self._wake = anyio.Event()
         self._by_agent: dict[str, ChannelPeer] = {}
         self._handles = 0
@@ -257,7 +257,7 @@ class NixlTransport(ChannelTransport):
     async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
         if not self._nixl_peer(peer):
             return
-        metadata, exports = _unpack_blob(peer.hello.backend)
+        metadata, exports, _ = _unpack_blob(peer.hello.backend)
         try:
             name = self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
@@ -315,8 +315,14 @@ class NixlTransport(ChannelTransport):
             shared = (_export_cuda(t) for t in registration.tensors if t.device.type == "cuda")
             exports.extend(e for e in shared if e is not None)
         registration.backend = (dlists, exports)
-        # Peers reload our whole metadata: NIXL merges what it already knows of us with the new regions.
-        return _pack_blob(self._agent.get_agent_metadata(), self._exports(registration))
+        # Peers merge the metadata of the new regions only. Reloading our whole metadata (connection info
+        # included) is refused by NIXL once a region was deregistered (NIXL_ERR_NOT_ALLOWED on the H200).
+        async with self._lock:
+            try:
+                partial = [self._agent.get_partial_agent_metadata(d, False) for d in dlists]
+            except _NIXL_ERRORS as exc:
+                raise translate(exc, "reading NIXL metadata of new regions") from exc
+        return _pack_blob(b"", self._exports(registration), partial)
 
     async def _backend_deregister(self, registration: TensorRegistration) -> None:
         if self._agent is None:
@@ -330,35 +336,14 @@ class NixlTransport(ChannelTransport):
     async def _backend_regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
         if peer.backend is None:
             return
-        metadata, exports = _unpack_blob(blob)
+        metadata, exports, partial = _unpack_blob(blob)
         if peer in self._ipc:
             self._ipc[peer].exports = exports
             self._ipc[peer].dirty = True
         async with self._lock:
             try:
-                self._agent.add_remote_agent(metadata)
-            except _NIXL_ERRORS as first:
-                refused: BaseException | None = first
-            else:
-                refused = None
-        if refused is None:
-            return
-        # NIXL merges an update only when it adds to what it knows; after the peer deregistered a region (seen
-        # with VRAM on the H200: NIXL_ERR_NOT_ALLOWED) the agent must be loaded afresh, which would pull the
-        # descriptors from under a write still in flight to it: wait for ours to end first (they complete
-        # without this reader), bounded by the stall deadline.
-        log.debug("reloading NIXL metadata of %s after %s", peer.address, refused)
-        name = peer.backend
-        with anyio.move_on_after(self._stall_timeout):
-            while self._writes_to.get(name, 0):
-                await self._writes_ended.setdefault(name, anyio.Event()).wait()
-        async with self._lock:
-            try:
-                if self._writes_to.get(name, 0):
-                    raise TransportError(f"writes to {peer.address} did not end within the stall deadline")
-                with suppress(*_NIXL_ERRORS):
-                    self._agent.remove_remote_agent(name)
-                self._agent.add_remote_agent(metadata)
+                for md in partial or [metadata]:
+                    self._agent.add_remote_agent(md)
             except _NIXL_ERRORS as exc:
                 raise WireFormatError(f"NIXL refused the updated metadata of {peer.address}: {exc}") from exc
 
@@ -416,7 +401,6 @@ class NixlTransport(ChannelTransport):
         agent = self._agent
         handles: list[Any] = []
         self._busy += 1
-        self._writes_to[name] = self._writes_to.get(name, 0) + 1
         self._wake.set()
         try:
             async with self._lock:
@@ -453,9 +437,6 @@ class NixlTransport(ChannelTransport):
                     raise TransportError(f"NIXL write to {peer.address} failed ({state})")
         finally:
             self._busy -= 1
-            self._writes_to[name] -= 1
-            if not self._writes_to[name] and name in self._writes_ended:
-                self._writes_ended.pop(name).set()
             with anyio.CancelScope(shield=True):
                 await self._release_handles(handles)
 
