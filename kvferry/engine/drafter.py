@@ -8,12 +8,13 @@ drafter feeds its own ``x`` back in place of the target's hidden state.
 
 Draft KV is written for every position the drafter reads: the positions of the target's last step (catch-up)
 and the speculative ones. Speculative positions are overwritten by the next catch-up, so rejected drafts
-leave nothing behind that a later step reads.
+leave nothing behind that a later step reads. The default weights (:meth:`DrafterWeights.derived`) need
+the draft KV of the whole context: without it (a generation engine that did not receive the prompt's draft
+KV) fewer drafts are accepted, the tokens stay the same.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,19 +22,36 @@ import attrs
 import torch
 from attrs import define, frozen
 
-from kvferry.engine.model import CacheViews, Model, _attention_block, _Group, _plan_groups, rms_norm
+from kvferry.engine.model import (
+    CacheViews,
+    DenseCache,
+    Model,
+    SequenceInput,
+    _attention_block,
+    _Group,
+    _plan_groups,
+    rms_norm,
+)
 from kvferry.engine.tensor_parallel import all_reduce, shard_attention
 from kvferry.engine.weights import ModelWeights
 from kvferry.errors import ConfigError
-from kvferry.pools.spec import DrafterSpec, ModelSpec
+from kvferry.pools.spec import DrafterSpec, ModelSpec, dtype_name
 
 __all__ = ["DraftInput", "Drafter", "DrafterWeights", "Proposal"]
 
-#: The default initialisation's mix of the target hidden state and the next token's embedding, and the scale of
-#: its attention output: with the default seeded target, about half of greedy drafts are accepted (see the tests).
+#: The default initialisation's mix of the target hidden state and the next token's embedding: through the
+#: target's LM head this guesses "what the target says after this token" (about half of greedy drafts accepted
+#: with the seeded targets, see the tests).
 DEFAULT_HIDDEN_MIX = 0.1
 DEFAULT_EMBED_MIX = 1.0
-DEFAULT_ATTENTION_SCALE = 0.1
+#: How much of the target hidden states' common component (their projection on the mean hidden direction) the
+#: default drafter's features carry along its seeded bias direction, for its attention to remove again.
+DEFAULT_CONTEXT_GAIN = 2.0
+#: Random sequences x tokens of the target run once by :meth:`DrafterWeights.derived` to find that direction.
+_PROBE_SEQUENCES, _PROBE_TOKENS = 8, 48
+#: Statistics from the probe are rounded to this many fractional bits, so that two processes that sum in a
+#: different order (thread counts, kernels) still derive bit-identical drafters.
+_PROBE_BITS = 16
 
 
 def _expected_shapes(spec: DrafterSpec, hidden: int) -> dict[str, tuple[int, ...]]:
@@ -78,30 +96,64 @@ class DrafterWeights:
         *,
         hidden_mix: float = DEFAULT_HIDDEN_MIX,
         embed_mix: float = DEFAULT_EMBED_MIX,
-        attention_scale: float = DEFAULT_ATTENTION_SCALE,
+        context_gain: float = DEFAULT_CONTEXT_GAIN,
     ) -> DrafterWeights:
-        """An untrained drafter that still guesses well: ``fc`` passes ``embed_mix * embedding + hidden_mix *
-        hidden`` through, ``norm_f`` is the target's, the attention is seeded random with its output scaled
-        by ``attention_scale``. Through the target's LM head this predicts "what the target says after this
-        token" from the token itself, which a random target follows often but not always.
+        """An untrained drafter that still guesses well, and whose attention needs the draft KV of the context.
+
+        Features: ``fc`` passes ``embed_mix * embedding + hidden_mix * hidden`` through (through the target's
+        LM head: "what the target says after this token", which a seeded target follows often but not always)
+        plus ``context_gain * (u . hidden) * nu``: the target hidden state's component along ``u``, the
+        direction of the target's mean hidden state (a large, nearly constant share of every hidden state),
+        written along ``nu``, the LM head row of a seeded token (left in, it skews the drafts towards that
+        token).
+
+        Attention (layer 0) centres the features on the context: zero query and key projections attend
+        uniformly to every position of the drafter's own KV, the values hold each position's ``nu``
+        component and the output subtracts their average. With the whole context in the draft KV the average
+        cancels the common component and leaves the guess above; with draft KV missing (zeros, e.g. a
+        generation engine that did not receive the prompt's draft KV) it averages zeros, the component stays
+        and the drafts skew towards ``nu``: fewer are accepted, the same way a trained drafter run without its
+        context KV degrades. Further layers (if the spec has them) start as no-ops (zero projections).
+
+        ``u`` and the features' typical RMS come from one probe run of the target (``8 x 48`` seeded random
+        tokens, on the target's device, in its dtype), rounded so that every process derives bit-identical
+        weights. ``norm_f`` is the target's. A pure function of ``target`` and ``seed``.
         """
         h = target.args.hidden_size
+        q_heads, kv_heads, d = spec.num_query_heads, spec.num_kv_heads, spec.head_dim
         gen = torch.Generator().manual_seed(seed)
+        probe = torch.randint(
+            0, target.args.vocab_size, (_PROBE_SEQUENCES, _PROBE_TOKENS), generator=gen, dtype=torch.int64
+        )
+        skew = int(torch.randint(0, target.args.vocab_size, (1,), generator=gen))
+        nu = target.lm_head[skew].to(dtype=torch.float64, device="cpu")
+        nu = _rounded(nu / nu.norm())
+        hidden = _probe_hidden(target, probe).to(dtype=torch.float64, device="cpu")  # [n, t, h]
+        mean = hidden.mean((0, 1))
+        u = _rounded(mean / mean.norm())
         eye = torch.eye(h, dtype=torch.float64)
+        fc = torch.cat((hidden_mix * eye + context_gain * torch.outer(nu, u), embed_mix * eye), dim=1)
+        embeddings = target["model.embeddings.weight"].to(dtype=torch.float64, device="cpu")[probe[:, 1:]]
+        features = torch.cat((hidden[:, :-1], embeddings), dim=-1) @ fc.T
+        rms = _rounded(features.pow(2).mean(-1).sqrt().mean())
         tensors: dict[str, torch.Tensor] = {
-            "fc.weight": torch.cat((hidden_mix * eye, embed_mix * eye), dim=1),
+            "fc.weight": fc,
             "norm_f.weight": target["model.norm_f.weight"].to(dtype=torch.float64, device="cpu"),
         }
-        for name, shape in _expected_shapes(spec, h).items():
-            if name in tensors:
-                continue
-            if name.endswith("norm.weight"):
-                tensors[name] = torch.ones(shape, dtype=torch.float64)
-            else:
-                std = 1.0 / math.sqrt(shape[1])
-                if name.endswith("o_proj.weight"):
-                    std *= attention_scale
-                tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float64) * std
+        for i in range(spec.num_layers):
+            p = f"layers.{i}."
+            tensors[p + "norm.weight"] = torch.ones(h, dtype=torch.float64)
+            tensors[p + "mixer.q_proj.weight"] = torch.zeros(q_heads * d, h, dtype=torch.float64)
+            tensors[p + "mixer.k_proj.weight"] = torch.zeros(kv_heads * d, h, dtype=torch.float64)
+            v = torch.zeros(kv_heads * d, h, dtype=torch.float64)
+            o = torch.zeros(h, q_heads * d, dtype=torch.float64)
+            if i == 0:
+                # every kv head's first value channel: the normed feature's nu component; every query head
+                # gives back (uniform mean of it) * rms along -nu, 1/q_heads each
+                v[::d] = nu
+                o[:, ::d] = (-float(rms) / q_heads) * nu[:, None]
+            tensors[p + "mixer.v_proj.weight"] = v
+            tensors[p + "mixer.o_proj.weight"] = o
         device = target["model.embeddings.weight"].device
         return cls(spec, h, {k: v.to(dtype=target.dtype, device=device) for k, v in tensors.items()})
 
@@ -112,6 +164,33 @@ class DrafterWeights:
         """From tensors named as above (extra keys ignored)."""
         wanted = _expected_shapes(spec, hidden_size)
         return cls(spec, hidden_size, {k: v for k, v in state.items() if k in wanted})
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x * 2.0**_PROBE_BITS) / 2.0**_PROBE_BITS
+
+
+def _probe_hidden(target: ModelWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's hidden states ``[n, t, hidden]`` (pre-final-norm) over ``tokens`` ``[n, t]``, one prefill
+    on a throw-away dense cache."""
+    n, t = tokens.shape
+    tpb = 16
+    blocks = -(-t // tpb)
+    spec = target.args.model_spec(tokens_per_block=tpb, dtype=dtype_name(target.dtype))
+    device = target["model.embeddings.weight"].device
+    cache = DenseCache(spec.shard(1, 0), num_pages=n * blocks, num_slots=n, device=device)
+    model = Model.build(target, spec, [cache])
+    batch = [
+        SequenceInput(
+            tokens[i].tolist(),  # type: ignore[arg-type,unused-ignore]
+            0,
+            range(i * blocks, (i + 1) * blocks),  # type: ignore[arg-type,unused-ignore]
+            i,
+        )
+        for i in range(n)
+    ]
+    with torch.no_grad():
+        return torch.stack(model.step(batch).hidden)
 
 
 @frozen

@@ -18,7 +18,7 @@ SPEC = preset("tiny")
 SPEC64 = SPEC.with_dtype("float64")
 #: the prompts kvferry's tools default to: short byte strings and an id run
 PROMPTS = [list(b"Hello, world!"), list(b"The quick brown fox"), list(b"kvferry"), list(range(100, 120))]
-PAGES, DRAFT_PAGES, SLOTS = 64, 32, 4
+PAGES, DRAFT_PAGES, SLOTS = 128, 64, 4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,7 +47,7 @@ def _pair(weights: ModelWeights, spec: ModelSpec, k: int, tp: int = 1) -> tuple[
 
 
 def _tables(i: int) -> tuple[list[int], list[int]]:
-    return list(range(i * 16, i * 16 + 16)), list(range(i * 8, i * 8 + 8))
+    return list(range(i * 32, i * 32 + 32)), list(range(i * 16, i * 16 + 16))
 
 
 def plain(model: Model, prompt: Sequence[int], new: int, slot: int) -> list[int]:
@@ -61,17 +61,32 @@ def plain(model: Model, prompt: Sequence[int], new: int, slot: int) -> list[int]
 
 
 def speculative(
-    model: Model, drafter: Drafter, prompts: Sequence[Sequence[int]], new: int, k: int
+    model: Model,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    new: int,
+    k: int,
+    *,
+    prompt_draft_kv: bool = True,
 ) -> tuple[list[list[int]], int, int, list[list[tuple[int, ...]]]]:
     """All prompts decoded together: draft k, verify k+1, accept, catch the drafter up. Tokens, accepted and
-    proposed draft counts, and every proposal made."""
+    proposed draft counts, and every proposal made.
+
+    ``prompt_draft_kv=False`` starts the drafter the way a generation engine does that did not receive the
+    prompt's draft KV: from the prompt's last hidden state only, over zeroed draft pages."""
     batch = [SequenceInput(p, 0, _tables(i)[0], i) for i, p in enumerate(prompts)]
     out = model.step(batch)
     tokens = [[int(lg[-1].argmax())] for lg in out.logits]
     pos = [len(p) for p in prompts]
-    catch_up = [
-        DraftInput(out.hidden[i], [*p[1:], tokens[i][0]], 0, _tables(i)[1]) for i, p in enumerate(prompts)
-    ]
+    if prompt_draft_kv:
+        catch_up = [
+            DraftInput(out.hidden[i], [*p[1:], tokens[i][0]], 0, _tables(i)[1]) for i, p in enumerate(prompts)
+        ]
+    else:
+        catch_up = [
+            DraftInput(out.hidden[i][-1:], [tokens[i][0]], len(p) - 1, _tables(i)[1])
+            for i, p in enumerate(prompts)
+        ]
     accepted = proposed = 0
     proposals: list[list[tuple[int, ...]]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
@@ -116,6 +131,38 @@ def test_speculative_decoding_gives_the_plain_tokens_and_is_accepted_20_to_90_pe
     rate = accepted / proposed
     assert 0.2 <= rate <= 0.9, rate
     assert drafter.statistics()["drafted_tokens"] == proposed
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_leaving_the_prompts_draft_kv_behind_lowers_acceptance_and_keeps_the_tokens(seed: int) -> None:
+    # longer random byte prompts (like kvferry demo's): the drafter's attention averages over the whole
+    # context, so zeroed prompt positions leave its features uncentred
+    rng = torch.Generator().manual_seed(100 + seed)
+    prompts = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (19, 34, 62, 100)]
+    weights = ModelWeights.seeded(tiny_args(SPEC64), seed, torch.float64)
+    with_kv = speculative(*_pair(weights, SPEC64, 2), prompts, 12, 2)
+    without = speculative(*_pair(weights, SPEC64, 2), prompts, 12, 2, prompt_draft_kv=False)
+    assert without[0] == with_kv[0]  # verification keeps the tokens exact either way
+    rate_with, rate_without = with_kv[1] / with_kv[2], without[1] / without[2]
+    assert 0.2 <= rate_with <= 0.9, rate_with
+    assert 0 < rate_without <= rate_with - 0.05, (rate_with, rate_without)  # both paths ran: accepts, rejects
+
+
+def test_derived_drafter_is_a_pure_function_of_weights_and_seed() -> None:
+    weights = ModelWeights.seeded(tiny_args(SPEC), 5)
+    assert SPEC.drafter is not None
+    first = DrafterWeights.derived(weights, SPEC.drafter, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        second = DrafterWeights.derived(weights, SPEC.drafter, seed=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert first.tensors.keys() == second.tensors.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first.tensors)
+    other = DrafterWeights.derived(weights, SPEC.drafter, seed=3)
+    assert not torch.equal(first["fc.weight"], other["fc.weight"])
+    assert all(t.dtype == torch.float32 for t in first.tensors.values())
 
 
 def test_drafter_proposals_are_identical_across_tp_sizes() -> None:
