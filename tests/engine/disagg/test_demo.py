@@ -36,6 +36,22 @@ def test_demo_json(transport: str, ctx_tp: int, gen_tp: int) -> None:
     assert result["tokens_identical_without_draft_transfer"] is True
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "transport",
+    ["local", pytest.param("nixl", marks=pytest.mark.slow)],  # nixl: two OS processes
+)
+def test_demo_defaults_show_the_acceptance_lost_without_draft_kv(transport: str) -> None:
+    """The oracle of the draft KV transfer: on the default prompts, leaving the prompt's draft KV behind
+    lowers the acceptance rate clearly, and the tokens stay identical."""
+    result = run_demo("--transport", transport, "--requests", "8", "--max-tokens", "12")  # the defaults
+    assert result["identical"] is True and result["tokens_identical_without_draft_transfer"] is True
+    rate, without = result["acceptance_rate"], result["acceptance_rate_without_draft_transfer"]
+    assert isinstance(rate, float) and isinstance(without, float)
+    assert 0.2 <= rate <= 0.9, rate  # accepted and rejected drafts both happen
+    assert 0 < without <= rate - 0.05, (rate, without)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
