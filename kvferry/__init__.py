@@ -1,10 +1,66 @@
-"""kvferry: the whole cache of a hybrid LLM, correct through every turn of a request, and ferried between engines."""
+"""kvferry: the whole cache of a hybrid LLM, correct through every turn of a request, and ferried between engines.
+
+The public API is re-exported here and imported on first use, so ``import kvferry`` stays cheap and never
+imports torch's heavier corners, nixl, ucxx or transformers::
+
+    import kvferry
+
+    spec = kvferry.preset("tiny")
+    layout = kvferry.CacheLayout.build(spec.shard(2, 0), num_pages=64, num_slots=8, num_draft_pages=32)
+    transport = kvferry.get_transport("auto")
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvferry.errors import *  # noqa: F403
 from kvferry.errors import __all__ as _errors_all
 
+if TYPE_CHECKING:
+    from kvferry.engine.engine import Engine as Engine
+    from kvferry.engine.runner import EngineOptions as EngineOptions
+    from kvferry.engine.runner import build_engine as build_engine
+    from kvferry.pools.arena import CacheArena as CacheArena
+    from kvferry.pools.layout import CacheLayout as CacheLayout
+    from kvferry.pools.manager import CacheManager as CacheManager
+    from kvferry.pools.pagetable import PageTable as PageTable
+    from kvferry.pools.spec import ModelSpec as ModelSpec
+    from kvferry.pools.spec import RankSpec as RankSpec
+    from kvferry.pools.spec import preset as preset
+    from kvferry.transports.base import Transport as Transport
+    from kvferry.transports.registry import get_transport as get_transport
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__", *_errors_all]
+#: public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "ModelSpec": "kvferry.pools.spec",
+    "RankSpec": "kvferry.pools.spec",
+    "preset": "kvferry.pools.spec",
+    "CacheLayout": "kvferry.pools.layout",
+    "CacheArena": "kvferry.pools.arena",
+    "PageTable": "kvferry.pools.pagetable",
+    "CacheManager": "kvferry.pools.manager",
+    "Transport": "kvferry.transports.base",
+    "get_transport": "kvferry.transports.registry",
+    "Engine": "kvferry.engine.engine",
+    "EngineOptions": "kvferry.engine.runner",
+    "build_engine": "kvferry.engine.runner",
+}
+
+__all__ = ["__version__", *_errors_all, *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
