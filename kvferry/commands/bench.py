@@ -26,12 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     transfer.add_argument("--transport", choices=["nixl", "ucx", "local", "all"], default="all")
     transfer.add_argument("--total-bytes", type=_size, default=64 * MiB, help="bytes per write (default 64M)")
     transfer.add_argument(
-        "--fragment-bytes", type=_size, nargs="+", default=[4 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB],
+        "--fragment-bytes",
+        type=_size,
+        nargs="+",
+        default=[4 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB],
         help="contiguous run sizes to measure",
     )
-    transfer.add_argument("--page-bytes", type=_size, default=64 << 10, help="one fragment per page passed to write")
+    transfer.add_argument(
+        "--page-bytes", type=_size, default=64 << 10, help="one fragment per page passed to write"
+    )
     transfer.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory at both ends")
-    transfer.add_argument("--processes", type=int, default=2, choices=[2], help="writer and receiver processes")
+    transfer.add_argument(
+        "--processes", type=int, default=2, choices=[2], help="writer and receiver processes"
+    )
     transfer.add_argument("--repeats", type=int, default=5, help="timed writes per point (median reported)")
     transfer.add_argument("--no-baselines", action="store_true", help="skip nixl-per-page and gloo")
     transfer.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -40,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"{'kind':<14}{'transport':<10}{'fragment':>10}{'page':>8}{'frags':>7}{'seconds':>10}{'GB/s':>8}{'vs contig':>10}{'vs memcpy':>10}"]
+    lines = [
+        f"{'kind':<14}{'transport':<10}{'fragment':>10}{'page':>8}{'frags':>7}{'seconds':>10}{'GB/s':>8}{'vs contig':>10}{'vs memcpy':>10}"
+    ]
     for r in result["rows"]:
         contiguous = r.get("ratio_contiguous")
         lines.append(
@@ -49,7 +58,10 @@ def _table(result: dict[str, Any]) -> str:
             f"{r['ratio_memcpy'] or 0:>10.2f}" + ("" if r.get("verified", True) else "  NOT VERIFIED")
         )
     goal = result["goal_fragments_1MiB_reach_0.8_of_contiguous"]
-    lines.append("goal (fragments >= 1 MiB reach 0.8 of one contiguous write): " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in goal.items()))
+    lines.append(
+        "goal (fragments >= 1 MiB reach 0.8 of one contiguous write): "
+        + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in goal.items())
+    )
     return "\n".join(lines)
 
 
@@ -78,15 +90,31 @@ def run(args: argparse.Namespace) -> int:
             console.log(message)
 
         with status:
-            result = anyio.run(lambda: run_transfer_bench(
-                names, args.total_bytes, args.fragment_bytes, page_bytes=args.page_bytes, repeats=args.repeats,
-                baselines=not args.no_baselines, progress=progress, device=args.device,
-            ))
+            result = anyio.run(
+                lambda: run_transfer_bench(
+                    names,
+                    args.total_bytes,
+                    args.fragment_bytes,
+                    page_bytes=args.page_bytes,
+                    repeats=args.repeats,
+                    baselines=not args.no_baselines,
+                    progress=progress,
+                    device=args.device,
+                )
+            )
     except ImportError:
-        result = anyio.run(lambda: run_transfer_bench(
-            names, args.total_bytes, args.fragment_bytes, page_bytes=args.page_bytes, repeats=args.repeats,
-            baselines=not args.no_baselines, progress=lambda m: print(m, file=sys.stderr), device=args.device,
-        ))
+        result = anyio.run(
+            lambda: run_transfer_bench(
+                names,
+                args.total_bytes,
+                args.fragment_bytes,
+                page_bytes=args.page_bytes,
+                repeats=args.repeats,
+                baselines=not args.no_baselines,
+                progress=lambda m: print(m, file=sys.stderr),
+                device=args.device,
+            )
+        )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)

@@ -12,8 +12,15 @@ __all__ = ["add_arguments", "collect", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--no-probe", action="store_true", help="skip the probe transfers (versions and loading only)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="memory to probe (auto: cpu, and cuda if present)")
+    parser.add_argument(
+        "--no-probe", action="store_true", help="skip the probe transfers (versions and loading only)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="memory to probe (auto: cpu, and cuda if present)",
+    )
 
 
 def collect(probe: bool = True, device: str = "auto") -> dict[str, Any]:
@@ -66,10 +73,14 @@ def run(args: argparse.Namespace) -> int:
                 continue
             print(f"    {device} memory (UCX {probe.get('ucx_version') or '?'}):")
             for label, rows in probe["operations"].items():
-                used = ", ".join(dict.fromkeys(f"{r['transport']} ({r['protocol']}, {r['range']})" for r in rows))
+                used = ", ".join(
+                    dict.fromkeys(f"{r['transport']} ({r['protocol']}, {r['range']})" for r in rows)
+                )
                 print(f"      {label:<18} {used}")
             if probe["tcp"]:
-                print("      WARNING: TCP is in use: expect a 10-100x slowdown (check UCX_TLS / UCX_NET_DEVICES)")
+                print(
+                    "      WARNING: TCP is in use: expect a 10-100x slowdown (check UCX_TLS / UCX_NET_DEVICES)"
+                )
             if not probe["operations"]:
                 print("      (UCX reported no protocol: see UCX_PROTO_INFO=y UCX_LOG_LEVEL=info)")
     if info["environment"]:
