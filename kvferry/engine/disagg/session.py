@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import anyio
+import anyio.lowlevel
 import attrs
 import numpy as np
 from attrs import define, frozen
@@ -53,6 +54,7 @@ from kvferry.errors import (
     ConfigError,
     InvalidTransition,
     KvferryError,
+    MessageTooLarge,
     PeerDisconnected,
     TransferCancelled,
     TransferError,
@@ -257,7 +259,7 @@ class SendSession:
 class ReceiveState(enum.Enum):
     #: pages allocated, nothing asked yet
     ALLOCATED = "allocated"
-    #: receive request sent; writers reporting
+    #: receive request being sent or sent; writers reporting (reports may arrive before the send returns)
     REQUESTED = "requested"
     #: cancelled while writers were still to report: pages quarantined until they have
     CANCELLING = "cancelling"
@@ -328,8 +330,21 @@ class ReceiveSession:
         self.state = dst
 
     def requested(self) -> None:
-        """The receive request was sent (ALLOCATED -> REQUESTED)."""
+        """The receive request is (about to be) sent: ALLOCATED -> REQUESTED.
+
+        Call it *before* sending: writers may report before the send returns. Reports recorded while
+        ALLOCATED are not lost: if every writer already reported everything, the session settles here.
+        """
         self._move(ReceiveState.REQUESTED)
+        if self.all_reported:
+            self._settle()
+
+    def not_sent(self, reason: str) -> None:
+        """The receive request provably never left (the transport refused it whole): REQUESTED -> FAILED, so
+        the pages are freed. No-op once a writer reported (then it did arrive somewhere)."""
+        if self.state is ReceiveState.REQUESTED and not self._reports:
+            self.detail = self.detail or reason
+            self._move(ReceiveState.FAILED)
 
     def on_result(self, report: ChunkResult) -> None:
         """Record one writer's report; moves to COMPLETE / FAILED / CANCELLED once every writer reported.
@@ -530,8 +545,17 @@ class Receiver:
             if self._lost is not None:
                 session.peer_lost(self._lost)
             else:
-                await self.transport.send_message(self.peer, encode_control(request))
+                # a cancel that comes before anything is sent frees the pages (ALLOCATED)
+                await anyio.lowlevel.checkpoint()
+                # REQUESTED before the send: every writer may report before send_message returns (a fast
+                # context side), and a report must find the session waiting for it. A failed send then takes
+                # the cancel path below (quarantine until the writers report or the peer is gone: the request
+                # may have left before the failure).
                 session.requested()
+                try:
+                    await self.transport.send_message(self.peer, encode_control(request))
+                except MessageTooLarge as exc:
+                    session.not_sent(f"receive request refused by the transport: {exc}")
             while True:
                 # unpack each bounced writer as soon as all of its chunks landed (overlaps other writers)
                 await self._scatter(live, scattered)

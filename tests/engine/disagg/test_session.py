@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
 
 from kvferry.engine.disagg.link import pump
 from kvferry.engine.disagg.mapping import PeerMap
-from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus
+from kvferry.engine.disagg.protocol import BlockIds, ChunkResult, ChunkStatus, ReceiveRequest
 from kvferry.engine.disagg.session import (
     Chunk,
     Receiver,
@@ -380,3 +381,90 @@ async def test_send_reports_peer_loss() -> None:
         ManagerHold(gen.managers, "g").free()
 
     await run_pair(ctx, gen, body)
+
+
+# --- ordering: reports that overtake the receive request ------------------------------------------------------
+
+
+def test_reports_recorded_before_requested_settle_it() -> None:
+    s = ReceiveSession(5, "k", (0, 1))
+    s.on_result(ok(5, 0, 0, 1))
+    s.on_result(ok(5, 1, 0, 1))
+    assert s.state is ReceiveState.ALLOCATED  # nothing was asked yet: nothing settles
+    s.requested()
+    assert s.state is ReceiveState.COMPLETE and s.statistics().nbytes == 16
+
+
+class _CountingHold:
+    def __init__(self) -> None:
+        self.freed = self.quarantined = self.released = 0
+
+    def free(self) -> None:
+        self.freed += 1
+
+    def quarantine(self) -> Any:
+        self.quarantined += 1
+
+        def release() -> None:
+            self.released += 1
+
+        return release
+
+
+class _ReportsFirst:
+    """A control channel where every writer's reports arrive before ``send_message`` of the receive request
+    returns (a fast context side): they are delivered into the receiver from inside the send."""
+
+    name = "fake"
+
+    def __init__(self, reports: list[ChunkResult], *, refuse: bool = False) -> None:
+        self.receiver: Receiver | None = None
+        self.reports = reports
+        self.refuse = refuse
+        self.sent: list[bytes] = []
+
+    async def send_message(self, peer: Any, data: bytes) -> None:
+        from kvferry.errors import MessageTooLarge
+
+        if self.refuse:
+            raise MessageTooLarge("too big")
+        self.sent.append(data)
+        assert self.receiver is not None
+        for report in self.reports:
+            self.receiver.on_result(report)
+        await anyio.lowlevel.checkpoint()  # the send resumes only after a scheduling point
+
+
+@pytest.mark.parametrize("status", [ChunkStatus.OK, ChunkStatus.FAILED])
+@pytest.mark.asyncio
+async def test_every_report_before_the_send_returns_still_settles(status: ChunkStatus) -> None:
+    reports = [ok(1, 0, 0, 2), ok(1, 1, 0, 1, status), ok(1, 0, 1, 2)]
+    transport = _ReportsFirst(reports)
+    receiver = Receiver(transport, object(), (0, 1), stall_timeout=5)  # type: ignore[arg-type]
+    transport.receiver = receiver
+    hold = _CountingHold()
+    session = receiver.new_session("k", hold)
+    request = ReceiveRequest(session.session_id, "k", 0, 4, (BlockIds("attention", (1,)),), 1)
+    with anyio.fail_after(2):  # before the fix: TransferInDoubt after stall_timeout ("0 writers out")
+        if status is ChunkStatus.OK:
+            stats = await receiver.receive(session, request)
+            assert (stats.nbytes, stats.writers) == (24, 2)
+            assert session.state is ReceiveState.COMPLETE and hold.freed == 0  # the pages are the caller's
+        else:
+            with pytest.raises(TransferError, match="writer 1"):
+                await receiver.receive(session, request)
+            assert session.state is ReceiveState.FAILED and hold.freed == 1
+    assert len(transport.sent) == 1 and hold.quarantined == 0
+    assert receiver.statistics()["sessions"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_receive_request_the_transport_refuses_whole_frees_the_pages() -> None:
+    transport = _ReportsFirst([], refuse=True)
+    receiver = Receiver(transport, object(), (0,), stall_timeout=5)  # type: ignore[arg-type]
+    hold = _CountingHold()
+    session = receiver.new_session("k", hold)
+    request = ReceiveRequest(session.session_id, "k", 0, 4, (BlockIds("attention", (1,)),), 1)
+    with anyio.fail_after(2), pytest.raises(TransferError, match="refused"):
+        await receiver.receive(session, request)
+    assert (hold.freed, hold.quarantined) == (1, 0) and session.state is ReceiveState.FAILED
