@@ -161,9 +161,14 @@ async def test_a_malformed_hand_off_is_a_typed_error_and_leaves_nothing_behind(
             0,
         )
         assert not gen.runner._fed
-        # the engines keep serving
-        expected = await aggregated(PROMPTS[:1])
+        # the engines keep serving. The context engine prefilled PROMPTS[0] before the hand-off failed, so
+        # serving it again reuses that prefix there, whose draft KV is zero-filled by design (draft KV takes
+        # no part in reuse): its tokens are exact, its proposals those of a drafter without that draft KV.
         routed = router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+        assert [await routed.collect()] == (await aggregated(PROMPTS[:1]))[0]
+        # a prompt that was never served gets everything an aggregated engine gives, proposals included
+        expected = await aggregated(PROMPTS[1:2])
+        routed = router.generate(PROMPTS[1], max_tokens=MAX_TOKENS, spec_k=SPEC_K)
         assert ([await routed.collect()], [routed.draft_history]) == expected
 
 
