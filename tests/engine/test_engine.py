@@ -14,9 +14,6 @@ from kvferry.engine.engine import DraftItem, Engine, ForwardItem
 from kvferry.engine.runner import BuiltEngine, EngineOptions, PagedRunner, build_engine
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT
 
-torch.set_num_threads(1)  # the tiny model's kernels are far faster on one thread than on two busy ones
-
-
 # lengths cross the tiny preset's 4-token blocks and the model's 8-token scan chunks
 PROMPTS: list[tuple[int, ...]] = [
     tuple(b"a"),

@@ -10,8 +10,6 @@ import torch
 from kvferry.cli import main
 from kvferry.engine.tokenizer import ByteTokenizer, load_tokenizer
 
-torch.set_num_threads(1)
-
 
 def test_byte_tokenizer_round_trips_utf8() -> None:
     tokenizer = load_tokenizer("tiny")

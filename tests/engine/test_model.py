@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,15 +15,6 @@ from kvferry.pools.spec import ModelSpec, preset
 
 SPEC64 = preset("tiny").with_dtype("float64")
 PAGES, SLOTS, REPLAY = 48, 6, 5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add spin-waits on a shared 2-core runner (seconds per conv call).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _caches(spec: ModelSpec, tp: int = 1, kind: str = "dense") -> list[CacheViews]:

@@ -3,7 +3,7 @@ but not always."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -19,15 +19,6 @@ SPEC64 = SPEC.with_dtype("float64")
 #: the prompts kvferry's tools default to: short byte strings and an id run
 PROMPTS = [list(b"Hello, world!"), list(b"The quick brown fox"), list(b"kvferry"), list(range(100, 120))]
 PAGES, DRAFT_PAGES, SLOTS = 128, 64, 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add spin-waits on a shared 2-core runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _pair(weights: ModelWeights, spec: ModelSpec, k: int, tp: int = 1) -> tuple[Model, Drafter]:

@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvferry.errors import ConfigError
 from kvferry.kernels.attention import Rope, attention_step, page_coordinates, paged_attention, write_kv
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add spin-waits on a shared 2-core runner (seconds per conv call).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _dense_reference(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,15 +13,6 @@ from kvferry.kernels.mamba2 import causal_conv1d, mamba2_replay, ssm_chunk_scan,
 H, P, N, G, K = 4, 3, 5, 2, 4
 CONV = H * P + 2 * G * N
 DT_MIN = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add spin-waits on a shared 2-core runner (seconds per conv call).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _softplus(v: float) -> float:

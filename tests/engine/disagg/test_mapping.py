@@ -45,15 +45,6 @@ NUM_SLOTS = 5
 PROMPT = 23
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # the arenas are tiny: on a loaded machine torch's thread pool costs more than the work
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- models ------------------------------------------------------------------------------------------------
 
 
