@@ -13,6 +13,17 @@ change nothing inside it. Each swaps the engine's cache for a :class:`HandoffCac
 The generation side allocates (pages for the whole prompt, a state slot, draft pages), zero-fills the draft pages
 when draft KV is not transferred (stale bytes must never reach the drafter), and sends the receive request; the
 generation side starts with ``num_accepted = 0`` and empty replay buffers (the manager's first resume).
+
+Memory registration: each worker registers its arenas and its staging buffer with its transport exactly once
+(:meth:`ContextWorker.register` / :meth:`GenerationWorker.register`, called by ``serve`` / ``connect`` before
+the handshake) and never deregisters them while the transport lives: NIXL refuses the metadata of a region
+registered at device addresses that an earlier, deregistered region used on the same live connection.
+
+Bounce: each worker owns one bounded :class:`~.staging.StagingPool` (``staging_bytes``, on the arenas' device).
+The generation side offers staging areas in its receive requests to writers whose bytes land fragmented (by its
+``bounce`` policy) while its pool has room; a context writer bounces when it was offered an area, its own
+``bounce`` policy finds its plan fragmented and its own pool has room. Anything short of that is a direct write:
+a full pool costs speed, never a transfer, and the tokens are the same either way.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import attrs
 from attrs import define
 
 from kvferry.engine.disagg.link import exchange_hello, pump
-from kvferry.engine.disagg.mapping import PeerMap
+from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.engine.disagg.protocol import (
     BlockIds,
     CancelTransfer,
@@ -45,14 +56,24 @@ from kvferry.engine.disagg.protocol import (
     encode_control,
 )
 from kvferry.engine.disagg.session import Receiver, SendSession, TransferStatistics, send
-from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, ManagerHold, expected_writers, plan_transfer
+from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
+from kvferry.engine.disagg.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    ManagerHold,
+    expected_writers,
+    offer_staging,
+    plan_transfer,
+)
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine, LockstepCache
-from kvferry.errors import KvferryError, PeerDisconnected, TransferError
+from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, TransferError
 from kvferry.pools.manager import CacheState, Offload, Resumed
-from kvferry.transports import Peer, Transport
+from kvferry.transports import Peer, Registration, Transport
 
-__all__ = ["ContextWorker", "GenerationWorker", "Handoff", "HandoffCache"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ContextWorker", "GenerationWorker", "Handoff", "HandoffCache"]
+
+#: Bytes of each worker's staging pool (bounced transfers), on the arenas' device; 0 turns bouncing off.
+DEFAULT_STAGING_BYTES = 64 << 20
 
 log = logging.getLogger("kvferry.disagg")
 
@@ -126,8 +147,27 @@ def _page_tables(built: BuiltEngine) -> tuple[Any, ...]:
     return tuple(arena.page_table() for arena in built.arenas)
 
 
-async def _register(transport: Transport, built: BuiltEngine) -> Any:
-    return await transport.register([t for a in built.arenas for t in a.pool_tensors().values()])
+def _staging_pool(built: BuiltEngine, nbytes: int) -> StagingPool | None:
+    if nbytes < 0:
+        raise ConfigError(f"staging_bytes must be >= 0, got {nbytes}")
+    if nbytes == 0:
+        return None
+    device = next(iter(built.arenas[0].pool_tensors().values())).device
+    return StagingPool.allocate(nbytes, device)
+
+
+async def _register(
+    transport: Transport, built: BuiltEngine, staging: StagingPool | None
+) -> tuple[Registration, ...]:
+    """Register every arena's pools and the staging buffer (one registration each, kept for life)."""
+    out = [await transport.register([t for a in built.arenas for t in a.pool_tensors().values()])]
+    if staging is not None:
+        out.append(await transport.register(staging.buffer))
+    return tuple(out)
+
+
+def _pools(built: BuiltEngine) -> list[Any]:
+    return [a.pool_tensors() for a in built.arenas]
 
 
 def _info(role: PeerRole, transport: Transport, built: BuiltEngine) -> PeerInfo:
@@ -168,16 +208,31 @@ class ContextWorker:
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
     write_delay: float = 0.0
+    #: bytes of this worker's staging pool (0: never bounce)
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    #: when a writer that was offered a staging area bounces (its plan must look this fragmented)
+    bounce: BouncePolicy = attrs.field(factory=BouncePolicy)
     cache: HandoffCache = attrs.field(init=False)
+    staging: StagingPool | None = attrs.field(init=False)
+    registrations: tuple[Registration, ...] = attrs.field(default=(), init=False)
     _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
     _sending: dict[int, SendSession] = attrs.field(factory=dict, init=False)
     _counts: dict[str, int] = attrs.field(
-        factory=lambda: dict.fromkeys(("prefilled", "pushed", "released", "failed", "bytes", "fragments"), 0),
+        factory=lambda: dict.fromkeys(
+            ("prefilled", "pushed", "released", "failed", "bytes", "fragments", "bounced"), 0
+        ),
         init=False,
     )
 
     def __attrs_post_init__(self) -> None:
+        self.staging = _staging_pool(self.built, self.staging_bytes)
         self.cache = _install(self.built)
+
+    async def register(self) -> None:
+        """Register the arenas and the staging buffer with the transport; once for the worker's life (later
+        calls do nothing; nothing is ever deregistered: the transport's close does it)."""
+        if not self.registrations:
+            self.registrations = await _register(self.transport, self.built, self.staging)
 
     @property
     def engine(self) -> Engine:
@@ -191,6 +246,7 @@ class ContextWorker:
 
         :raises ~kvferry.errors.PeerIncompatible: the peer serves another model / wire version.
         """
+        await self.register()
         remote = await exchange_hello(self.transport, peer, self.info())
         check_pairing(self.info(), remote)
         peer_map = PeerMap.build(list(self.info().page_tables), list(remote.page_tables))
@@ -293,6 +349,9 @@ class ContextWorker:
                 request,
                 list(remote.page_tables),
                 max_chunk_bytes=self.max_chunk_bytes,
+                policy=self.bounce,
+                src_pools=_pools(self.built),
+                staging=self.staging,
             )
         except KvferryError as exc:
             # a request we cannot serve: every writer reports a failure, so the receiver completes (failed)
@@ -312,7 +371,11 @@ class ContextWorker:
             await send(cast(Transport, transport), peer, session)
         finally:
             self._sending.pop(request.session_id, None)
+            session.release_staging()  # send() did (idempotent); here too if it never started
         stats = session.statistics()
+        self._counts["bounced"] += sum(
+            1 for chunks in plan.values() if chunks and chunks[0].staged is not None
+        )
         self._counts["pushed"] += 1
         self._counts["bytes"] += stats["bytes"]
         self._counts["fragments"] += stats["fragments"]
@@ -321,7 +384,13 @@ class ContextWorker:
         await self.transport.send_message(peer, encode_control(message))
 
     def statistics(self) -> dict[str, int]:
-        return {**self._counts, "held": len(self._held), "sending": len(self._sending)}
+        """Counts (``bounced``: writers that bounced), held caches, sessions sending, staging bytes in use."""
+        return {
+            **self._counts,
+            "held": len(self._held),
+            "sending": len(self._sending),
+            "staging_used": 0 if self.staging is None else self.staging.used,
+        }
 
     def __repr__(self) -> str:
         return f"<ContextWorker {self.statistics()}>"
@@ -366,15 +435,23 @@ class GenerationWorker:
     transport: Transport
     stall_timeout: float = 30.0
     transfer_draft: bool = True
+    #: bytes of this worker's staging pool (0: never offer staging)
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    #: which writers are offered a staging area (judged on the receiver's own fragments)
+    bounce: BouncePolicy = attrs.field(factory=BouncePolicy)
     cache: HandoffCache = attrs.field(init=False)
+    staging: StagingPool | None = attrs.field(init=False)
+    registrations: tuple[Registration, ...] = attrs.field(default=(), init=False)
     peer: Peer | None = attrs.field(default=None, init=False)
     remote: PeerInfo | None = attrs.field(default=None, init=False)
+    peer_map: PeerMap | None = attrs.field(default=None, init=False)
     receiver: Receiver | None = attrs.field(default=None, init=False)
     _waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict, init=False)
     _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
     _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
+        self.staging = _staging_pool(self.built, self.staging_bytes)
         self.cache = _install(self.built)
 
     @property
@@ -384,17 +461,24 @@ class GenerationWorker:
     def info(self) -> PeerInfo:
         return _info(PeerRole.GENERATION, self.transport, self.built)
 
+    async def register(self) -> None:
+        """Register the arenas and the staging buffer with the transport; once for the worker's life (later
+        calls do nothing; nothing is ever deregistered: the transport's close does it)."""
+        if not self.registrations:
+            self.registrations = await _register(self.transport, self.built, self.staging)
+
     async def connect(self, peer: Peer, task_group: anyio.abc.TaskGroup) -> PeerInfo:
         """Handshake with the context peer and start reading from it in ``task_group``.
 
         :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
         """
+        await self.register()
         remote = await exchange_hello(self.transport, peer, self.info())
         pairing = check_pairing(remote, self.info())
         if not pairing.draft:
             self.transfer_draft = False
         peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
-        self.peer, self.remote = peer, remote
+        self.peer, self.remote, self.peer_map = peer, remote, peer_map
         self.receiver = Receiver(self.transport, peer, expected_writers(peer_map), self.stall_timeout)
         task_group.start_soon(self._read)
         return remote
@@ -459,8 +543,9 @@ class GenerationWorker:
 
     async def receive(self, rid: int, prompt: Sequence[int], key: str) -> TransferStatistics:
         """Allocate ``rid``'s cache for the whole prompt, receive it, commit it and leave it suspended for the
-        engine to adopt. On any failure or cancel the allocation is freed (or quarantined until the writers
-        report) and nothing is left behind.
+        engine to adopt. Writers whose bytes land fragmented are offered staging areas (see the module
+        docstring). On any failure or cancel the allocation and the staging areas are freed (or quarantined
+        until the writers report) and nothing is left behind.
         """
         assert self.receiver is not None
         managers = self.cache.managers
@@ -474,19 +559,32 @@ class GenerationWorker:
             for m in created:
                 m.close(rid)
             raise
-        primary = managers[0]
-        if primary.config.has_draft and not self.transfer_draft:
-            # stale bytes from recycled pages must never reach the drafter
-            for m, arena in zip(managers, self.built.arenas, strict=True):
-                arena.zero_pages("draft", list(m.draft_block_table(rid)))
-        blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
-        if primary.config.has_draft and self.transfer_draft:
-            blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
-        slot = primary.slot_id(rid)
-        session = self.receiver.new_session(key, ManagerHold(managers, rid))
-        request = ReceiveRequest(
-            session.session_id, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot
-        )
+        rx_staging: ReceiveStaging | None = None
+        try:
+            primary = managers[0]
+            if primary.config.has_draft and not self.transfer_draft:
+                # stale bytes from recycled pages must never reach the drafter
+                for m, arena in zip(managers, self.built.arenas, strict=True):
+                    arena.zero_pages("draft", list(m.draft_block_table(rid)))
+            blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
+            if primary.config.has_draft and self.transfer_draft:
+                blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
+            slot = primary.slot_id(rid)
+            request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
+            if self.staging is not None and self.peer_map is not None:
+                # areas for the writers whose bytes land fragmented, while the pool has room
+                request, rx_staging = offer_staging(
+                    self.peer_map, request, _pools(self.built), self.staging, policy=self.bounce
+                )
+            session = self.receiver.new_session(key, ManagerHold(managers, rid), rx_staging)
+        except BaseException:
+            if rx_staging is not None:
+                rx_staging.release()
+            for m in managers:
+                m.close(rid)
+            raise
+        # from here the receiver owns the pages and the staging: freed or quarantined as the transfer ends
+        request = attrs.evolve(request, session_id=session.session_id)
         stats = await self.receiver.receive(session, request)
         for m in managers:
             m.commit(rid, prompt)
@@ -499,6 +597,16 @@ class GenerationWorker:
 
     def transfers(self) -> list[TransferStatistics]:
         return list(self._transfers)
+
+    def statistics(self) -> dict[str, int]:
+        """Completed transfers, writers that bounced over them, staging bytes in use, and the receiver's counts."""
+        receiver = {} if self.receiver is None else self.receiver.statistics()
+        return {
+            **receiver,
+            "transfers": len(self._transfers),
+            "bounced": sum(t.bounced for t in self._transfers),
+            "staging_used": 0 if self.staging is None else self.staging.used,
+        }
 
     def transfer_seconds(self, first: int = 0) -> float:
         """Wall seconds during which at least one of the completed transfers ``first..`` was in flight

@@ -21,7 +21,8 @@ from typing import IO, Any
 import anyio
 from attrs import define
 
-from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
+from kvferry.engine.disagg.mapping import BouncePolicy
+from kvferry.engine.disagg.roles import DEFAULT_STAGING_BYTES, ContextWorker, GenerationWorker
 from kvferry.engine.disagg.router import Router
 from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
@@ -46,11 +47,20 @@ async def _serve_context(
     *,
     write_delay: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    bounce: BouncePolicy | None = None,
 ) -> None:
     built = build_engine("tiny", options)
     async with get_transport(transport_name)() as transport, built.engine:
-        await transport.register([t for a in built.arenas for t in a.pool_tensors().values()])
-        worker = ContextWorker(built, transport, max_chunk_bytes=chunk_bytes, write_delay=write_delay)
+        worker = ContextWorker(
+            built,
+            transport,
+            max_chunk_bytes=chunk_bytes,
+            write_delay=write_delay,
+            staging_bytes=staging_bytes,
+            bounce=BouncePolicy() if bounce is None else bounce,
+        )
+        await worker.register()  # once, before anyone connects
         out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
         out.flush()
         peer = await transport.accept()
@@ -76,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes per transfer chunk"
     )
     parser.add_argument("--write-delay", type=float, default=0.0, help="seconds before each chunk (tests)")
+    parser.add_argument(
+        "--staging-bytes", type=int, default=DEFAULT_STAGING_BYTES, help="staging pool bytes (0: no bounce)"
+    )
+    default = BouncePolicy()
+    parser.add_argument(
+        "--bounce-min-fragments",
+        type=int,
+        default=default.min_fragments,
+        help="bounce policy (see BouncePolicy)",
+    )
+    parser.add_argument("--bounce-max-mean-bytes", type=int, default=default.max_mean_bytes)
     args = parser.parse_args(argv)
     options = _options(args.tp, args.spec_k, args.seed, args.dtype)
     anyio.run(
@@ -86,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout,
             write_delay=args.write_delay,
             chunk_bytes=args.chunk_bytes,
+            staging_bytes=args.staging_bytes,
+            bounce=BouncePolicy(args.bounce_min_fragments, args.bounce_max_mean_bytes),
         )
     )
     return 0
@@ -124,11 +147,14 @@ def start_context_process(
     *,
     write_delay: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    bounce: BouncePolicy | None = None,
 ) -> ContextProcess:
     """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address.
 
     :raises ~kvferry.errors.PeerDisconnected: it exited before telling its address.
     """
+    policy = BouncePolicy() if bounce is None else bounce
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -148,6 +174,12 @@ def start_context_process(
             str(write_delay),
             "--chunk-bytes",
             str(chunk_bytes),
+            "--staging-bytes",
+            str(staging_bytes),
+            "--bounce-min-fragments",
+            str(policy.min_fragments),
+            "--bounce-max-mean-bytes",
+            str(policy.max_mean_bytes),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -178,18 +210,27 @@ async def disaggregated(
     stall_timeout: float = 30.0,
     write_delay: float = 0.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    bounce: BouncePolicy | None = None,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
     """A :class:`~.router.Router` over a context engine (another process, or this one with
     ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
     holds ``worker`` (the GenerationWorker), ``context`` (ContextWorker or ContextProcess), ``gen`` (its
-    BuiltEngine) and ``transport`` (the generation side's)."""
+    BuiltEngine) and ``transport`` (the generation side's).
+
+    ``staging_bytes``: each side's staging pool; ``bounce`` (default :class:`~.mapping.BouncePolicy`): the
+    policy of both sides (``BouncePolicy.always()`` bounces every writer with bytes while the pools have
+    room). Each worker registers its memory once, before its handshake, for the life of its transport."""
+    policy = BouncePolicy() if bounce is None else bounce
     gen = build_engine("tiny", _options(gen_tp, spec_k, seed, dtype))
     factory = get_transport(transport)
     context_process: ContextProcess | None = None
     try:
         async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:
-            await gen_transport.register([t for a in gen.arenas for t in a.pool_tensors().values()])
-            worker = GenerationWorker(gen, gen_transport, stall_timeout=stall_timeout)
+            worker = GenerationWorker(
+                gen, gen_transport, stall_timeout=stall_timeout, staging_bytes=staging_bytes, bounce=policy
+            )
+            await worker.register()
             parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
             if separate_process:
                 context_process = await anyio.to_thread.run_sync(
@@ -202,6 +243,8 @@ async def disaggregated(
                         dtype,
                         write_delay=write_delay,
                         chunk_bytes=chunk_bytes,
+                        staging_bytes=staging_bytes,
+                        bounce=policy,
                     )
                 )
                 parts["context"] = context_process
@@ -212,10 +255,15 @@ async def disaggregated(
             else:
                 ctx = build_engine("tiny", _options(ctx_tp, spec_k, seed, dtype))
                 async with factory() as ctx_transport, ctx.engine:
-                    await ctx_transport.register([t for a in ctx.arenas for t in a.pool_tensors().values()])
                     context = ContextWorker(
-                        ctx, ctx_transport, max_chunk_bytes=chunk_bytes, write_delay=write_delay
+                        ctx,
+                        ctx_transport,
+                        max_chunk_bytes=chunk_bytes,
+                        write_delay=write_delay,
+                        staging_bytes=staging_bytes,
+                        bounce=policy,
                     )
+                    await context.register()
                     parts["context"] = context
                     parts["ctx"] = ctx
                     peer = await gen_transport.connect(ctx_transport.address)

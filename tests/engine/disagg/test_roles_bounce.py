@@ -1,0 +1,156 @@
+"""The bounce path through the engine roles: with a policy that bounces every writer, disaggregated serving gives
+the tokens and draft proposals of aggregated serving, every writer with bytes bounced, and the staging pools
+are empty again afterwards; with a staging pool too small for any writer it falls back to direct writes and
+stays identical."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+
+from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
+from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
+from kvferry.engine.disagg.serve import _options, disaggregated
+from kvferry.engine.disagg.staging import StagingPool
+from kvferry.engine.runner import build_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = [
+    [5, 9, 14, 200, 3, 3, 77, 1, 2, 8, 40],
+    [250, 1, 7],
+    [random.Random(5).randrange(256) for _ in range(45)],
+]
+MAX_TOKENS = 8
+SPEC_K = 2
+
+Result = tuple[list[list[int]], list[list[tuple[int, ...]]]]
+_expected: list[Result] = []
+
+
+async def expected() -> Result:
+    """The aggregated reference (the same for every case here: computed once)."""
+    if not _expected:
+        built = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
+        tokens, drafts = [], []
+        async with built.engine:
+            for p in PROMPTS:
+                g = built.engine.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+                tokens.append(await g.collect())
+                drafts.append(list(g.request.draft_history))
+        _expected.append((tokens, drafts))
+    return _expected[0]
+
+
+def writing_pairs(peer_map: PeerMap) -> int:
+    """Writers with bytes to send (elected-out writers report an empty write and never bounce)."""
+    return sum(peer_map.writes(s, d) for d in range(peer_map.dst_tp) for s in peer_map.expected_writers(d))
+
+
+async def run_all(router: Any, parts: dict[str, Any]) -> tuple[Result, list[Any]]:
+    gen = parts["gen"]
+    for arena in gen.arenas:  # poisoned free pages: a transfer (bounced or not) must overwrite all it uses
+        for group in ("attention", "draft", "mamba2"):
+            arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
+    routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
+    got: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        got[i] = await routed[i].collect()
+
+    async with anyio.create_task_group() as tg:  # concurrent: leases of several transfers overlap
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    await gen.engine.wait_idle()
+    return (got, [r.draft_history for r in routed]), [r.transfer for r in routed]
+
+
+async def settled(parts: dict[str, Any]) -> None:
+    """Every cache is back in its pools and every staging lease returned."""
+    worker: GenerationWorker = parts["worker"]
+    context = parts["context"]
+    with anyio.fail_after(5):
+        while isinstance(context, ContextWorker) and (  # noqa: ASYNC110
+            context.statistics()["held"] or context.statistics()["sending"]
+        ):
+            await anyio.sleep(0.01)
+    assert worker.staging is not None and worker.staging.used == 0, worker.staging
+    assert worker.statistics()["staging_bytes"] == 0  # nothing quarantined with the pages either
+    if isinstance(context, ContextWorker):
+        assert context.staging is not None and context.staging.used == 0, context.staging
+    for m in parts["gen"].cache.managers:
+        s = m.statistics()
+        assert (s.requests_active + s.requests_suspended, s.quarantines) == (0, 0)
+
+
+CASES = [
+    pytest.param(1, 2, "local", False, id="1-2-local"),
+    pytest.param(4, 2, "local", False, id="4-2-local"),
+    pytest.param(2, 1, "nixl", True, id="2-1-nixl-two-processes"),
+]
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp", "transport", "separate"), CASES)
+@pytest.mark.asyncio
+async def test_forced_bounce_equals_aggregated(
+    ctx_tp: int, gen_tp: int, transport: str, separate: bool
+) -> None:
+    reference = await expected()
+    async with disaggregated(
+        transport=transport,
+        ctx_tp=ctx_tp,
+        gen_tp=gen_tp,
+        spec_k=SPEC_K,
+        separate_process=separate,
+        bounce=BouncePolicy.always(),
+    ) as (router, parts):
+        got, transfers = await run_all(router, parts)
+        assert got == reference
+        worker: GenerationWorker = parts["worker"]
+        assert worker.peer_map is not None
+        bouncing = writing_pairs(worker.peer_map)
+        assert bouncing >= 1
+        # every writer with bytes bounced, in every transfer (and the posted writes are the few staged ones)
+        assert [t.bounced for t in transfers] == [bouncing] * len(PROMPTS)
+        assert all(t.fragments == t.chunks for t in transfers)
+        assert worker.statistics()["bounced"] == bouncing * len(PROMPTS)
+        assert worker.staging is not None and worker.staging.statistics()["leases"] == bouncing * len(PROMPTS)
+        if not separate:
+            assert parts["context"].statistics()["bounced"] == bouncing * len(PROMPTS)
+        await settled(parts)
+        assert len(worker.registrations) == 2  # arenas + staging, registered once
+
+
+@pytest.mark.parametrize("short", ["both", "context"])
+@pytest.mark.asyncio
+async def test_a_staging_pool_too_small_falls_back_to_direct_writes(short: str) -> None:
+    reference = await expected()
+    async with disaggregated(
+        transport="local",
+        ctx_tp=1,
+        gen_tp=2,
+        spec_k=SPEC_K,
+        separate_process=False,
+        bounce=BouncePolicy.always(),
+        staging_bytes=16 << 10 if short == "both" else 64 << 20,
+    ) as (router, parts):
+        worker: GenerationWorker = parts["worker"]
+        context: ContextWorker = parts["context"]
+        if short == "context":
+            # the receiver offers areas; the writers find no room in their own pool and write directly
+            # (a stand-in pool: nothing is ever reserved in it, so it needs no registration)
+            context.staging = StagingPool.allocate(16 << 10)
+        got, transfers = await run_all(router, parts)
+        assert got == reference
+        assert [t.bounced for t in transfers] == [0] * len(PROMPTS)
+        assert context.statistics()["bounced"] == 0
+        assert context.staging is not None and worker.staging is not None
+        offered, own = worker.staging.statistics(), context.staging.statistics()
+        if short == "both":  # no area offered: the writers never try their own pool
+            assert (offered["refused"] > 0, offered["leases"], own["refused"]) == (True, 0, 0)
+        else:  # offered, refused by the writers' pool, released with the pages
+            assert (offered["leases"] > 0, own["refused"] > 0, own["leases"]) == (True, True, 0)
+        await settled(parts)
