@@ -1,6 +1,10 @@
 """Copies over byte arenas: fixed-size blocks by index, and (offset, length) fragments to and from staging.
 
-Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);\nfragment gathers and scatters on CUDA use the Triton kernel of :mod:`kvferry.kernels.fragment_copy_triton`.
+Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);
+fragment gathers and scatters on CUDA use the Triton kernel of :mod:`kvferry.kernels.fragment_copy_triton`.
+Elsewhere they cut every fragment into rows of ``g`` bytes (``g`` = gcd of every offset and length) and copy
+large fragments as slices and small ones as one indexed copy of rows (see :data:`SLICE_ROWS_HOST`): no index
+entry per byte, so the copy runs near memory bandwidth whatever the alignment.
 A *block view* is a 2-D strided view ``[count, block_bytes]`` of an arena whose rows start ``stride`` bytes
 apart (a pool's slots or pages); ``gather``/``scatter``/``copy``/``zero`` act on its rows by an index tensor.
 
@@ -11,6 +15,7 @@ assert on CUDA, which kills the process).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,12 +25,18 @@ from kvferry.errors import ConfigError
 from kvferry.kernels import fragment_copy_triton
 
 __all__ = [
+    "CHUNK_ROWS",
+    "SLICE_BYTES",
+    "SLICE_ROWS_DEVICE",
+    "SLICE_ROWS_HOST",
     "as_index",
     "block_view",
     "copy_blocks",
     "fragments_tensor",
     "gather_blocks",
     "gather_fragments",
+    "granularity",
+    "row_indices",
     "scatter_blocks",
     "scatter_fragments",
     "zero_blocks",
@@ -178,12 +189,127 @@ def _checked_fragments(
     return table, total
 
 
-def _byte_index(arena: torch.Tensor, table: torch.Tensor, total: int) -> torch.Tensor:
-    offsets, lengths = table[:, 0], table[:, 1]
-    # byte i of the staging buffer comes from offsets[f] + (i - first byte of f in staging)
-    first = torch.cumsum(lengths, 0) - lengths
-    index = torch.repeat_interleave(offsets - first, lengths) + torch.arange(total, dtype=torch.int64)
-    return index.to(arena.device)
+#: A fragment of at least this many rows (of the granularity ``g``) or :data:`SLICE_BYTES` bytes is copied as one
+#: slice; smaller ones go through one indexed copy over ``[rows, g]`` views. An indexed row costs ~20-60 ns more
+#: than its bytes; a slice costs one copy call: ~1.5 us in numpy on the host (break-even ~32 rows), a kernel
+#: launch (~5 us) on a GPU without Triton (break-even ~256 rows).
+SLICE_ROWS_HOST = 32
+SLICE_ROWS_DEVICE = 256
+#: Indexed copies of rows this long are slow on the host (torch's index_select of 1 MiB rows runs ~40x below
+#: memcpy), so fragments this long are always slices; indexed rows therefore stay shorter.
+SLICE_BYTES = 256 << 10
+#: Indexed copies run in chunks of at most about this many rows, bounding the int64 index (8 bytes a row).
+CHUNK_ROWS = 1 << 22
+
+
+def granularity(*arrays: np.ndarray) -> int:
+    """The gcd of every value given (offsets and lengths): the largest row size that cuts every fragment.
+
+    Same rule as the transports' private helper (transports may not import kernels); 1 when nothing is given.
+    """
+    values = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    combined = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+    return max(int(np.gcd.reduce(combined)), 1) if combined.size else 1
+
+
+def row_indices(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concat(arange(s, s + c) for s, c)`` as int64, without a Python loop."""
+    firsts = np.cumsum(counts) - counts
+    return np.repeat(starts - firsts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def _word(g: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer dtype whose size divides ``g`` and the start of every tensor."""
+    for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if g % width == 0 and all(
+            t.data_ptr() % width == 0 and t.storage_offset() % width == 0 for t in tensors
+        ):
+            return dtype
+    return torch.uint8
+
+
+def _rows(tensor: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` (1-D uint8) as ``[numel // g, g]`` rows of ``dtype`` elements (the tail shorter than a row
+    dropped)."""
+    usable = tensor.numel() // g * g
+    return tensor[:usable].view(dtype).view(-1, g // dtype.itemsize)
+
+
+def _run_start(index: np.ndarray) -> int | None:
+    """The first value when ``index`` is one run ``a, a+1, ...``; else None."""
+    n = index.size
+    if n and int(index[-1]) - int(index[0]) == n - 1 and bool(np.all(np.diff(index) == 1)):
+        return int(index[0])
+    return None
+
+
+def _copy_rows(src: torch.Tensor, src_index: np.ndarray, dst: torch.Tensor, dst_index: np.ndarray) -> None:
+    """``dst[dst_index[i]] = src[src_index[i]]`` over row views; destinations are distinct, reads are done
+    before writes."""
+    n = src_index.size
+    a, b = _run_start(src_index), _run_start(dst_index)
+
+    def index(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(src.device, non_blocking=True)
+
+    if a is not None and b is not None:
+        dst[b : b + n].copy_(src[a : a + n])
+    elif b is not None:
+        torch.index_select(src, 0, index(src_index), out=dst[b : b + n])
+    elif a is not None:
+        dst.index_copy_(0, index(dst_index), src[a : a + n])
+    else:
+        dst.index_copy_(0, index(dst_index), src.index_select(0, index(src_index)))
+
+
+def _torch_copy(
+    src: torch.Tensor,
+    src_offsets: np.ndarray,
+    dst: torch.Tensor,
+    dst_offsets: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
+    """Copy ``lengths[i]`` bytes ``src[src_offsets[i]:]`` -> ``dst[dst_offsets[i]:]`` (1-D uint8, one device,
+    validated, destinations disjoint and not overlapping the sources).
+
+    Rows: ``g`` = gcd of every offset and length, so every fragment is whole ``[g]`` rows of both tensors, viewed
+    as the widest integer dtype that divides ``g`` and both starts. Fragments of at least :data:`SLICE_ROWS_HOST` rows
+    (:data:`SLICE_ROWS_DEVICE` on a GPU) or :data:`SLICE_BYTES` bytes are one slice copy each (numpy on the host: a torch call costs more); the others are indexed row copies, in
+    chunks of about :data:`CHUNK_ROWS` rows.
+    """
+    keep = lengths > 0
+    src_offsets, dst_offsets, lengths = src_offsets[keep], dst_offsets[keep], lengths[keep]
+    if not lengths.size:
+        return
+    g = granularity(src_offsets, dst_offsets, lengths)
+    counts = lengths // g
+    host = src.device.type == "cpu" and dst.device.type == "cpu"
+    big = (counts >= (SLICE_ROWS_HOST if host else SLICE_ROWS_DEVICE)) | (lengths >= SLICE_BYTES)
+    slices = zip(src_offsets[big].tolist(), dst_offsets[big].tolist(), lengths[big].tolist(), strict=True)
+    if host:
+        s_host, d_host = src.numpy(), dst.numpy()  # a numpy slice copy costs ~1 us, a torch one ~5 us
+        for s, d, n in slices:
+            d_host[d : d + n] = s_host[s : s + n]
+    else:
+        for s, d, n in slices:
+            dst[d : d + n].copy_(src[s : s + n])
+    small = np.flatnonzero(~big)
+    if not small.size:
+        return
+    dtype = _word(g, src, dst)
+    s_rows, d_rows = _rows(src, g, dtype), _rows(dst, g, dtype)
+    s_first, d_first, counts = src_offsets[small] // g, dst_offsets[small] // g, counts[small]
+    # cut between fragments every ~CHUNK_ROWS rows (each fragment has < SLICE_ROWS_* rows)
+    ends = np.cumsum(counts)
+    cuts = np.searchsorted(ends, np.arange(CHUNK_ROWS, int(ends[-1]), CHUNK_ROWS), side="left") + 1
+    for lo, hi in itertools.pairwise([0, *np.unique(cuts).tolist(), small.size]):
+        if lo < hi:
+            _copy_rows(
+                s_rows,
+                row_indices(s_first[lo:hi], counts[lo:hi]),
+                d_rows,
+                row_indices(d_first[lo:hi], counts[lo:hi]),
+            )
 
 
 def _triton_copy(
@@ -216,9 +342,10 @@ def gather_fragments(
     if staging.numel() < total or staging.device != arena.device:
         raise ConfigError(f"staging must hold {total} bytes on {arena.device}")
     out = staging[:total]
-    lengths = table[:, 1].numpy()
-    if not _triton_copy(arena, table[:, 0].numpy(), out, np.cumsum(lengths) - lengths, lengths):
-        torch.index_select(arena, 0, _byte_index(arena, table, total), out=out)
+    offsets, lengths = table[:, 0].numpy(), table[:, 1].numpy()
+    firsts = np.cumsum(lengths) - lengths
+    if not _triton_copy(arena, offsets, out, firsts, lengths):
+        _torch_copy(arena, offsets, out, firsts, lengths)
     return out
 
 
@@ -233,6 +360,7 @@ def scatter_fragments(arena: torch.Tensor, fragments: FragmentsLike, staging: to
     if staging.numel() < total:
         raise ConfigError(f"staging holds {staging.numel()} bytes, fragments need {total}")
     source = staging[:total].to(arena.device, non_blocking=True)
-    lengths = table[:, 1].numpy()
-    if not _triton_copy(source, np.cumsum(lengths) - lengths, arena, table[:, 0].numpy(), lengths):
-        arena.index_copy_(0, _byte_index(arena, table, total), source)
+    offsets, lengths = table[:, 0].numpy(), table[:, 1].numpy()
+    firsts = np.cumsum(lengths) - lengths
+    if not _triton_copy(source, firsts, arena, offsets, lengths):
+        _torch_copy(source, firsts, arena, offsets, lengths)

@@ -1,19 +1,23 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvferry.errors import ConfigError
+from kvferry.kernels import copy as copy_module
 from kvferry.kernels.copy import (
     block_view,
     copy_blocks,
     gather_blocks,
     gather_fragments,
+    granularity,
+    row_indices,
     scatter_blocks,
     scatter_fragments,
     zero_blocks,
@@ -146,6 +150,94 @@ def test_fragments_round_trip(
     expected = _ref_scatter(arena.tolist(), fragments, new.tolist())
     scatter_fragments(arena, table, new)
     assert arena.tolist() == expected
+
+
+@st.composite
+def rows_case(draw: st.DrawFn) -> tuple[int, list[tuple[int, int]]]:
+    """Disjoint fragments, in random order, cut at multiples of a unit from a shifted base: g = gcd(unit, shift)
+    takes every value from 1 (odd shifts) to 64, so each row width (uint8 .. int64) is exercised."""
+    unit = draw(st.sampled_from([1, 2, 3, 4, 8, 12, 16, 64]))
+    shift = draw(st.sampled_from([0, 0, 1, 2, 4, 8, 24]))
+    units = draw(st.integers(1, 40))
+    nbytes = shift + units * unit + draw(st.integers(0, 9))
+    cuts = sorted(draw(st.lists(st.integers(0, units), max_size=16)))
+    pieces = [(shift + a * unit, (b - a) * unit) for a, b in itertools.pairwise([0, *cuts, units])]
+    order = draw(st.permutations(pieces))
+    return nbytes, order[: draw(st.integers(0, len(order)))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=200, deadline=None)
+@given(
+    case=rows_case(),
+    seed=st.integers(0, 1000),
+    arena_shift=st.sampled_from([0, 0, 0, 1, 2, 4, 8]),
+    staging_shift=st.sampled_from([0, 0, 0, 1, 2, 4, 8]),
+    slice_rows=st.sampled_from([1, 3, 5, 1 << 30, 1 << 30]),
+    slice_bytes=st.sampled_from([16, 64, 1 << 30, 1 << 30]),
+    chunk_rows=st.sampled_from([1, 7, 1 << 22]),
+)
+# int64 rows, indexed from scattered arena rows into one staging run
+@example((704, [(128, 64), (0, 64), (320, 128)]), 3, 0, 0, 1 << 30, 1 << 30, 1)
+# one fragment sliced, the others indexed: neither side's rows form one run
+@example((400, [(0, 8), (200, 100), (16, 8), (40, 8)]), 4, 0, 0, 1 << 30, 64, 1 << 22)
+def test_fragments_rows_match_byte_reference(
+    device: str,
+    case: tuple[int, list[tuple[int, int]]],
+    seed: int,
+    arena_shift: int,
+    staging_shift: int,
+    slice_rows: int,
+    slice_bytes: int,
+    chunk_rows: int,
+) -> None:
+    """Row copies (every width, sliced or indexed, in chunks) give the per-byte reference's bytes, also from
+    arenas and staging buffers that start at odd addresses, and write nothing outside the fragments/staging."""
+    nbytes, fragments = case
+    arena = _arena(nbytes + arena_shift, seed, device)[arena_shift:]
+    data = arena.tolist()
+    total = sum(length for _, length in fragments)
+    thresholds = mock.patch.multiple(
+        copy_module,
+        SLICE_ROWS_HOST=slice_rows,
+        SLICE_ROWS_DEVICE=slice_rows,
+        SLICE_BYTES=slice_bytes,
+        CHUNK_ROWS=chunk_rows,
+    )
+    with thresholds:
+        buffer = torch.full((staging_shift + total + 3,), 7, dtype=torch.uint8, device=device)
+        staged = gather_fragments(arena, fragments, buffer[staging_shift:])
+        assert staged.tolist() == _ref_gather(data, fragments)
+        assert buffer[:staging_shift].tolist() == [7] * staging_shift
+        assert buffer[staging_shift + total :].tolist() == [7, 7, 7]
+        new = _arena(staging_shift + total + 1, seed + 1, device)
+        scatter_fragments(arena, fragments, new[staging_shift:])
+    assert arena.tolist() == _ref_scatter(data, fragments, new[staging_shift:].tolist())
+
+
+@SETTINGS
+@given(
+    arrays=st.lists(st.lists(st.integers(0, 1 << 40), max_size=6), max_size=4),
+)
+def test_granularity_and_row_indices(arrays: list[list[int]]) -> None:
+    from kvferry.transports._memory import granularity as transport_granularity
+
+    values = [v for a in arrays for v in a]
+    expected = 1
+    if values:
+        expected = 0
+        for v in values:
+            expected = np.gcd(expected, v)
+        expected = max(int(expected), 1)
+    numpy_arrays = [np.array(a, dtype=np.int64) for a in arrays]
+    assert granularity(*numpy_arrays) == expected
+    if values and any(values):  # the transports' helper, for the inputs it is given (some non-zero value)
+        assert transport_granularity(*numpy_arrays) == expected
+    starts = np.array([v % 1000 for v in values], dtype=np.int64)
+    counts = np.array([v % 5 for v in values], dtype=np.int64)
+    assert row_indices(starts, counts).tolist() == [
+        s + i for s, c in zip(starts.tolist(), counts.tolist(), strict=True) for i in range(c)
+    ]
 
 
 def test_bad_inputs_change_nothing() -> None:
