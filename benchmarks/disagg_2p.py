@@ -158,9 +158,10 @@ async def sender(args: Any) -> None:
                     ).encode(),
                 )
             elif cmd["op"] == "case":
-                for registration in state.get("registrations", []):
-                    await transport.deregister(registration)
-                state.clear()
+                # one case per connection: its memory stays registered for the connection's life (NIXL
+                # refuses the metadata of regions registered where a deregistered one was, on a live
+                # connection); the receiver starts a fresh transport pair and sender process per case
+                assert "registrations" not in state, "one case per sender process"
                 spec = spec_of(args)
                 arenas = build_arenas(spec, cmd["src_tp"], args.tokens, device, seed=1)
                 blocks = block_ids(spec, args.tokens, seed=2)
@@ -234,10 +235,9 @@ async def run_case(
     staging = StagingPool.allocate(request_bytes + (1 << 20) * src_tp * dst_tp, device)
     flat = torch.zeros(request_bytes, dtype=torch.uint8, device=device)
     sync(device)
-    registrations = [
-        await transport.register([t for a in arenas for t in a.pool_tensors().values()]),
-        await transport.register([staging.buffer, flat]),
-    ]
+    # registered for the life of this case's transport (never deregistered on the live connection)
+    await transport.register([t for a in arenas for t in a.pool_tensors().values()])
+    await transport.register([staging.buffer, flat])
     await transport.send_message(
         peer,
         json.dumps(
@@ -360,8 +360,6 @@ async def run_case(
         for s in peer_map.expected_writers(d)
         if peer_map.writes(s, d)
     )
-    for registration in registrations:
-        await transport.deregister(registration)
     return row
 
 
@@ -385,9 +383,28 @@ def _request_bytes(
 
 async def receiver_main(args: Any) -> dict[str, Any]:
     results = []
+    cases = [tuple(int(x) for x in c.split("-")) for c in args.cases.split(",")]
+    for src_tp, dst_tp in cases:
+        # a fresh transport pair (and sender process) per case: each case allocates new arenas and staging,
+        # and re-registering memory on a live connection is what NIXL refuses
+        row = await _one_case(args, src_tp, dst_tp)
+        results.append(row)
+        print(
+            f"tp {src_tp}->{dst_tp}: {row['bytes'] / 1e6:.0f} MB, fragments {row['fragments']}, "
+            f"contiguous {row['contiguous_gbps']:.2f} GB/s | direct {row['direct_gbps']:.2f} GB/s "
+            f"({row['direct_ratio']:.2f}, {row['direct_posted_fragments']} fragments in "
+            f"{row['direct_chunks']} writes) | bounce {row['bounce_gbps']:.2f} GB/s "
+            f"({row['bounce_ratio']:.2f}, {row['bounce_chunks']} writes) | identical "
+            f"{row['direct_identical'] and row['bounce_identical'] and row['contiguous_identical']}",
+            flush=True,
+        )
+    return {"results": results}
+
+
+async def _one_case(args: Any, src_tp: int, dst_tp: int) -> dict[str, Any]:
     async with get_transport(args.transport)() as transport:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        child = subprocess.Popen(  # noqa: ASYNC220 (started once, before any transfer)
+        child = subprocess.Popen(  # noqa: ASYNC220 (started once per case, before any transfer)
             [
                 sys.executable,
                 __file__,
@@ -440,19 +457,7 @@ async def receiver_main(args: Any) -> dict[str, Any]:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(messages)
                 tg.start_soon(notifications)
-                cases = [tuple(int(x) for x in c.split("-")) for c in args.cases.split(",")]
-                for src_tp, dst_tp in cases:
-                    row = await run_case(transport, peer, src_tp, dst_tp, args, inbox, notes)
-                    results.append(row)
-                    print(
-                        f"tp {src_tp}->{dst_tp}: {row['bytes'] / 1e6:.0f} MB, fragments {row['fragments']}, "
-                        f"contiguous {row['contiguous_gbps']:.2f} GB/s | direct {row['direct_gbps']:.2f} GB/s "
-                        f"({row['direct_ratio']:.2f}, {row['direct_posted_fragments']} fragments in "
-                        f"{row['direct_chunks']} writes) | bounce {row['bounce_gbps']:.2f} GB/s "
-                        f"({row['bounce_ratio']:.2f}, {row['bounce_chunks']} writes) | identical "
-                        f"{row['direct_identical'] and row['bounce_identical'] and row['contiguous_identical']}",
-                        flush=True,
-                    )
+                row = await run_case(transport, peer, src_tp, dst_tp, args, inbox, notes)
                 await transport.send_message(peer, json.dumps({"op": "exit"}).encode())
                 tg.cancel_scope.cancel()
         finally:
@@ -461,7 +466,7 @@ async def receiver_main(args: Any) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait(10)
-    return {"results": results}
+    return row
 
 
 def plot(out: dict[str, Any], path: str) -> None:

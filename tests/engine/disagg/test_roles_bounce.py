@@ -154,3 +154,40 @@ async def test_a_staging_pool_too_small_falls_back_to_direct_writes(short: str) 
         else:  # offered, refused by the writers' pool, released with the pages
             assert (offered["leases"] > 0, own["refused"] > 0, own["leases"]) == (True, True, 0)
         await settled(parts)
+
+
+@pytest.mark.asyncio
+async def test_each_worker_registers_its_memory_once_for_its_life(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests (bounced or not) never register or deregister memory: NIXL refuses the metadata of regions
+    re-registered at addresses a deregistered region used on the same live connection."""
+    from kvferry.transports.local import LocalTransport
+
+    calls: list[tuple[str, int]] = []
+    register, deregister = LocalTransport.register, LocalTransport.deregister
+
+    async def counting_register(self: LocalTransport, regions: Any) -> Any:
+        calls.append(("register", id(self)))
+        return await register(self, regions)
+
+    async def counting_deregister(self: LocalTransport, registration: Any) -> None:
+        calls.append(("deregister", id(self)))
+        await deregister(self, registration)
+
+    monkeypatch.setattr(LocalTransport, "register", counting_register)
+    monkeypatch.setattr(LocalTransport, "deregister", counting_deregister)
+    async with disaggregated(
+        transport="local", spec_k=SPEC_K, separate_process=False, bounce=BouncePolicy.always()
+    ) as (router, parts):
+        after_start = list(calls)
+        reference = await expected()
+        for round_ in range(2):
+            got, _transfers = await run_all(router, parts)
+            # the second round reuses the context side's prefix cache, whose draft KV the manager zeroes (so
+            # do aggregated engines: their drafts differ on a reused prompt too); tokens stay exact
+            assert got == reference if round_ == 0 else got[0] == reference[0]
+        await parts["context"].register()  # idempotent
+        await parts["worker"].register()
+        assert calls == after_start
+    # two workers, each: one registration of its arenas and one of its staging, nothing deregistered
+    assert sorted(kind for kind, _ in after_start) == ["register"] * 4
+    assert len({owner for _, owner in after_start}) == 2
