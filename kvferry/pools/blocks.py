@@ -7,7 +7,9 @@ One :class:`PagePool` per paged group. It hands out page ids and never touches m
   head, :meth:`PagePool.free` appends to the tail. A request's pages are appended in *reverse* block-table order,
   so its tail blocks (the least shared, least likely to be asked for again) are evicted first;
 - the **prefix index** maps a chained block hash (:func:`hash_block`) to the page holding that full block. A free
-  page keeps its hash (it stays reusable) until it is handed out again: eviction is lazy.
+  page keeps its hash (it stays reusable) until it is handed out again: eviction is lazy. A page registered
+  with its parent hash and tokens can also be found by a *prefix* of its tokens (:meth:`PagePool.match_partial`):
+  the draft mirror reuses the front of a block that way.
 
 ::
 
@@ -98,6 +100,9 @@ class Page:
     page_id: int
     ref_cnt: int = 0
     block_hash: PageHash | None = None
+    #: parent hash and hashed tokens, kept only for pages registered with them (see PagePool.match_partial)
+    parent: PageHash | None = field(default=None, repr=False)
+    tokens: tuple[int, ...] | None = field(default=None, repr=False)
     prev_free: Page | None = field(default=None, repr=False)
     next_free: Page | None = field(default=None, repr=False)
 
@@ -196,7 +201,7 @@ class PagePool:
     order. Every method checks its whole input before it changes anything: a failure changes nothing.
     """
 
-    __slots__ = ("_free", "_index", "_pages", "name")
+    __slots__ = ("_children", "_free", "_index", "_pages", "name")
 
     def __init__(self, num_pages: int, *, name: str = "attention") -> None:
         if num_pages < 1:
@@ -207,6 +212,8 @@ class PagePool:
         self._pages = [Page(i) for i in range(num_pages)]
         self._free = FreePageQueue(self._pages[1:])
         self._index: dict[PageHash, Page] = {}
+        #: parent hash -> {page id: page} of pages registered with their parent and tokens
+        self._children: dict[PageHash, dict[int, Page]] = {}
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -248,6 +255,21 @@ class PagePool:
                 break
             matched.append(page.page_id)
         return matched
+
+    def match_partial(self, parent: PageHash, prefix: Sequence[int]) -> int | None:
+        """A cached page whose block follows ``parent`` and whose tokens start with ``prefix`` (nothing is taken).
+
+        Only pages registered with ``parent=`` and ``tokens=`` are found. Among several, the one registered first.
+        """
+        children = self._children.get(parent)
+        if not children:
+            return None
+        want = tuple(prefix)
+        for page in children.values():
+            assert page.tokens is not None
+            if page.tokens[: len(want)] == want:
+                return page.page_id
+        return None
 
     def statistics(self) -> PagePoolStatistics:
         free = len(self._free)
@@ -308,8 +330,18 @@ class PagePool:
             if page.ref_cnt == 0:
                 self._free.append(page)
 
-    def register(self, page_id: int, block_hash: PageHash) -> bool:
+    def register(
+        self,
+        page_id: int,
+        block_hash: PageHash,
+        *,
+        parent: PageHash | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> bool:
         """Put a full, committed block into the prefix index.
+
+        With ``parent`` (the hash ``block_hash`` chains from) and ``tokens`` (what was hashed) the page can
+        also be found by :meth:`match_partial`.
 
         Returns False (and changes nothing) when another page already holds the same hash: block tables stay
         append-only, so we do not de-duplicate; or when the page already holds a hash.
@@ -317,24 +349,36 @@ class PagePool:
         page = self._page(page_id)
         if page.ref_cnt == 0:
             raise InvalidTransition(f"{self.name}: cannot register free page {page_id}")
+        if (parent is None) != (tokens is None):
+            raise ConfigError(f"{self.name}: register takes parent and tokens together")
         if block_hash in self._index or page.block_hash is not None:
             return False
         page.block_hash = block_hash
         self._index[block_hash] = page
+        if parent is not None and tokens is not None:
+            page.parent, page.tokens = parent, tuple(tokens)
+            self._children.setdefault(parent, {})[page.page_id] = page
         return True
 
     def clear_cache(self) -> int:
         """Drop every hash from the prefix index (owned pages keep their data but stop being reusable)."""
         count = len(self._index)
         for page in self._index.values():
-            page.block_hash = None
+            page.block_hash = page.parent = page.tokens = None
         self._index.clear()
+        self._children.clear()
         return count
 
     def _evict_hash(self, page: Page) -> None:
         if page.block_hash is not None:
             del self._index[page.block_hash]
             page.block_hash = None
+        if page.parent is not None:
+            children = self._children[page.parent]
+            del children[page.page_id]
+            if not children:
+                del self._children[page.parent]
+            page.parent = page.tokens = None
 
     def _page(self, page_id: int) -> Page:
         if not isinstance(page_id, int) or not 0 <= page_id < len(self._pages):

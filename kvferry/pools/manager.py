@@ -22,9 +22,16 @@ Rules that keep other requests' or stale bytes out of a request (DESIGN.md "Life
   block that has a recurrent snapshot. Shared pages are never written: the request writes from
   ``reused_tokens`` on, which starts a new block. The first resume *copies* the matched snapshot into the
   request's own live slot (a request without a match gets a zeroed slot), and resets its replay buffers.
-- Draft KV takes no part in reuse. Draft pages are always private; on the first resume the draft pages covering
-  ``[0, reused_tokens)`` are zero-filled (:attr:`Resumed.draft_zeroed`): the drafter never reads recycled bytes,
-  and the engine may recompute that range if it has the target's hidden states (or a transfer overwrites it).
+- Draft KV is mirrored (DESIGN.md "Draft KV"): the draft group has its own prefix index at the drafter's
+  ``tokens_per_block``. Draft KV at position ``p`` depends on the token at ``p + 1`` too, so a draft block's
+  chained hash covers its tokens and the next one. A block enters the index only when its draft KV is final:
+  the engine reports what the drafter wrote for committed positions (:meth:`CacheManager.commit_draft`), the
+  draft KV before it is final as well (no gap), and the token after the block is committed. The draft match
+  is clamped to the target's reuse boundary: full draft blocks are shared read-only like attention pages; a
+  block that straddles the boundary is found by the prefix of its tokens and *copied* into a private page on
+  the first resume; what the match cannot cover, ``[draft_hit, reused_tokens)``, is zero-filled
+  (:attr:`Resumed.draft_zeroed`). The drafter never reads recycled bytes, and a request with such a gap never
+  offers its later draft blocks for reuse (their KV was computed over the zeros).
 - A snapshot is taken at :meth:`CacheManager.commit` when the live slot's position (committed tokens minus
   tokens still pending in the replay buffers) lands exactly on a boundary: a multiple of ``snapshot_interval``,
   or the prompt's last full block. :meth:`CacheManager.next_snapshot_boundary` tells the engine where to end a
@@ -152,7 +159,9 @@ class Resumed:
     first: bool
     #: True when pages, slot and replay state came back from the host
     restored: bool
-    #: token range of draft KV that was zero-filled (the reused prefix); the engine may recompute it
+    #: token range ``[draft_hit, reused_tokens)`` of draft KV that the draft mirror could not reuse and that was
+    #: zero-filled ((0, 0) when there is no gap). Draft proposals of the request differ from a fresh run's
+    #: unless the engine recomputes this range (it needs the target's hidden states of it).
     draft_zeroed: tuple[int, int]
 
 
@@ -199,6 +208,14 @@ class _Request:
     resumed: bool = False
     pending_replay: int = 0
     last_snapshot: int = 0
+    #: chained hashes of draft blocks whose draft KV is final (block b covers tokens b*d .. (b+1)*d inclusive)
+    draft_hashes: list[PageHash] = attrs.field(factory=list)
+    #: draft KV of positions [0, draft_valid) is final and computed without a gap
+    draft_valid: int = 0
+    #: prompt tokens the draft match covers (<= reused_tokens)
+    draft_hit: int = 0
+    #: cached draft page whose front is copied into the straddling block on the first resume (a reference held)
+    draft_source: int | None = None
     host: _HostCopy | None = None
     offload: Offload = Offload.ON_PRESSURE
     suspend_seq: int = 0
@@ -219,6 +236,10 @@ class _Request:
             self.capacity,
             self.reused_tokens,
             self.pinned,
+            tuple(self.draft_hashes),
+            self.draft_valid,
+            self.draft_hit,
+            self.draft_source,
             self.resumed,
             self.pending_replay,
             self.host is not None,
@@ -278,6 +299,11 @@ class CacheManagerStatistics(NamedTuple):
     #: device bytes per token (attention + draft pages) and per state slot (with replay); 0 without an arena
     bytes_per_token: float
     bytes_per_slot: int
+    #: draft pages in the draft prefix index
+    draft_pages_cached: int = 0
+    #: reused prompt tokens whose draft KV the draft mirror covered / had to zero-fill (the gap)
+    draft_hit_tokens: int = 0
+    draft_zeroed_tokens: int = 0
 
 
 @define(eq=False)
@@ -286,6 +312,8 @@ class _Counters:
     reuse_hits: int = 0
     reuse_query_tokens: int = 0
     reuse_hit_tokens: int = 0
+    draft_hit_tokens: int = 0
+    draft_zeroed_tokens: int = 0
     snapshots_taken: int = 0
     offloads: int = 0
     restores: int = 0
@@ -407,7 +435,8 @@ class CacheManager:
         ``capacity`` defaults to the prompt length on the first resume and to the current capacity later. A
         request on the host gets new pages and a new slot and everything is restored there (replay state
         included). The first resume initialises the slot: the matched snapshot is copied in (never used in
-        place), else it is zeroed; replay buffers are reset; draft pages of the reused prefix are zero-filled.
+        place), else it is zeroed; replay buffers are reset; a straddling draft block matched by its prefix is
+        copied into its private page and the draft gap ``[draft_hit, reused_tokens)`` is zero-filled.
         Suspended requests may be moved to the host to make room (``Offload.ON_PRESSURE``, LRU first).
 
         :raises ~kvferry.errors.PoolExhausted: if pages, slots or batch rows do not suffice even after moving
@@ -591,6 +620,7 @@ class CacheManager:
             ahead[request_id] = (total, total - num_pending_replay)
         # NOTE: nothing below may fail (registering owned pages and best-effort snapshots cannot)
         tpb = self.config.tokens_per_block
+        draft_tpb = self.config.draft_tokens_per_block if self._draft is not None else 0
         reusable = self.config.enable_reuse
         snapshots = reusable and self._slots is not None
         for req, tokens, num_pending_replay in staged:
@@ -599,6 +629,8 @@ class CacheManager:
             total = len(req.tokens)
             if len(req.block_hashes) < total // tpb:
                 self._hash_full_blocks(req, total // tpb)
+            if draft_tpb and req.draft_valid - len(req.draft_hashes) * draft_tpb >= draft_tpb:
+                self._hash_draft_blocks(req)
             position = total - num_pending_replay
             if (
                 snapshots
@@ -607,6 +639,39 @@ class CacheManager:
                 and self._is_boundary(req, position)
             ):
                 self._take_snapshot(req, position)
+
+    def commit_draft(self, request_id: RequestId, start: int, end: int) -> None:
+        """Record that the drafter wrote *final* draft KV for the committed positions ``[start, end)``.
+
+        Final: computed from the target's hidden states of those committed tokens and the token after each
+        (for the last one the token the target chose next, committed by the following step). The drafter's
+        speculative positions are never final. Draft blocks whose KV is final from position 0 on (a range that
+        starts past the final prefix, e.g. after a zero-filled gap, extends nothing) and whose following token
+        is committed enter the draft prefix index. Without a drafter group this does nothing.
+
+        The request may be SUSPENDED (e.g. a hand-off catches its drafter up after the prefill) as long as its
+        pages are on the device.
+
+        :raises ~kvferry.errors.InvalidTransition: if the request's draft pages are not on the device (never
+            resumed, or on the host) or the range is not within its committed tokens; nothing changed.
+        :raises ~kvferry.errors.UnknownRequest: if the request does not exist.
+        """
+        req = self._get(request_id)
+        if not req.resumed or req.host is not None:
+            where = "on the host" if req.host is not None else "never resumed"
+            raise InvalidTransition(
+                f"commit_draft of {request_id!r}: its pages are not on the device ({where})"
+            )
+        if not 0 <= start <= end <= len(req.tokens):
+            raise InvalidTransition(
+                f"commit_draft of {request_id!r}: [{start}, {end}) is not within its {len(req.tokens)} "
+                "committed tokens"
+            )
+        if self._draft is None:
+            return
+        if start <= req.draft_valid < end:
+            req.draft_valid = end
+        self._hash_draft_blocks(req)
 
     def suspend(self, request_id: RequestId, *, offload: Offload = Offload.ON_PRESSURE) -> None:
         """ACTIVE -> SUSPENDED: give up the batch row; keep (or with ``Offload.NOW`` move to host) the memory.
@@ -653,6 +718,7 @@ class CacheManager:
             assert self._slots is not None
             self._slots.unpin(req.pinned)
             req.pinned = None
+        self._drop_draft_source(req)
         ticket = None
         if quarantine:
             ticket = Quarantine(
@@ -824,8 +890,11 @@ class CacheManager:
             self._slots.snapshots_evicted = evicted
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block and unpinned snapshot (e.g. after new weights). Owned pages stay owned."""
+        """Forget every cached block (attention and draft) and unpinned snapshot (e.g. after new weights).
+        Owned pages stay owned."""
         self._pages.clear_cache()
+        if self._draft is not None:
+            self._draft.clear_cache()
         if self._slots is not None:
             self._slots.clear_snapshots()
 
@@ -925,6 +994,9 @@ class CacheManager:
             restores=c.restores,
             bytes_per_token=bytes_per_token,
             bytes_per_slot=bytes_per_slot,
+            draft_pages_cached=draft.cached if draft else 0,
+            draft_hit_tokens=c.draft_hit_tokens,
+            draft_zeroed_tokens=c.draft_zeroed_tokens,
         )
 
     def __repr__(self) -> str:
@@ -1009,17 +1081,55 @@ class CacheManager:
         req.capacity = req.reused_tokens = req.last_snapshot = reused
         self._counters.reuse_hits += 1
         self._counters.reuse_hit_tokens += reused
+        self._match_draft(req)
+
+    def _match_draft(self, req: _Request) -> None:
+        """The draft mirror's match, clamped to the target's reuse boundary: full draft blocks (shared), then the
+        block that straddles the boundary by the prefix of its tokens (a reference on the cached page, copied on
+        the first resume). Each block's hash covers the token after it, which the prompt always has here."""
+        draft, reused = self._draft, req.reused_tokens
+        if draft is None or not reused:
+            return
+        d, prompt = self.config.draft_tokens_per_block, req.prompt
+        full = reused // d
+        parent = req.parent
+        for b in range(full):
+            key = hash_block(parent, prompt[b * d : (b + 1) * d + 1])
+            page = draft.lookup(key)
+            if page is None:
+                break
+            req.draft_pages.append(page)
+            req.draft_hashes.append(key)
+            parent = key
+        req.draft_hit = len(req.draft_pages) * d
+        if len(req.draft_pages) == full and reused % d:
+            req.draft_source = draft.match_partial(parent, prompt[full * d : reused + 1])
+            if req.draft_source is not None:
+                req.draft_hit = reused
+        draft.touch(req.draft_pages if req.draft_source is None else [*req.draft_pages, req.draft_source])
+        self._counters.draft_hit_tokens += req.draft_hit
+
+    def _drop_draft_source(self, req: _Request) -> None:
+        if req.draft_source is not None:
+            assert self._draft is not None
+            self._draft.free([req.draft_source])
+            req.draft_source = None
 
     def _forget_match(self, req: _Request) -> None:
         self._pages.free(req.pages)
+        if self._draft is not None:
+            self._draft.free(req.draft_pages)
+        self._drop_draft_source(req)
         if req.pinned is not None:
             assert self._slots is not None
             self._slots.unpin(req.pinned)
         req.pages, req.tokens, req.block_hashes, req.pinned = [], [], [], None
-        req.capacity = req.reused_tokens = req.last_snapshot = 0
+        req.draft_pages, req.draft_hashes = [], []
+        req.capacity = req.reused_tokens = req.last_snapshot = req.draft_hit = req.draft_valid = 0
 
     def _initialise(self, req: _Request) -> tuple[int, int]:
-        """First resume: the live slot from the pinned snapshot (or zeros), fresh replay, zeroed draft prefix."""
+        """First resume: the live slot from the pinned snapshot (or zeros), fresh replay, the straddling draft
+        block copied into its private page, the draft gap zeroed. Returns the gap."""
         if self._slots is not None and req.slot is not None:
             if req.pinned is not None:
                 snapshot = self._slots.snapshot(req.pinned)
@@ -1034,10 +1144,21 @@ class CacheManager:
                 self.arena.reset_replay([req.slot])
         if self._draft is None or not req.reused_tokens:
             return (0, 0)
-        stale = req.draft_pages[: self._draft_blocks(req.reused_tokens)]
-        if self.arena is not None and stale:
-            self.arena.zero_pages(DRAFT, stale)
-        return (0, req.reused_tokens)
+        d, reused, hit = self.config.draft_tokens_per_block, req.reused_tokens, req.draft_hit
+        if req.draft_source is not None:
+            # the straddling block: its front is reused, its back will be written: never in place
+            if self.arena is not None:
+                self.arena.copy_pages(DRAFT, [req.draft_source], [req.draft_pages[reused // d]])
+            self._drop_draft_source(req)
+        req.draft_valid = hit
+        if hit >= reused:
+            return (0, 0)
+        # no straddling block was matched, so the gap starts at a block edge and its pages are private
+        gap = req.draft_pages[hit // d : self._draft_blocks(reused)]
+        if self.arena is not None and gap:
+            self.arena.zero_pages(DRAFT, gap)
+        self._counters.draft_zeroed_tokens += reused - hit
+        return (hit, reused)
 
     def _hash_full_blocks(self, req: _Request, num_blocks: int) -> None:
         """Hash the request's newly full blocks (up to ``num_blocks``) and offer their pages for reuse."""
@@ -1049,6 +1170,19 @@ class CacheManager:
             hashes.append(parent)
             if reusable:
                 self._pages.register(req.pages[index], parent)
+
+    def _hash_draft_blocks(self, req: _Request) -> None:
+        """Hash (and offer for reuse) draft blocks whose KV is final and whose following token is committed."""
+        assert self._draft is not None
+        d, tokens, hashes = self.config.draft_tokens_per_block, req.tokens, req.draft_hashes
+        reusable = self.config.enable_reuse
+        for b in range(len(hashes), min(req.draft_valid, len(tokens) - 1) // d):
+            parent = hashes[-1] if hashes else req.parent
+            block = tokens[b * d : (b + 1) * d + 1]
+            key = hash_block(parent, block)
+            hashes.append(key)
+            if reusable:
+                self._draft.register(req.draft_pages[b], key, parent=parent, tokens=block)
 
     def _take_snapshot(self, req: _Request, position: int) -> None:
         assert self._slots is not None
@@ -1098,13 +1232,18 @@ class CacheManager:
                 key=lambda r: r.suspend_seq,
             )
             held: Counter[int] = Counter()
-            freed_draft = freed_slots = 0
+            held_draft: Counter[int] = Counter()
+            freed_slots = 0
+            draft = self._draft
             for victim in candidates:
                 victims.append(victim)
                 held.update(victim.pages)
-                freed_draft += len(victim.draft_pages)
+                held_draft.update(victim.draft_pages)
                 freed_slots += victim.slot is not None
                 freed_pages = sum(1 for p, n in held.items() if n == self._pages.ref_cnt(p))
+                freed_draft = (
+                    sum(1 for p, n in held_draft.items() if n == draft.ref_cnt(p)) if draft is not None else 0
+                )
                 if fits(freed_pages, freed_draft, freed_slots):
                     return victims
         raise PoolExhausted(
@@ -1141,6 +1280,12 @@ class CacheManager:
         if self.config.enable_reuse:
             for page, block_hash in zip(req.pages, req.block_hashes, strict=False):
                 self._pages.register(page, block_hash)
+            if self._draft is not None:
+                d = self.config.draft_tokens_per_block
+                for b, (page, key) in enumerate(zip(req.draft_pages, req.draft_hashes, strict=False)):
+                    parent = req.draft_hashes[b - 1] if b else req.parent
+                    block = req.tokens[b * d : (b + 1) * d + 1]
+                    self._draft.register(page, key, parent=parent, tokens=block)
         req.host = None
         self._counters.restores += 1
 

@@ -16,6 +16,7 @@ from kvferry.pools.slots import DUMMY_SLOT
 from kvferry.pools.spec import preset
 
 TPB = 4
+DRAFT_TPB = 8
 IDS = [f"r{i}" for i in range(6)]
 # common prefixes and a two-letter alphabet make shared blocks (and so reuse and snapshots) common
 prompts = st.builds(
@@ -60,9 +61,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.create(rid, prompt, reuse=reuse)
         assert self.m.reused_tokens(rid) <= len(prompt) - 1
 
-    @rule(rid=st.sampled_from(IDS), prompt=prompts, then=st.sampled_from(["close", "suspend", "stay"]))
-    def serve_prompt(self, rid: str, prompt: list[int], then: str) -> None:
-        """create + resume + prefill in chunks that end at snapshot boundaries: what makes reuse happen."""
+    @rule(
+        rid=st.sampled_from(IDS),
+        prompt=prompts,
+        then=st.sampled_from(["close", "suspend", "stay"]),
+        draft=st.booleans(),
+    )
+    def serve_prompt(self, rid: str, prompt: list[int], then: str, draft: bool) -> None:
+        """create + resume + prefill in chunks that end at snapshot boundaries (+ the drafter's catch-up and
+        one decode): what makes reuse of target and draft blocks happen."""
         if rid in self.m.request_ids():
             return
         self.m.create(rid, prompt)
@@ -76,6 +83,14 @@ class ManagerMachine(RuleBasedStateMachine):
             end = len(prompt) if boundary is None else min(boundary, len(prompt))
             self.m.commit(rid, prompt[done:end])
             done = end
+        if draft:
+            self.m.commit_draft(rid, self.m.reused_tokens(rid), done)
+            try:
+                self.m.grow(rid, done + 1)
+            except PoolExhausted:
+                pass
+            else:
+                self.m.commit(rid, [1])  # the token the drafter's last position was computed with
         if then == "close":
             self.m.close(rid)
         elif then == "suspend":
@@ -121,6 +136,20 @@ class ManagerMachine(RuleBasedStateMachine):
         total = start + count
         pending = data.draw(st.just(0) | st.integers(0, min(3, total - req.state_tokens)))
         self.m.commit(rid, tokens, num_pending_replay=pending)
+
+    @rule(data=st.data())
+    def commit_draft(self, data: st.DataObject) -> None:
+        candidates = self._in(CacheState.ACTIVE)
+        if not candidates:
+            return
+        rid = data.draw(st.sampled_from(candidates))
+        req = self.m._requests[rid]
+        committed = len(req.tokens)
+        start = data.draw(st.sampled_from(sorted({min(req.draft_valid, committed), req.reused_tokens})))
+        end = data.draw(st.integers(start, committed))
+        before = req.draft_valid
+        self.m.commit_draft(rid, start, end)
+        assert req.draft_valid == (max(before, end) if start <= before else before)
 
     @rule(data=st.data(), offload=st.sampled_from(Offload))
     def suspend(self, data: st.DataObject, offload: Offload) -> None:
@@ -186,12 +215,21 @@ class ManagerMachine(RuleBasedStateMachine):
         for req in reqs:
             owners.update(req.pages)
             draft_owners.update(req.draft_pages)
+            if req.draft_source is not None:
+                draft_owners[req.draft_source] += 1
+                assert not req.resumed
             if req.slot is not None:
                 slots.append(req.slot)
             # the pages a request will still write are its own
             if req.state is CacheState.ACTIVE:
                 for page in req.pages[len(req.tokens) // TPB :]:
                     assert m._pages.ref_cnt(page) == 1
+                assert req.draft_valid <= len(req.tokens)
+                for page in req.draft_pages[req.draft_valid // DRAFT_TPB :]:
+                    assert m._draft is not None and m._draft.ref_cnt(page) == 1
+            # the draft match never passes the target's boundary; a gap ends what the request offers
+            assert req.draft_hit <= req.reused_tokens
+            assert len(req.draft_hashes) * DRAFT_TPB <= max(req.draft_valid, req.draft_hit)
         for q in self.quarantines:
             owners.update(q.pages)
             draft_owners.update(q.draft_pages)
@@ -203,7 +241,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert m._pages.block_hash(page_id) is not None
         assert m._draft is not None
         for page_id in range(1, m._draft.num_pages):
-            assert m._draft.ref_cnt(page_id) == draft_owners[page_id] <= 1
+            assert m._draft.ref_cnt(page_id) == draft_owners[page_id]
+            if draft_owners[page_id] > 1:  # shared: only full cached draft blocks
+                assert m._draft.block_hash(page_id) is not None
         assert len(slots) == len(set(slots)) and DUMMY_SLOT not in slots
         assert m._slots is not None
         snapshot_slots = {s.slot_id for s in m._slots.snapshots()}
