@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvferry.errors import InvalidTransition, PoolExhausted
+from kvferry.errors import ConfigError, InvalidTransition, PoolExhausted
 from kvferry.pools.blocks import NULL_PAGE, PagePool, hash_block, hash_blocks, root_hash
 
 
@@ -108,3 +108,23 @@ def test_clear_cache() -> None:
     pool.free(pages)
     assert pool.clear_cache() == 2
     assert pool.statistics() == (3, 0, 3, 0, 0)
+
+
+def test_match_partial_finds_a_cached_block_by_a_prefix_of_its_tokens_until_it_is_evicted() -> None:
+    pool = PagePool(4, name="draft")
+    parent = root_hash()
+    [a, b] = pool.allocate(2)
+    assert pool.register(a, hash_block(parent, [1, 2, 3]), parent=parent, tokens=[1, 2, 3])
+    assert pool.register(b, hash_block(parent, [1, 5, 6]), parent=parent, tokens=[1, 5, 6])
+    assert pool.match_partial(parent, [1]) == a  # the first registered
+    assert pool.match_partial(parent, [1, 5]) == b
+    assert pool.match_partial(parent, [2]) is None
+    assert pool.match_partial(hash_block(parent, [0]), [1]) is None
+    pool.free([a, b])  # free pages stay findable until handed out again
+    assert pool.match_partial(parent, [1, 2]) == a
+    assert pool.allocate(2) == [3, b]  # b (freed before a: tail blocks first) is handed out and evicted
+    assert pool.match_partial(parent, [1, 5]) is None and pool.match_partial(parent, [1]) == a
+    pool.allocate(1)
+    assert pool.match_partial(parent, [1]) is None
+    with pytest.raises(ConfigError):
+        pool.register(a, hash_block(parent, [9]), parent=parent)  # parent without tokens
