@@ -92,6 +92,11 @@ class LockstepCache:
         for m in self.managers:
             m.close(request_id)
 
+    def commit_draft(self, request_id: int, start: int, end: int) -> None:
+        """:meth:`CacheManager.commit_draft <kvferry.pools.manager.CacheManager.commit_draft>` on every rank."""
+        for m in self.managers:
+            m.commit_draft(request_id, start, end)
+
     def set_num_accepted(self, request_id: int, num_accepted: int, *, defer: bool = False) -> None:
         for m in self.managers:
             m.set_num_accepted(request_id, num_accepted, defer=defer)
@@ -232,6 +237,10 @@ class PagedRunner:
                 )
             for index, proposal in zip(indices, self.drafter.propose(inputs, k), strict=True):
                 proposals[index] = proposal.tokens
+            for index, draft_input in zip(indices, inputs, strict=True):
+                # the catch-up rows are final draft KV of committed positions: the draft mirror may offer them
+                start = draft_input.start
+                self.cache.commit_draft(items[index].request_id, start, start + len(draft_input.next_tokens))
         return proposals
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:
@@ -278,6 +287,7 @@ class PagedRunner:
             ],
             1,
         )
+        self.cache.commit_draft(request_id, start, start + len(tokens))
         last = _Fed(start + len(tokens) - 1, tokens[-1:], hidden[-1:])
         self._fed[request_id] = [last]
         row = last.hidden.detach().to("cpu").contiguous()

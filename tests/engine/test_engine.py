@@ -378,3 +378,34 @@ async def test_draft_proposals_are_the_same_alone_and_batched() -> None:
     alone = await proposals(True, 64)
     assert all(alone)
     assert await proposals(False, 3) == alone
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_prefix_reuse_gives_the_same_tokens_and_draft_proposals(tp: int) -> None:
+    """DESIGN.md oracle 1 with the draft mirror: the same prompt again, and a prompt extending it, reuse
+    target pages, the snapshot and the draft KV of the prefix; tokens and every draft proposal are those of a
+    fresh engine."""
+    shared = PROMPTS[5]  # 25 tokens: target blocks through 24, draft blocks [0, 8) [8, 16) [16, 24)
+    longer = (*shared, *b" over the lazy dog")
+
+    async def fresh(prompt: tuple[int, ...]) -> tuple[list[int], list[tuple[int, ...]]]:
+        built = build_engine("tiny", options(tp=tp, max_spec_k=2))
+        async with built.engine:
+            g = built.engine.generate(prompt, max_tokens=8, spec_k=2)
+            tokens = await g.collect()
+        return tokens, g.request.draft_history
+
+    built = build_engine("tiny", options(tp=tp, max_spec_k=2))
+    initial = free_counts(built)
+    async with built.engine:
+        generations = [built.engine.generate(p, max_tokens=8, spec_k=2) for p in (shared, shared, longer)]
+        got = [(await g.collect(), g.request.draft_history) for g in generations]
+    assert [g.statistics().reused_tokens for g in generations] == [0, 24, 24]
+    for m in built.cache.managers:
+        s = m.statistics()
+        assert (s.draft_hit_tokens, s.draft_zeroed_tokens) == (48, 0)
+    reference = [await fresh(shared), await fresh(longer)]
+    assert all(drafts for _, drafts in reference)
+    assert got == [reference[0], reference[0], reference[1]]
+    assert_all_free(built, initial)
