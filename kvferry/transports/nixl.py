@@ -20,6 +20,16 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
   costs ~10 us per descriptor, so 1 MiB fragments reached 0.2 of one contiguous write; a bounce (gather, one
   large write, scatter) moves every byte through HBM three times on one GPU and stays near 0.5. Other peers
   (other hosts, host memory, a peer whose handles cannot be opened) go through NIXL.
+- Re-registration at a freed device address on a live connection: on the H200 (VRAM, NIXL 1.5.1), after a
+  peer deregistered a region and registered a new one at the same address (cudaMalloc reuses addresses), our
+  ``add_remote_agent`` refused the new regions' metadata (NIXL_ERR_NOT_ALLOWED, with whole or partial
+  metadata), and removing the agent and loading its whole metadata afresh failed too (NIXL_ERR_INVALID_PARAM,
+  "error loading connection info for backend UCX"). On host memory (DRAM) the same sequence works, with
+  partial metadata: same address with the same, a shorter or a longer length. So peers merge only the new
+  regions' partial metadata; when NIXL refuses it, the connection stays up (messages, other regions, CUDA IPC
+  writes) and only NIXL writes into those regions fail, with a :class:`~kvferry.errors.RegionError` naming
+  the cause ("re-registration at a freed device address on a live NIXL connection; reconnect"), until the peer
+  registers them again and NIXL accepts it. Keep VRAM registered for a connection's lifetime where possible.
 - nixl_cu13 is imported directly (not the ``nixl`` meta package, which imports torch and picks a variant by
   import order) so it pairs with ucxx-cu13.
 """
@@ -83,25 +93,37 @@ class _IpcPeer:
     dirty: bool = True
 
 
-def _pack_blob(metadata: bytes, exports: Sequence[_IpcExport], partial: Sequence[bytes] = ()) -> bytes:
-    """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of new regions only (updates)."""
+def _pack_blob(
+    metadata: bytes,
+    exports: Sequence[_IpcExport],
+    partial: Sequence[bytes] = (),
+    new: Sequence[wire.RegionInfo] = (),
+) -> bytes:
+    """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of the ``new`` regions only
+    (updates)."""
     rows = [[e.address, e.length, e.offset, list(e.share)] for e in exports]
-    body = {"nixl": metadata, "ipc": rows, "partial": list(partial)}
+    body = {
+        "nixl": metadata,
+        "ipc": rows,
+        "partial": list(partial),
+        "new": [[r.address, r.length, r.device] for r in new],
+    }
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return _BLOB_MARK + packed
 
 
-def _unpack_blob(blob: bytes) -> tuple[bytes, list[_IpcExport], list[bytes]]:
+def _unpack_blob(blob: bytes) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo]]:
     if not blob.startswith(_BLOB_MARK):
-        return blob, [], []
+        return blob, [], [], []
     try:
         body = msgpack.unpackb(blob[len(_BLOB_MARK) :], raw=False)
         exports = [_IpcExport(int(a), int(n), int(o), tuple(share)) for a, n, o, share in body["ipc"]]
         metadata = bytes(body["nixl"])
         partial = [bytes(b) for b in body.get("partial", ())]
+        new = [wire.RegionInfo(int(a), int(n), str(d)) for a, n, d in body.get("new", ())]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise WireFormatError(f"malformed NIXL backend blob: {exc}") from exc
-    return metadata, exports, partial
+    return metadata, exports, partial, new
 
 
 def _export_cuda(tensor: Any) -> _IpcExport | None:
@@ -200,6 +222,8 @@ class NixlTransport(ChannelTransport):
         self._poll_min, self._poll_busy, self._poll_idle = poll_min, poll_busy, poll_idle
         self._cuda_ipc = cuda_ipc
         self._ipc: dict[ChannelPeer, _IpcPeer] = {}
+        #: per peer: regions whose NIXL metadata NIXL refused to merge (why), refused as write destinations
+        self._refused_regions: dict[ChannelPeer, dict[wire.RegionInfo, str]] = {}
         #: writes that went by CUDA IPC (not through NIXL) since start
         self.ipc_writes = 0
         self._agent: Any = None
@@ -257,7 +281,7 @@ class NixlTransport(ChannelTransport):
     async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
         if not self._nixl_peer(peer):
             return
-        metadata, exports, _ = _unpack_blob(peer.hello.backend)
+        metadata, exports, _, _ = _unpack_blob(peer.hello.backend)
         try:
             name = self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
@@ -280,6 +304,7 @@ class NixlTransport(ChannelTransport):
                 log.debug("make_connection to %s: %s (the first transfer will connect)", peer.address, exc)
 
     async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+        self._refused_regions.pop(peer, None)
         ipc = self._ipc.pop(peer, None)
         if ipc is not None and ipc.mapped:
             import torch
@@ -322,7 +347,7 @@ class NixlTransport(ChannelTransport):
                 partial = [self._agent.get_partial_agent_metadata(d, False) for d in dlists]
             except _NIXL_ERRORS as exc:
                 raise translate(exc, "reading NIXL metadata of new regions") from exc
-        return _pack_blob(b"", self._exports(registration), partial)
+        return _pack_blob(b"", self._exports(registration), partial, registration.infos)
 
     async def _backend_deregister(self, registration: TensorRegistration) -> None:
         if self._agent is None:
@@ -336,16 +361,46 @@ class NixlTransport(ChannelTransport):
     async def _backend_regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
         if peer.backend is None:
             return
-        metadata, exports, partial = _unpack_blob(blob)
+        metadata, exports, partial, new = _unpack_blob(blob)
         if peer in self._ipc:
             self._ipc[peer].exports = exports
             self._ipc[peer].dirty = True
+        current = set(peer.regions.regions)
+        refused = {
+            r: why for r, why in self._refused_regions.get(peer, {}).items() if r in current and r not in new
+        }
         async with self._lock:
             try:
                 for md in partial or [metadata]:
                     self._agent.add_remote_agent(md)
             except _NIXL_ERRORS as exc:
-                raise WireFormatError(f"NIXL refused the updated metadata of {peer.address}: {exc}") from exc
+                # Seen on the H200 for VRAM re-registered at an address a deregistered region had (cudaMalloc
+                # reuses addresses); the connection stays up, only these regions cannot be written through NIXL.
+                why = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "%s: NIXL refused the metadata of %s's new regions (%s)", self.instance_id, peer, why
+                )
+                refused.update((r, why) for r in new)
+        if refused:
+            self._refused_regions[peer] = refused
+        else:
+            self._refused_regions.pop(peer, None)
+
+    def _check_refused(self, peer: ChannelPeer, dst: Fragments) -> None:
+        """RegionError if ``dst`` touches a region of ``peer`` whose NIXL metadata NIXL refused."""
+        refused = self._refused_regions.get(peer)
+        if not refused:
+            return
+        table = peer.regions
+        for i in np.unique(table.locate(dst, f"destination at {peer.address}")):
+            region = table.regions[int(i)]
+            if region in refused:
+                raise RegionError(
+                    f"{peer.address} registered [{region.address:#x}, +{region.length}) on {region.device} "
+                    "again on a live NIXL connection and NIXL refused its metadata "
+                    f"({refused[region]}): re-registration at a freed device address on a live NIXL "
+                    "connection; reconnect to write to it"
+                )
 
     # --- progress ------------------------------------------------------------------------------------
 
@@ -394,6 +449,7 @@ class NixlTransport(ChannelTransport):
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
             return
+        self._check_refused(peer, dst)
         local, local_mem = _descs(src, self.own_regions, "source")
         remote, remote_mem = _descs(dst, peer.regions, f"destination at {peer.address}")
         indices = np.arange(len(src), dtype=np.int32)

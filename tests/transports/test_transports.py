@@ -255,6 +255,72 @@ async def test_receiver_refuses_what_it_did_not_register(transport_name: str, re
         )
 
 
+async def test_reregistration_at_the_same_address(transport_name: str, remote: Remote) -> None:
+    """A peer deregisters a region and registers memory at the same address again (what a freed and
+    reallocated CUDA buffer looks like) on a live connection: writes in between are refused, writes after it
+    land (on the H200 NIXL refused this for VRAM: see the nixl module docstring)."""
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "reused", 8192)
+        src = random_tensor(8192, seed=3)
+        await transport.register(src)
+        await transport.write(peer, [[src.data_ptr(), 4096]], [[dst, 4096]], b"before")
+        await remote.call(op="deregister", name="reused")
+        assert b"deregistered" in await transport.receive_message(peer)
+        with pytest.raises(RegionError):
+            await transport.write(peer, [[src.data_ptr(), 16]], [[dst, 16]], b"refused")
+        for length, seed in ((8192, 4), (4096, 5), (8192, 6)):  # same address: same length, shorter, longer
+            assert (await remote.call(op="reregister", name="reused", length=length))["address"] == dst
+            assert b"registered" in await transport.receive_message(peer)
+            data = random_tensor(length, seed=seed)
+            await transport.register(data)
+            await transport.write(peer, [[data.data_ptr(), length]], [[dst, length]], b"after")
+            digest = await remote.call(op="digest", name="reused", fragments=[[0, length]])
+            assert digest["sha"] == sha(data.numpy().tobytes())
+            await remote.call(op="deregister", name="reused")
+            assert b"deregistered" in await transport.receive_message(peer)
+
+
+@pytest.mark.parametrize("transport_name", ["nixl"])
+async def test_nixl_refused_region_metadata(
+    transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When NIXL refuses to merge the metadata of a peer's new regions (NIXL_ERR_NOT_ALLOWED on the H200 for
+    VRAM re-registered at a freed address; simulated here), writes into those regions raise a RegionError that
+    names the cause, the connection stays up for everything else, and a later accepted registration heals."""
+    import nixl_cu13._bindings as nixl_bindings
+
+    async with connected(transport_name, remote) as (transport, peer):
+        kept = await remote_buffer(transport, peer, remote, "kept", 4096)
+        src = random_tensor(4096, seed=7)
+        await transport.register(src)
+        agent = transport._agent  # type: ignore[attr-defined]
+
+        def refuse(metadata: bytes) -> str:
+            raise nixl_bindings.nixlNotAllowedError("NIXL_ERR_NOT_ALLOWED")
+
+        monkeypatch.setattr(agent, "add_remote_agent", refuse)
+        fresh = await remote_buffer(transport, peer, remote, "fresh", 4096)
+        with pytest.raises(RegionError, match=r"re-registration at a freed device address.*reconnect"):
+            await transport.write(peer, [[src.data_ptr(), 16]], [[fresh, 16]], b"refused")
+        assert (await remote.call(op="digest", name="fresh", fragments=[[0, 4096]]))["sha"] == sha(
+            bytes(4096)
+        )
+        await transport.write(peer, [[src.data_ptr(), 4096]], [[kept, 4096]], b"kept")
+        assert (await remote.call(op="digest", name="kept", fragments=[[0, 4096]]))["sha"] == sha(
+            src.numpy().tobytes()
+        )
+        await transport.send_message(peer, b"still talking")
+        monkeypatch.undo()
+        await remote.call(op="deregister", name="fresh")
+        assert b"deregistered" in await transport.receive_message(peer)
+        assert (await remote.call(op="reregister", name="fresh"))["address"] == fresh
+        assert b"registered" in await transport.receive_message(peer)
+        await transport.write(peer, [[src.data_ptr(), 4096]], [[fresh, 4096]], b"healed")
+        assert (await remote.call(op="digest", name="fresh", fragments=[[0, 4096]]))["sha"] == sha(
+            src.numpy().tobytes()
+        )
+
+
 @pytest.mark.parametrize("transport_name", ["nixl", "ucx"])
 async def test_peer_killed_mid_write_then_restarted(transport_name: str) -> None:
     threads_before = set(threading.enumerate())

@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import torch
 
-from kvferry.transports import Peer, Transport, get_transport
+from kvferry.transports import Peer, Registration, Transport, get_transport
 
 
 class PeerServer:
@@ -27,6 +27,7 @@ class PeerServer:
         self.transport = transport
         self.device = device
         self.buffers: dict[str, torch.Tensor] = {}
+        self.registrations: dict[str, Registration] = {}
         self.peer: Peer | None = None
         self.peer_ready = anyio.Event()
 
@@ -39,6 +40,14 @@ class PeerServer:
         await self.peer_ready.wait()
         assert self.peer is not None
         return self.peer
+
+    async def register(self, name: str, length: int | None = None) -> dict[str, Any]:
+        t = self.buffers[name] if length is None else self.buffers[name][:length]
+        self.registrations[name] = await self.transport.register(t)
+        if self.peer is not None:
+            # The control channel is ordered: once this message arrives, the peer knows the region.
+            await self.transport.send_message(self.peer, json.dumps({"registered": name}).encode())
+        return {"address": t.data_ptr()}
 
     def digest(self, name: str, fragments: list[list[int]]) -> str:
         data = self.buffers[name].cpu().numpy()
@@ -57,11 +66,18 @@ class PeerServer:
                 t = torch.zeros(cmd["size"], dtype=torch.uint8)
             t = t.to(self.device)
             self.buffers[cmd["name"]] = t
-            await self.transport.register(t)
+            return await self.register(cmd["name"])
+        if op == "deregister":
+            await self.transport.deregister(self.registrations.pop(cmd["name"]))
             if self.peer is not None:
-                # The control channel is ordered: once this message arrives, the peer knows the region.
-                await self.transport.send_message(self.peer, json.dumps({"registered": cmd["name"]}).encode())
-            return {"address": t.data_ptr()}
+                await self.transport.send_message(
+                    self.peer, json.dumps({"deregistered": cmd["name"]}).encode()
+                )
+            return {"ok": True}
+        if op == "reregister":
+            # The same memory (same address) again, as after a free and a new allocation that reuses the
+            # address; optionally only its first ``length`` bytes.
+            return await self.register(cmd["name"], cmd.get("length"))
         if op == "digest":
             return {"sha": await anyio.to_thread.run_sync(self.digest, cmd["name"], cmd["fragments"])}
         if op == "wait_notify":
