@@ -1,9 +1,10 @@
 """Triton kernels for the bounce path on CUDA: gather ``(offset, length)`` fragments into staging and back.
 
-The torch path in :mod:`kvferry.kernels.copy` builds one int64 index entry per byte, which moves nine bytes of
-memory traffic for every byte copied. Here the fragments are cut on the host (numpy) into pieces of at most
-``PIECE_BYTES`` and each Triton program copies one piece with the widest word (8, 4, 2 or 1 bytes) that divides
-every address and length, so the copy streams at close to device bandwidth whatever the fragment sizes.
+The torch path in :mod:`kvferry.kernels.copy` copies rows of the fragments' common granularity with one indexed
+copy (or one slice per large fragment); on CUDA that is one index entry per row and a launch per large fragment.
+Here the fragments are cut on the host (numpy) into pieces of at most ``PIECE_BYTES`` and each Triton program
+copies one piece with the widest word (8, 4, 2 or 1 bytes) that divides every address and length: one launch
+for any number of fragments, with no index tensor in device memory.
 
 These functions do no validation: :mod:`kvferry.kernels.copy` checks bounds and overlaps first and calls them only
 for CUDA tensors when Triton imports. Triton is imported lazily, so importing this module is free.
