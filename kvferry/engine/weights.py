@@ -24,7 +24,7 @@ import torch
 from attrs import frozen
 
 from kvferry.errors import ConfigError, MissingExtraError
-from kvferry.pools.spec import DrafterSpec, LayerKind, ModelSpec
+from kvferry.pools.spec import HF_LAYER_KINDS, DrafterSpec, LayerKind, ModelSpec
 
 __all__ = [
     "ModelWeights",
@@ -38,14 +38,6 @@ __all__ = [
     "tiny_hf_config",
 ]
 
-_KIND_OF_TYPE = {
-    "linear_attention": LayerKind.MAMBA2,
-    "mamba": LayerKind.MAMBA2,
-    "full_attention": LayerKind.ATTENTION,
-    "attention": LayerKind.ATTENTION,
-    "mlp": LayerKind.MLP,
-    "moe": LayerKind.MOE,
-}
 _TYPE_OF_KIND = {
     LayerKind.MAMBA2: "linear_attention",
     LayerKind.ATTENTION: "full_attention",
@@ -83,7 +75,7 @@ class NemotronHArgs:
     model_type: str = "nemotron_h"
 
     def __attrs_post_init__(self) -> None:
-        unknown = [t for t in self.layers_block_type if t not in _KIND_OF_TYPE]
+        unknown = [t for t in self.layers_block_type if t not in HF_LAYER_KINDS]
         if unknown:
             raise ConfigError(f"unknown layer types {unknown}")
         if LayerKind.MOE in self.layer_kinds:
@@ -95,7 +87,7 @@ class NemotronHArgs:
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
-        return tuple(_KIND_OF_TYPE[t] for t in self.layers_block_type)
+        return tuple(HF_LAYER_KINDS[t] for t in self.layers_block_type)
 
     @property
     def mamba_intermediate(self) -> int:

@@ -12,6 +12,8 @@ Nothing here allocates memory; :mod:`kvferry.pools.layout` turns a rank spec int
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -22,6 +24,7 @@ from kvferry.errors import ConfigError
 
 __all__ = [
     "DRAFT_LAYER_SHIFT",
+    "HF_LAYER_KINDS",
     "AttentionSpec",
     "DrafterSpec",
     "HeadShard",
@@ -87,6 +90,19 @@ class LayerKind(enum.StrEnum):
     KDA = "kda"
     MLP = "mlp"
     MOE = "moe"
+
+
+#: transformers' ``layers_block_type`` / ``layer_types`` entry -> the kind of that block
+HF_LAYER_KINDS: Mapping[str, LayerKind] = MappingProxyType(
+    {
+        "linear_attention": LayerKind.MAMBA2,
+        "mamba": LayerKind.MAMBA2,
+        "full_attention": LayerKind.ATTENTION,
+        "attention": LayerKind.ATTENTION,
+        "mlp": LayerKind.MLP,
+        "moe": LayerKind.MOE,
+    }
+)
 
 
 @frozen
@@ -333,19 +349,11 @@ class ModelSpec:
 
         transformers is not imported: the config is read by attribute, so this works on a plain namespace.
         """
-        kinds_map = {
-            "linear_attention": LayerKind.MAMBA2,
-            "mamba": LayerKind.MAMBA2,
-            "full_attention": LayerKind.ATTENTION,
-            "attention": LayerKind.ATTENTION,
-            "mlp": LayerKind.MLP,
-            "moe": LayerKind.MOE,
-        }
         raw = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
         if raw is None:
             raise ConfigError("config has no layers_block_type")
         try:
-            kinds = tuple(kinds_map[str(k)] for k in raw)
+            kinds = tuple(HF_LAYER_KINDS[str(k)] for k in raw)
         except KeyError as exc:
             raise ConfigError(f"unknown layer type {exc.args[0]!r} in config") from None
         attention = mamba2 = None
