@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
@@ -79,6 +80,21 @@ def run(args: argparse.Namespace) -> int:
         names = [n for n, error in available_transports().items() if error is None]
     else:
         names = [args.transport]
+
+    def bench(progress: Callable[[str], None]) -> dict[str, Any]:
+        return anyio.run(
+            lambda: run_transfer_bench(
+                names,
+                args.total_bytes,
+                args.fragment_bytes,
+                page_bytes=args.page_bytes,
+                repeats=args.repeats,
+                baselines=not args.no_baselines,
+                progress=progress,
+                device=args.device,
+            )
+        )
+
     try:
         from rich.console import Console
 
@@ -90,31 +106,9 @@ def run(args: argparse.Namespace) -> int:
             console.log(message)
 
         with status:
-            result = anyio.run(
-                lambda: run_transfer_bench(
-                    names,
-                    args.total_bytes,
-                    args.fragment_bytes,
-                    page_bytes=args.page_bytes,
-                    repeats=args.repeats,
-                    baselines=not args.no_baselines,
-                    progress=progress,
-                    device=args.device,
-                )
-            )
+            result = bench(progress)
     except ImportError:
-        result = anyio.run(
-            lambda: run_transfer_bench(
-                names,
-                args.total_bytes,
-                args.fragment_bytes,
-                page_bytes=args.page_bytes,
-                repeats=args.repeats,
-                baselines=not args.no_baselines,
-                progress=lambda m: print(m, file=sys.stderr),
-                device=args.device,
-            )
-        )
+        result = bench(lambda m: print(m, file=sys.stderr))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
