@@ -3,7 +3,8 @@ incompatible peer, poisoned receiver pages change nothing, and accounting return
 
 from __future__ import annotations
 
-import random
+import sys
+from pathlib import Path
 
 import anyio
 import attrs
@@ -19,30 +20,10 @@ from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.pagetable import PageTable
 from kvferry.transports import get_transport
 
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
+
 pytestmark = pytest.mark.timeout(120)
-
-PROMPTS = [
-    [5, 9, 14, 200, 3, 3, 77, 1, 2, 8, 40],
-    [250, 1, 7],
-    [random.Random(5).randrange(256) for _ in range(45)],
-]
-MAX_TOKENS = 8
-SPEC_K = 2
-
-
-Result = tuple[list[list[int]], list[list[tuple[int, ...]]]]
-
-
-async def aggregated(prompts: list[list[int]]) -> Result:
-    built = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
-    tokens, drafts = [], []
-    async with built.engine:
-        for p in prompts:
-            g = built.engine.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K)
-            tokens.append(await g.collect())
-            drafts.append(list(g.request.draft_history))
-    return tokens, drafts
-
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 #: in the default (CI) suite; the rest of PAIRS x transports is the slow suite

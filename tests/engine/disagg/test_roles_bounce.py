@@ -5,7 +5,8 @@ stays identical."""
 
 from __future__ import annotations
 
-import random
+import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,35 +14,21 @@ import pytest
 
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
-from kvferry.engine.disagg.serve import _options, disaggregated
+from kvferry.engine.disagg.serve import disaggregated
 from kvferry.engine.disagg.staging import StagingPool
-from kvferry.engine.runner import build_engine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPTS = [
-    [5, 9, 14, 200, 3, 3, 77, 1, 2, 8, 40],
-    [250, 1, 7],
-    [random.Random(5).randrange(256) for _ in range(45)],
-]
-MAX_TOKENS = 8
-SPEC_K = 2
-
-Result = tuple[list[list[int]], list[list[tuple[int, ...]]]]
 _expected: list[Result] = []
 
 
 async def expected() -> Result:
     """The aggregated reference (the same for every case here: computed once)."""
     if not _expected:
-        built = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
-        tokens, drafts = [], []
-        async with built.engine:
-            for p in PROMPTS:
-                g = built.engine.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K)
-                tokens.append(await g.collect())
-                drafts.append(list(g.request.draft_history))
-        _expected.append((tokens, drafts))
+        _expected.append(await aggregated(PROMPTS))
     return _expected[0]
 
 
