@@ -8,6 +8,8 @@ import torch
 from attrs import define, field, frozen
 
 from kvferry.engine.engine import DraftItem, ForwardItem
+from kvferry.engine.request import RequestState
+from kvferry.engine.scheduler import ItemKind, Scheduler, StepPlan
 from kvferry.errors import PoolExhausted
 
 
@@ -161,3 +163,25 @@ class FakeRunner:
 
     def release(self, request_id: int) -> None:
         self.history.pop(request_id, None)
+
+
+def run_step(
+    scheduler: Scheduler, plan: StepPlan, next_token: int = 9, *, distinct_decodes: bool = False
+) -> None:
+    """What the engine does after a step: sample for items that want logits, commit, finish.
+
+    A prefill that wants logits samples ``next_token``; a decode samples ``next_token``, or
+    ``next_token + item.start`` with ``distinct_decodes``.
+    """
+    for item in plan.items:
+        request = item.request
+        if item.kind is ItemKind.PREFILL:
+            end = item.start + len(item.token_ids)
+            if item.wants_logits:
+                request.append_tokens([next_token])
+        else:
+            end = item.start + 1  # drafts all rejected: only the pending token is committed
+            request.append_tokens([next_token + item.start if distinct_decodes else next_token])
+        scheduler.commit(request, end)
+        if request.finish_reason is not None:
+            scheduler.finish(request, RequestState.FINISHED)

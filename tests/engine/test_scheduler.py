@@ -1,31 +1,15 @@
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeCache
+from engine_fakes import FakeCache, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.engine.request import Request, RequestState
-from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig, StepPlan
+from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig
 from kvferry.errors import ConfigError, PoolExhausted
 
 S = RequestState
-
-
-def run_step(scheduler: Scheduler, plan: StepPlan, next_token: int = 9) -> None:
-    """What the engine does after a step: sample for items that want logits, commit, finish."""
-    for item in plan.items:
-        request = item.request
-        if item.kind is ItemKind.PREFILL:
-            end = item.start + len(item.token_ids)
-            if item.wants_logits:
-                request.append_tokens([next_token])
-        else:
-            end = item.start + 1  # drafts all rejected: only the pending token is committed
-            request.append_tokens([next_token])
-        scheduler.commit(request, end)
-        if request.finish_reason is not None:
-            scheduler.finish(request, S.FINISHED)
 
 
 def make(rid: int, prompt_len: int, max_tokens: int = 4, spec_k: int = 0) -> Request:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from engine_fakes import FakeCache
+from engine_fakes import FakeCache, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,22 +17,6 @@ from kvferry.errors import InvalidTransition
 from kvferry.pools.manager import CacheManager, CacheManagerConfig
 
 S = RequestState
-
-
-def run_step(scheduler: Scheduler, plan: StepPlan, next_token: int = 9) -> None:
-    """What the engine does after a step: sample for items that want logits, commit, finish."""
-    for item in plan.items:
-        request = item.request
-        if item.kind is ItemKind.PREFILL:
-            end = item.start + len(item.token_ids)
-            if item.wants_logits:
-                request.append_tokens([next_token])
-        else:
-            end = item.start + 1  # drafts all rejected: only the pending token is committed
-            request.append_tokens([next_token + item.start])
-        scheduler.commit(request, end)
-        if request.finish_reason is not None:
-            scheduler.finish(request, S.FINISHED)
 
 
 class BatchingFake(FakeCache):
@@ -70,7 +54,7 @@ def test_commits_reach_the_cache_in_one_batch_at_the_next_schedule() -> None:
     requests = [Request(i, [1, 2, 3], max_tokens=3) for i in range(3)]
     for r in requests:
         scheduler.add(r)
-    run_step(scheduler, scheduler.schedule())  # three prompts
+    run_step(scheduler, scheduler.schedule(), distinct_decodes=True)  # three prompts
     assert cache.committed == {0: 0, 1: 0, 2: 0}  # not yet: the manager lags until the next schedule
     assert all(r.num_computed == 3 and r.state is S.DECODING for r in requests)
     plan = scheduler.schedule()
@@ -83,7 +67,7 @@ def test_commits_reach_the_cache_in_one_batch_at_the_next_schedule() -> None:
         (r, ItemKind.DECODE, 3, (9,)) for r in range(3)
     ]
     assert plan.num_tokens == 3 == scheduler.statistics().last_step_tokens
-    run_step(scheduler, plan)
+    run_step(scheduler, plan, distinct_decodes=True)
     scheduler.flush()  # now, without a schedule
     assert cache.batches[-1] == ("commit", [(0, [9], 0), (1, [9], 0), (2, [9], 0)])
     scheduler.flush()  # nothing pending: no call
@@ -100,7 +84,9 @@ def test_finish_hands_over_pending_commits_before_closing() -> None:
     )
     for r in (a, b, c):
         scheduler.add(r)
-    run_step(scheduler, scheduler.schedule())  # b finishes on its prompt step (max_tokens=1)
+    run_step(
+        scheduler, scheduler.schedule(), distinct_decodes=True
+    )  # b finishes on its prompt step (max_tokens=1)
     # the commits so far, in step order, reached the cache before b's close (its blocks stay reusable)
     assert cache.batches == [("commit", [(0, [1, 2, 3], 0), (1, [4, 5], 0)]), ("close", [1])]
     scheduler.schedule()  # nothing was left to hand over; a decodes, c is admitted
@@ -114,14 +100,14 @@ def test_decodes_grow_in_one_batch_and_fall_back_to_preemption_when_short() -> N
     requests = [Request(i, [1, 2, 3], max_tokens=20) for i in range(3)]
     for r in requests:
         scheduler.add(r)
-    run_step(scheduler, scheduler.schedule())  # 3 prompts: 3 pages
-    run_step(scheduler, scheduler.schedule())  # decode at 3: capacity 4 suffices
+    run_step(scheduler, scheduler.schedule(), distinct_decodes=True)  # 3 prompts: 3 pages
+    run_step(scheduler, scheduler.schedule(), distinct_decodes=True)  # decode at 3: capacity 4 suffices
     cache.batches.clear()
     plan = scheduler.schedule()  # decode at 4: each needs a second page: 6 of 7, one grow_many
     assert [b for b in cache.batches if b[0] == "grow"] == [("grow", [(0, 8), (1, 8), (2, 8)])]
     assert [i.request.request_id for i in plan.items] == [0, 1, 2] and not plan.preempted
     for _ in range(4):
-        run_step(scheduler, plan)
+        run_step(scheduler, plan, distinct_decodes=True)
         plan = scheduler.schedule()
     # at 8 all three need a third page (9 > 7): the batch is refused, request by request the newest is
     # preempted so the older two fit
@@ -192,7 +178,7 @@ def test_batched_and_one_by_one_scheduling_are_identical(
             if not scheduler.has_work:
                 break
             plan = scheduler.schedule()
-            run_step(scheduler, plan)
+            run_step(scheduler, plan, distinct_decodes=True)
             scheduler.flush()
             trace.append((plan_signature(plan), manager.debug_state()))
         assert not scheduler.has_work
@@ -209,7 +195,7 @@ def test_a_refused_batch_still_lets_finish_close_the_request() -> None:
     scheduler = Scheduler(cache, SchedulerConfig(token_budget=16, max_running=2, max_prefill_chunk=8))
     request = Request(0, [1, 2, 3], max_tokens=5)
     scheduler.add(request)
-    run_step(scheduler, scheduler.schedule())
+    run_step(scheduler, scheduler.schedule(), distinct_decodes=True)
     with pytest.raises(InvalidTransition):
         scheduler.finish(request, S.CANCELLED)
     assert request.state is S.CANCELLED and not scheduler.has_work
