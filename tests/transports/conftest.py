@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from kvferry.transports import Transport, get_transport
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from transport_peer import PeerServer  # noqa: E402
+from transport_peer import PeerServer, set_ucx_test_env  # noqa: E402
 
 TRANSPORTS = ["nixl", "ucx", "local"]
 
@@ -184,10 +183,4 @@ def our_tasks() -> set[asyncio.Task[Any]]:
 
 @pytest.fixture(autouse=True)
 def _ucx_env() -> None:
-    for key, value in {
-        "UCX_NET_DEVICES": "lo",
-        "UCX_WARN_UNUSED_ENV_VARS": "n",
-        "UCX_CM_REUSEADDR": "y",
-        "UCXPY_PROGRESS_MODE": "blocking",
-    }.items():
-        os.environ.setdefault(key, value)
+    set_ucx_test_env()

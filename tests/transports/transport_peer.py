@@ -152,7 +152,8 @@ async def main() -> None:
         tg.cancel_scope.cancel()
 
 
-if __name__ == "__main__":
+def set_ucx_test_env() -> None:
+    """Loopback-only UCX without warnings, reusable ports, blocking progress; variables already set are kept."""
     for key, value in {
         "UCX_NET_DEVICES": "lo",
         "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -160,4 +161,8 @@ if __name__ == "__main__":
         "UCXPY_PROGRESS_MODE": "blocking",
     }.items():
         os.environ.setdefault(key, value)
+
+
+if __name__ == "__main__":
+    set_ucx_test_env()
     anyio.run(main)
