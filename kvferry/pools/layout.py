@@ -391,6 +391,16 @@ class CacheLayout:
         return total + NUM_ACCEPTED_BYTES * self.num_slots
 
 
+def _in_channels(shard: HeadShard, total: int, width: int) -> HeadShard:
+    """``shard`` of ``total`` heads counted in channels: each head is ``width`` channels."""
+    return HeadShard(
+        total=total * width,
+        count=shard.count * width,
+        first=shard.first * width,
+        replicas=shard.replicas,
+    )
+
+
 def _layer_groups(rank: RankSpec) -> tuple[LayerGroup, ...]:
     model = rank.model
     groups: list[LayerGroup] = []
@@ -429,18 +439,8 @@ def _layer_groups(rank: RankSpec) -> tuple[LayerGroup, ...]:
         m = model.mamba2
         heads, mgroups = rank.mamba2_heads, rank.mamba2_groups
         assert heads is not None and mgroups is not None
-        x = HeadShard(
-            total=m.num_heads * m.head_dim,
-            count=heads.count * m.head_dim,
-            first=heads.first * m.head_dim,
-            replicas=heads.replicas,
-        )
-        bc = HeadShard(
-            total=m.num_groups * m.state_size,
-            count=mgroups.count * m.state_size,
-            first=mgroups.first * m.state_size,
-            replicas=mgroups.replicas,
-        )
+        x = _in_channels(heads, m.num_heads, m.head_dim)
+        bc = _in_channels(mgroups, m.num_groups, m.state_size)
         groups.append(
             LayerGroup(
                 name="mamba2",
@@ -461,12 +461,7 @@ def _layer_groups(rank: RankSpec) -> tuple[LayerGroup, ...]:
         k = model.kda
         heads = rank.kda_heads
         assert heads is not None
-        section = HeadShard(
-            total=k.num_heads * k.head_dim,
-            count=heads.count * k.head_dim,
-            first=heads.first * k.head_dim,
-            replicas=heads.replicas,
-        )
+        section = _in_channels(heads, k.num_heads, k.head_dim)
         groups.append(
             LayerGroup(
                 name="kda",
