@@ -1,7 +1,7 @@
 """Copies over byte arenas: fixed-size blocks by index, and (offset, length) fragments to and from staging.
 
 Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);
-fragment gathers and scatters on CUDA use the Triton kernel of :mod:`kvferry.kernels.fragment_copy_triton`.
+fragment gathers and scatters on CUDA use the batched Triton copy of :mod:`kvferry.span_copy`.
 Elsewhere they cut every fragment into rows of ``g`` bytes (``g`` = gcd of every offset and length) and copy
 large fragments as slices and small ones as one indexed copy of rows (see :data:`SLICE_ROWS_HOST`): no index
 entry per byte, so the copy runs near memory bandwidth whatever the alignment.
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvferry import span_copy
 from kvferry.errors import ConfigError
-from kvferry.kernels import fragment_copy_triton
 
 __all__ = [
     "CHUNK_ROWS",
@@ -320,9 +320,10 @@ def _triton_copy(
     lengths: np.ndarray,
 ) -> bool:
     """Copy with the Triton kernel when both tensors are on one CUDA device; False when it does not apply."""
-    if not (src.is_cuda and dst.device == src.device and fragment_copy_triton.available(src)):
+    if not (src.is_cuda and dst.device == src.device and span_copy.available(src.device)):
         return False
-    fragment_copy_triton.copy_fragments(src, src_offsets, dst, dst_offsets, lengths)
+    s_base, d_base = src.data_ptr(), dst.data_ptr()
+    span_copy.copy_spans(src.device, s_base + src_offsets, d_base + dst_offsets, lengths)
     return True
 
 

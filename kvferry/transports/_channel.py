@@ -34,6 +34,7 @@ from kvferry.errors import (
     MessageTooLarge,
     PeerDisconnected,
     PeerIncompatible,
+    RegionError,
     TransferTimeout,
     TransportError,
     WireFormatError,
@@ -690,10 +691,7 @@ class ChannelTransport(Transport):
         p = self._live_peer(peer)
         src_f, dst_f = as_fragments(src), as_fragments(dst)
         check_pairing(src_f, dst_f)
-        self._own.locate(src_f, "source")
-        p.regions.locate(dst_f, f"destination at {p.address}")
-        if self._coalesce:
-            src_f, dst_f = coalesce(src_f, dst_f)
+        src_f, dst_f = self._checked(p, src_f, dst_f)
         stall = self._stall_timeout if stall_timeout is None else stall_timeout
         self._writes_in_flight += 1
         try:
@@ -711,6 +709,27 @@ class ChannelTransport(Transport):
             self._writes_in_flight -= 1
         self._writes_completed += 1
         self._bytes_written += total_bytes(src_f)
+
+    def _checked(self, p: ChannelPeer, src: Fragments, dst: Fragments) -> tuple[Fragments, Fragments]:
+        """The rows to write (coalesced if asked), once every row is known to lie in registered memory.
+
+        Merged rows are checked first (fewer rows: a merged row inside one registered range holds every row it
+        merged); only when one is not, the rows as given are checked, which names the first bad one, or, when
+        each lies in a range but a merged one spans two adjacent ranges, are written unmerged.
+        """
+        if self._coalesce:
+            merged_src, merged_dst = coalesce(src, dst)
+            if len(merged_src) < len(src):
+                try:
+                    self._own.locate(merged_src, "source")
+                    p.regions.locate(merged_dst, f"destination at {p.address}")
+                except RegionError:
+                    pass
+                else:
+                    return merged_src, merged_dst
+        self._own.locate(src, "source")
+        p.regions.locate(dst, f"destination at {p.address}")
+        return src, dst
 
     @property
     def own_regions(self) -> RegionTable:

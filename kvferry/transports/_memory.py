@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,6 +12,7 @@ import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
+from kvferry import span_copy
 from kvferry.errors import RegionError
 from kvferry.transports.base import Fragments, Registration
 from kvferry.transports.wire import RegionInfo
@@ -37,6 +37,10 @@ __all__ = [
 
 #: copies longer than this are cut so the event loop gets a turn between pieces
 COPY_SLICE_BYTES = 4 << 20
+#: device-to-device spans at least this long are copied by the device's own copy (``copy_``), not the kernel
+DEVICE_COPY_BYTES = 32 << 20
+#: at most this many of them per write (each is a launch from Python); longer lists go to the kernel
+MAX_DEVICE_COPIES = 64
 
 
 def device_of(tensor: torch.Tensor) -> str:
@@ -171,10 +175,11 @@ class CopyPlan:
     """Copies between two sets of registered ranges in one address space (same process, or a CUDA IPC mapping).
 
     Host rows are copied with numpy in slices, yielding to the event loop between slices (the copy runs on the
-    loop's thread). Rows between CUDA ranges of one device are batched: per pair of regions, the rows are cut at a
-    granularity ``g`` (the gcd of every offset and length), so each pair is one or two indexed copies over
-    ``[rows, g]`` views launched asynchronously on the current stream; the end is awaited once, in a worker
-    thread. Other rows (host <-> device) are single asynchronous copies.
+    loop's thread). Rows between CUDA ranges of one device are one batched launch of :mod:`kvferry.span_copy`
+    (absolute addresses, any number of region pairs) on the current stream; without Triton, per pair of regions,
+    the rows are cut at a granularity ``g`` (the gcd of every offset and length) and copied as one or two indexed
+    copies over ``[rows, g]`` views. The end is awaited once, in a worker thread. Other rows (host <-> device)
+    are single asynchronous copies.
     """
 
     def __init__(
@@ -183,10 +188,14 @@ class CopyPlan:
         src_regions: RegionTable,
         dst: Fragments,
         dst_regions: RegionTable,
+        *,
+        src_index: npt.NDArray[np.int64] | None = None,
+        dst_index: npt.NDArray[np.int64] | None = None,
     ) -> None:
+        """``src_index``/``dst_index``: the rows' regions when the caller has located them already."""
         self.src, self.dst = src, dst
-        self.src_index = src_regions.locate(src, "source")
-        self.dst_index = dst_regions.locate(dst, "destination")
+        self.src_index = src_regions.locate(src, "source") if src_index is None else src_index
+        self.dst_index = dst_regions.locate(dst, "destination") if dst_index is None else dst_index
         self.src_regions, self.dst_regions = src_regions, dst_regions
 
     async def run(self) -> None:
@@ -214,20 +223,9 @@ class CopyPlan:
         uses_cuda = False
         if same_cuda.any():
             uses_cuda = True
-            rows = np.flatnonzero(same_cuda)
-            pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
-            for key in np.unique(pairs):
-                chosen = rows[pairs == key]
-                si, di = int(self.src_index[chosen[0]]), int(self.dst_index[chosen[0]])
-                s_info, d_info = self.src_regions.regions[si], self.dst_regions.regions[di]
-                device_copy(
-                    view(self.src_regions, 0, si),
-                    s_info.address,
-                    self.src[chosen],
-                    view(self.dst_regions, 1, di),
-                    d_info.address,
-                    self.dst[chosen],
-                )
+            for code in np.unique(s_dev[same_cuda]):
+                rows = np.flatnonzero(same_cuda & (s_dev == code))
+                self._device_rows(rows, view)
                 await anyio.lowlevel.checkpoint()
         since_yield = 0
         for row in np.flatnonzero(~same_cuda):
@@ -255,6 +253,44 @@ class CopyPlan:
                     await anyio.lowlevel.checkpoint()
         if uses_cuda:
             await synchronize_cuda()
+
+    def _device_rows(self, rows: npt.NDArray[np.int64], view: Any) -> None:
+        """Queue the copy of ``rows`` (all between CUDA ranges of one device): one batched launch when Triton
+        imports, else indexed copies per pair of regions."""
+        import torch
+
+        si = self.src_index[rows]
+        device = torch.device(self.src_regions.regions[int(si[0])].device)
+        if span_copy.available(device):
+            # the device's own copy for the few largest spans (it beats any kernel on long runs), one batched
+            # launch for the rest
+            copied = np.zeros(len(rows), dtype=bool)
+            copied[np.flatnonzero(self.src[rows, 1] >= DEVICE_COPY_BYTES)[:MAX_DEVICE_COPIES]] = True
+            for row in rows[copied].tolist():
+                s, d = int(self.src_index[row]), int(self.dst_index[row])
+                _torch_copy(
+                    view(self.dst_regions, 1, d),
+                    int(self.dst[row, 0]) - self.dst_regions.regions[d].address,
+                    view(self.src_regions, 0, s),
+                    int(self.src[row, 0]) - self.src_regions.regions[s].address,
+                    int(self.src[row, 1]),
+                )
+            rest = rows[~copied]
+            if len(rest):
+                span_copy.copy_spans(device, self.src[rest, 0], self.dst[rest, 0], self.src[rest, 1])
+            return
+        pairs = si * (1 << 32) + self.dst_index[rows]
+        for key in np.unique(pairs):
+            chosen = rows[pairs == key]
+            s, d = int(self.src_index[chosen[0]]), int(self.dst_index[chosen[0]])
+            device_copy(
+                view(self.src_regions, 0, s),
+                self.src_regions.regions[s].address,
+                self.src[chosen],
+                view(self.dst_regions, 1, d),
+                self.dst_regions.regions[d].address,
+                self.dst[chosen],
+            )
 
 
 async def synchronize_cuda() -> None:
@@ -329,8 +365,6 @@ def device_copy(
     if s_run and d_run:
         a, b = int(s_idx[0]), int(d_idx[0])
         d_rows[b : b + n].copy_(s_rows[a : a + n], non_blocking=True)
-    elif device.type == "cuda" and _triton_copy_rows(s_rows, index(s_idx), d_rows, index(d_idx)):
-        pass
     elif s_run:
         a = int(s_idx[0])
         d_rows.index_copy_(0, index(d_idx), s_rows[a : a + n])
@@ -350,45 +384,3 @@ def _torch_copy(dst: Any, d_off: int, src: Any, s_off: int, n: int) -> None:
     d = dst[d_off : d_off + n] if isinstance(dst, torch.Tensor) else torch.from_numpy(dst[d_off : d_off + n])
     s = src[s_off : s_off + n] if isinstance(src, torch.Tensor) else torch.from_numpy(src[s_off : s_off + n])
     d.copy_(s, non_blocking=True)
-
-
-#: elements one Triton program copies (int64 elements: 16 KiB)
-_TRITON_BLOCK = 2048
-
-
-@functools.cache
-def _triton_kernel() -> Any:
-    """The row-copy kernel (``dst[d_idx[r]] = src[s_idx[r]]``, one pass, no staging), or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def copy_rows(src_ptr, dst_ptr, s_idx_ptr, d_idx_ptr, row_elems, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < row_elems
-        s = tl.load(s_idx_ptr + row).to(tl.int64)
-        d = tl.load(d_idx_ptr + row).to(tl.int64)
-        values = tl.load(src_ptr + s * row_elems + cols, mask=mask)
-        tl.store(dst_ptr + d * row_elems + cols, values, mask=mask)
-
-    return copy_rows
-
-
-def _triton_copy_rows(s_rows: Any, s_idx: Any, d_rows: Any, d_idx: Any) -> bool:
-    """Copy rows with the Triton kernel; False (nothing done) when Triton is missing or refuses."""
-    kernel = _triton_kernel()
-    row_elems = int(s_rows.shape[1])
-    blocks = -(-row_elems // _TRITON_BLOCK)
-    if kernel is None or blocks > 65535:
-        return False
-    try:
-        kernel[(len(s_idx), blocks)](s_rows, d_rows, s_idx, d_idx, row_elems, BLOCK=_TRITON_BLOCK)
-    except Exception as exc:  # a compiler problem only costs the fast path
-        log.warning("the Triton row copy failed (%s); using torch indexed copies", exc)
-        _triton_kernel.cache_clear()
-        return False
-    return True

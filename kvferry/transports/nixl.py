@@ -48,6 +48,7 @@ import msgpack
 import nixl_cu13._api as nixl_api
 import nixl_cu13._bindings as nixl_bindings
 import numpy as np
+import numpy.typing as npt
 from attrs import define, field
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
@@ -528,7 +529,7 @@ class NixlTransport(ChannelTransport):
 
     def _ipc_route(
         self, peer: ChannelPeer, src: Fragments, dst: Fragments
-    ) -> tuple[Fragments, RegionTable] | None:
+    ) -> tuple[Fragments, RegionTable, npt.NDArray[np.int64]] | None:
         """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL)."""
         ipc = self._ipc.get(peer)
         if ipc is None or ipc.failed or not ipc.exports or len(src) == 0:
@@ -544,7 +545,7 @@ class NixlTransport(ChannelTransport):
             return None
         translated = dst.copy()
         translated[:, 0] = dst[:, 0] - ipc.starts[index] + ipc.local[index]
-        return translated, ipc.local_table
+        return translated, ipc.local_table, index
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
         """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""
@@ -585,13 +586,13 @@ class NixlTransport(ChannelTransport):
         self,
         peer: ChannelPeer,
         src: Fragments,
-        route: tuple[Fragments, RegionTable],
+        route: tuple[Fragments, RegionTable, npt.NDArray[np.int64]],
         notify: bytes | None,
         stall: float,
     ) -> None:
-        dst, table = route
+        dst, table, index = route  # local_table lists the regions in the order of the peer's table
         async with self.guard(peer, stall):
-            await CopyPlan(src, self.own_regions, dst, table).run()
+            await CopyPlan(src, self.own_regions, dst, table, dst_index=index).run()
         self.ipc_writes += 1
         if notify is not None:
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)

@@ -393,6 +393,27 @@ async def test_local_peer_closed_mid_write() -> None:
         assert a.statistics().peers == 0
 
 
+async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None:
+    """Rows contiguous on both sides whose merge would span two adjacent registered ranges are each inside one
+    range: the write goes through, unmerged, and rows outside every range are still refused by index."""
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(2 * MiB), torch.zeros(2 * MiB, dtype=torch.uint8)
+        await a.register([src[:MiB], src[MiB:]])
+        await b.register([dst[:MiB], dst[MiB:]])
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        half = MiB // 2
+        rows = [[src.data_ptr() + half * i, half] for i in range(4)]
+        into = [[dst.data_ptr() + half * i, half] for i in range(4)]
+        await a.write(pa, rows, into)
+        assert torch.equal(dst, src)
+        outside = [[dst.data_ptr() + half * i, half] for i in range(3)] + [[dst.data_ptr() + 2 * MiB, half]]
+        with pytest.raises(RegionError, match="fragment 3"):
+            await a.write(pa, rows, outside)
+
+
 async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that makes no progress ends with TransferTimeout at its stall deadline, leaving nothing behind."""
     options = {} if transport_name == "local" else {"same_process": "transport"}

@@ -1,0 +1,233 @@
+"""Batched device copies: any number of ``(source address, destination address, length)`` spans in one launch.
+
+Shared by :mod:`kvferry.kernels.copy` (the bounce path's gather and scatter) and the transports' CUDA paths
+(a same-process copy, or a CUDA IPC mapping of a peer's memory). Addresses are absolute device addresses in this
+process, so spans may join any allocations of one device (a pool and a staging buffer, or our pool and the
+peer's mapped one) in a single launch.
+
+The spans are cut on the host (numpy) into pieces of at most :data:`PIECE_BYTES`; one Triton program copies one
+piece in words of the widest size (8, 4, 2 or 1 bytes) that divides every address and length. When every
+address and length is a multiple of 16 bytes the kernel is told so, and it moves 16 bytes per load and store.
+Defaults from ``benchmarks/span_copy.py`` on one H200 (``benchmarks/results/span_copy_h200.json``): 4 MiB
+pieces reach 0.81-0.86 of one ``copy_`` of the same bytes for fragments of 256 KiB and up (0.65 at 64 KiB).
+
+Nothing here validates: callers check every span against what they own or registered first. An address outside
+an allocation is a device fault that kills the process. Triton is imported lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "BLOCK_WORDS",
+    "NUM_WARPS",
+    "PIECE_BYTES",
+    "PROGRAMS_PER_SM",
+    "ROTATE",
+    "STREAMING",
+    "available",
+    "copy_spans",
+    "piece_table",
+]
+
+#: Largest number of bytes one program copies; spans are cut into pieces of at most this size.
+PIECE_BYTES = 4 << 20
+#: Words one loop iteration of a program loads and stores.
+BLOCK_WORDS = 2048
+#: Warps per program.
+NUM_WARPS = 8
+#: Programs launched per multiprocessor, each looping over pieces; 0 launches one program per piece.
+PROGRAMS_PER_SM = 0
+#: Load with ``.cg`` and store with ``.cs`` (the bytes are not read again soon).
+STREAMING = False
+#: Program ``p`` starts at block ``p * ROTATE`` of its piece (mod its blocks); 0 starts every program at 0.
+ROTATE = 7
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # No annotations but constexpr: Triton resolves a jitted function's annotations as globals.
+    @triton.jit  # type: ignore[untyped-decorator,misc]
+    def copy_pieces(  # type: ignore[no-untyped-def]
+        base_ptr,
+        table_ptr,
+        num_pieces,
+        WORD: tl.constexpr,
+        ALIGN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STREAM: tl.constexpr,
+        ROTATE: tl.constexpr,
+    ):
+        if WORD == 8:
+            words = base_ptr.to(tl.pointer_type(tl.int64))
+        elif WORD == 4:
+            words = base_ptr.to(tl.pointer_type(tl.int32))
+        elif WORD == 2:
+            words = base_ptr.to(tl.pointer_type(tl.int16))
+        else:
+            words = base_ptr
+        # program p copies pieces p, p + G, p + 2G...: the programs running at one time work on neighbouring
+        # pieces (neighbouring bytes of a span), as a plain copy would
+        for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
+            row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+            src = tl.load(row)
+            dst = tl.load(row + 1)
+            count = tl.load(row + 2)
+            blocks = count // BLOCK
+            full = blocks * BLOCK
+            # programs start at different blocks of their pieces (and wrap around): with pieces at aligned
+            # addresses, programs in lockstep would otherwise hit the same memory channels at once
+            shift = (piece * ROTATE) % tl.maximum(blocks, 1)
+            for i in range(0, blocks):
+                b = i + shift
+                b = tl.where(b >= blocks, b - blocks, b)
+                lanes = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                s = tl.max_contiguous(tl.multiple_of(src + lanes, ALIGN), BLOCK)
+                d = tl.max_contiguous(tl.multiple_of(dst + lanes, ALIGN), BLOCK)
+                if STREAM:
+                    values = tl.load(words + s, cache_modifier=".cg")
+                    tl.store(words + d, values, cache_modifier=".cs")
+                else:
+                    tl.store(words + d, tl.load(words + s))
+            if full < count:
+                lanes = full + tl.arange(0, BLOCK)
+                mask = lanes < count
+                tl.store(words + dst + lanes, tl.load(words + src + lanes, mask=mask), mask=mask)
+
+    return copy_pieces
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available(device: Any) -> bool:
+    """True when ``device`` (a torch device) is a CUDA device and Triton imports."""
+    return getattr(device, "type", None) == "cuda" and _triton_imports()
+
+
+class _Base:
+    """What Triton takes for a pointer argument: an address and an element type."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int) -> None:
+        import torch
+
+        self.address = address
+        self.dtype = torch.uint8
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _word_and_align(combined: int) -> tuple[int, int]:
+    for word in (8, 4, 2):
+        if combined % word == 0:
+            return word, (2 if word == 8 and combined % 16 == 0 else 1)
+    return 1, 1
+
+
+def piece_table(
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    lengths: npt.NDArray[Any],
+    piece_bytes: int = PIECE_BYTES,
+) -> tuple[npt.NDArray[np.int64], int, int, int]:
+    """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
+    with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped."""
+    src = np.asarray(src).astype(np.int64, copy=False)
+    dst = np.asarray(dst).astype(np.int64, copy=False)
+    lengths = np.asarray(lengths).astype(np.int64, copy=False)
+    keep = lengths > 0
+    if not keep.all():
+        src, dst, lengths = src[keep], dst[keep], lengths[keep]
+    if not lengths.size:
+        return np.zeros((0, 3), dtype=np.int64), 0, 1, 1
+    base = int(min(src.min(), dst.min())) & ~255
+    combined = int(np.bitwise_or.reduce(np.concatenate([src, dst, lengths])))
+    word, align = _word_and_align(combined | base)
+    per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
+    pieces = (lengths + per_piece - 1) // per_piece
+    if int(pieces.max()) == 1:
+        table = np.stack([(src - base) // word, (dst - base) // word, lengths // word], axis=1)
+        return table, base, word, align
+    span_of_piece = np.repeat(np.arange(lengths.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    within = (np.arange(span_of_piece.size) - first[span_of_piece]) * per_piece
+    table = np.empty((span_of_piece.size, 3), dtype=np.int64)
+    table[:, 0] = (src[span_of_piece] + within - base) // word
+    table[:, 1] = (dst[span_of_piece] + within - base) // word
+    table[:, 2] = np.minimum(lengths[span_of_piece] - within, per_piece) // word
+    return table, base, word, align
+
+
+def copy_spans(
+    device: Any,
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    lengths: npt.NDArray[Any],
+    *,
+    piece_bytes: int = PIECE_BYTES,
+    block_words: int = BLOCK_WORDS,
+    num_warps: int = NUM_WARPS,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    streaming: bool = STREAMING,
+    rotate: int = ROTATE,
+) -> int:
+    """Queue ``lengths[i]`` bytes from address ``src[i]`` to address ``dst[i]`` for every ``i`` on the current
+    stream of ``device`` (a CUDA torch device); returns the number of pieces launched (0: nothing to copy).
+
+    The caller has checked that every span lies in memory of ``device`` this process may touch, and that no
+    destination overlaps another span. Returns without synchronising: the copy is done once the stream has
+    passed it (a cancelled caller must still wait for that before it frees or reuses either side).
+    """
+    import torch
+
+    table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
+    if not len(table):
+        return 0
+    device_table = torch.from_numpy(table).to(device, non_blocking=True)
+    programs = len(table)
+    if programs_per_sm > 0:
+        programs = min(programs, programs_per_sm * _multiprocessors(device))
+    with torch.cuda.device(device):
+        _kernel()[(programs,)](
+            _Base(base),
+            device_table,
+            len(table),
+            WORD=word,
+            ALIGN=align,
+            BLOCK=block_words,
+            STREAM=streaming,
+            ROTATE=rotate,
+            num_warps=num_warps,
+        )
+    return len(table)
+
+
+def _multiprocessors(device: Any) -> int:
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors_of(index)
+
+
+@functools.cache
+def _multiprocessors_of(index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
