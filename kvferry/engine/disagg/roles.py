@@ -58,7 +58,6 @@ from kvferry.engine.disagg.protocol import (
 from kvferry.engine.disagg.session import Receiver, SendSession, TransferStatistics, send
 from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
 from kvferry.engine.disagg.transfer import (
-    DEFAULT_CHUNK_BYTES,
     ManagerHold,
     expected_writers,
     offer_staging,
@@ -205,7 +204,8 @@ class ContextWorker:
     built: BuiltEngine
     transport: Transport
     hold_timeout: float = 60.0
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: bytes per chunk (None: one write per direct writer, DEFAULT_CHUNK_BYTES per bounced chunk)
+    max_chunk_bytes: int | None = None
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
     write_delay: float = 0.0
     #: bytes of this worker's staging pool (0: never bounce)

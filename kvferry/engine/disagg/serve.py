@@ -46,7 +46,7 @@ async def _serve_context(
     out: IO[str],
     *,
     write_delay: float = 0.0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
 ) -> None:
@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float64")
     parser.add_argument(
-        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes per transfer chunk"
+        "--chunk-bytes",
+        type=int,
+        default=0,
+        help="bytes per transfer chunk (0: one write per direct writer, "
+        f"{DEFAULT_CHUNK_BYTES} bytes per bounced chunk)",
     )
     parser.add_argument("--write-delay", type=float, default=0.0, help="seconds before each chunk (tests)")
     parser.add_argument(
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             options,
             sys.stdout,
             write_delay=args.write_delay,
-            chunk_bytes=args.chunk_bytes,
+            chunk_bytes=args.chunk_bytes or None,
             staging_bytes=args.staging_bytes,
             bounce=BouncePolicy(args.bounce_min_fragments, args.bounce_max_mean_bytes),
         )
@@ -146,7 +150,7 @@ def start_context_process(
     dtype: str = "float64",
     *,
     write_delay: float = 0.0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
 ) -> ContextProcess:
@@ -173,7 +177,7 @@ def start_context_process(
             "--write-delay",
             str(write_delay),
             "--chunk-bytes",
-            str(chunk_bytes),
+            str(chunk_bytes or 0),
             "--staging-bytes",
             str(staging_bytes),
             "--bounce-min-fragments",
@@ -209,7 +213,7 @@ async def disaggregated(
     separate_process: bool = True,
     stall_timeout: float = 30.0,
     write_delay: float = 0.0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:

@@ -42,8 +42,9 @@ __all__ = [
     "token_blocks",
 ]
 
-#: Chunks are cut at this many bytes (the unit of posting, reporting and cancellation).
-DEFAULT_CHUNK_BYTES = 4 << 20
+#: A bounced writer's chunks are cut at this many bytes by default (the unit of packing, posting, reporting and
+#: cancellation: packing the next chunk overlaps writing this one). A direct writer posts one write by default.
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 #: writer (context rank) -> its chunks, in posting order
 WriterPlan = dict[int, list[Chunk]]
@@ -118,7 +119,7 @@ def plan_transfer(
     request: ReceiveRequest,
     dst_tables: Sequence[PageTable],
     *,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_chunk_bytes: int | None = None,
     policy: BouncePolicy | None = None,
     src_pools: Sequence[Mapping[str, torch.Tensor]] | None = None,
     staging: StagingPool | None = None,
@@ -128,6 +129,10 @@ def plan_transfer(
 
     ``src_blocks``: the context request's block table per paged group (the same on every context rank);
     ``src_slot``: its state slot. Draft groups move only when the request names draft blocks.
+
+    Chunks (the unit of posting, reporting and cancellation): at most ``max_chunk_bytes`` each when given; by
+    default a direct writer posts one write (its coalesced fragments; more writes only add per-write costs) and
+    a bounced writer chunks of :data:`DEFAULT_CHUNK_BYTES` (packing the next overlaps writing this one).
 
     Bounce: a writer whose plan ``policy`` (default :class:`~.mapping.BouncePolicy`) finds fragmented, and
     that the request offers a staging area, is staged when ``src_pools`` (``CacheArena.pool_tensors()`` per
@@ -146,7 +151,7 @@ def plan_transfer(
     check_request(request, dst_tables, groups)
     tokens = _tokens(request)
     dst = _dst_cache(request)
-    src = RequestCache({k: list(v) for k, v in src_blocks.items()}, src_slot)
+    src = RequestCache(src_blocks, src_slot)
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
     bounce = staging is not None and src_pools is not None and bool(areas)
     lease = None
@@ -169,11 +174,16 @@ def plan_transfer(
                         )
                     lease = staging.try_reserve(rank_plan.nbytes)
                 if lease is None or rank_plan.gather is None or area is None or src_pools is None:
-                    plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
+                    if max_chunk_bytes is None:  # already coalesced
+                        plan[w] = [Chunk(d, rank_plan.src, rank_plan.dst)]
+                    else:
+                        plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
                     continue
                 staged = StagedWrite(rank_plan.gather, src_pools[s], lease)
                 src_f, dst_f = rank_plan.staged_fragments(
-                    lease.address, area.address, chunk_bytes=max_chunk_bytes
+                    lease.address,
+                    area.address,
+                    chunk_bytes=DEFAULT_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes,
                 )
                 plan[w] = [
                     Chunk(d, src_f[i : i + 1], dst_f[i : i + 1], staged=staged) for i in range(len(src_f))

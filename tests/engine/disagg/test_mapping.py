@@ -10,6 +10,7 @@ must match, so both the written bytes and the untouched ones are checked at once
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable
 from kvferry.pools.spec import LayerKind, ModelSpec, preset, split_heads
+from kvferry.transports.base import coalesce
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
 NUM_PAGES = 24
@@ -529,6 +531,108 @@ def test_same_tp_merges_whole_pages_and_runs() -> None:
     assert lengths[:4] == [2 * att_page, 2 * att_page, draft_page, draft_page]
     assert len(conv) == 2 and len(lengths) == 6
     assert plan.statistics.units > plan.statistics.fragments == 6
+
+
+def unmerged_units(pair: RankMap, src: RequestCache, dst: RequestCache, tokens: TokenRange) -> Any:
+    """One row per (page segment, piece) or state piece in canonical order, straight from the pieces: no merging
+    within a page or slot (the reference for the precomputed runs)."""
+    rows: list[tuple[int, int, int]] = []
+    for g in pair.groups:
+        if g.kind.value == "paged":
+            lo = tokens.draft_start if g.draft else tokens.start
+            a, b = g.src_tokens_per_block, g.dst_tokens_per_block
+            cuts = sorted({lo, tokens.end, *range(0, tokens.end, a), *range(0, tokens.end, b)})
+            segments = [(x, y) for x, y in itertools.pairwise(cuts) if x >= lo]
+            for x, y in segments:
+                for i in range(g.num_pieces):
+                    hb = int(g.length[i])
+                    s_page, d_page = (
+                        int(src.blocks[g.src_group][x // a]),
+                        int(dst.blocks[g.dst_group][x // b]),
+                    )
+                    rows.append(
+                        (
+                            int(g.src.base[i]) + s_page * int(g.src.stride[i]) + (x % a) * hb,
+                            int(g.dst.base[i]) + d_page * int(g.dst.stride[i]) + (x % b) * hb,
+                            (y - x) * hb,
+                        )
+                    )
+        elif tokens.state:
+            assert src.slot is not None and dst.slot is not None
+            rows.extend(
+                (
+                    int(g.src.base[i]) + src.slot * int(g.src.stride[i]),
+                    int(g.dst.base[i]) + dst.slot * int(g.dst.stride[i]),
+                    int(g.length[i]),
+                )
+                for i in range(g.num_pieces)
+            )
+    return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    pair=st.sampled_from(TP_PAIRS),
+    tpb=st.sampled_from([(4, 8), (4, 4), (3, 8), (8, 4)]),
+    contiguous=st.booleans(),
+    seed=st.integers(0, 1 << 20),
+    state=st.booleans(),
+)
+def test_runs_equal_coalesced_pieces(
+    pair: tuple[int, int], tpb: tuple[int, int], contiguous: bool, seed: int, state: bool
+) -> None:
+    """Pieces merged once per pair (:meth:`_GroupMap.runs`) give exactly the fragments, unit count and staging
+    layout of coalescing every (page segment, piece) unit of the request."""
+    src_tp, dst_tp = pair
+    src_spec, dst_spec = tiny(*tpb), tiny(4, 8)
+    s_tables = [a.page_table() for a in arenas(src_spec, src_tp)]
+    d_tables = [a.page_table() for a in arenas(dst_spec, dst_tp)]
+    peer = PeerMap.build(s_tables, d_tables)
+    rng = np.random.default_rng(seed)
+    end = int(rng.integers(1, PROMPT + 1))
+    tokens = TokenRange(
+        int(rng.integers(0, end)), end, draft_start=int(rng.integers(0, end + 1)), state=state
+    )
+
+    def ids(spec: ModelSpec) -> dict[str, list[int]]:
+        assert spec.drafter is not None
+        out = {}
+        for name, tpb_ in (("attention", spec.tokens_per_block), ("draft", spec.drafter.tokens_per_block)):
+            need = -(-end // tpb_)
+            out[name] = (np.arange(need) + 1 if contiguous else rng.permutation(NUM_PAGES)[:need]).tolist()
+        return out
+
+    src, dst = RequestCache(ids(src_spec), slot=1), RequestCache(ids(dst_spec), slot=3)
+    for s in range(src_tp):
+        for d in peer.targets(s):
+            rank_pair = peer.pair(s, d)
+            plan = rank_pair.plan(src, dst, tokens, policy=BouncePolicy.always())
+            units = unmerged_units(rank_pair, src, dst, tokens)
+            ref_src, ref_dst = coalesce(
+                np.ascontiguousarray(units[:, [0, 2]]), np.ascontiguousarray(units[:, [1, 2]])
+            )
+            assert np.array_equal(plan.src, ref_src) and np.array_equal(plan.dst, ref_dst)
+            assert plan.statistics.units == len(units) and plan.nbytes == int(units[:, 2].sum())
+            # staging order: the gather plan packs every unit's source bytes back to back, in unit order
+            assert plan.gather is not None or not len(units)
+            if plan.gather is not None:
+                bases = dict(zip(rank_pair._src_pools, rank_pair._src_bases.tolist(), strict=True))
+                packed = [
+                    (bases[seg.pool] + int(off), int(n))
+                    for seg in plan.gather.segments
+                    for off, n in seg.fragments
+                ]
+                assert merged(packed) == merged([(int(a), int(n)) for a, _, n in units])
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for address, length in ranges:
+        if out and sum(out[-1]) == address:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((address, length))
+    return out
 
 
 def test_tp_mismatch_fragment_per_page_layer_role() -> None:
