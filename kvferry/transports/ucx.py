@@ -37,7 +37,7 @@ import ucxx.exceptions as ucx_errors
 from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
 from kvferry.transports import wire
 from kvferry.transports._channel import ChannelPeer, ChannelTransport, fragments_bytes, fragments_from_bytes
-from kvferry.transports._memory import RegionTable, byte_view
+from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
 
 __all__ = ["UcxTransport", "transport_class"]
@@ -144,6 +144,19 @@ class _Views:
         return pages, ids
 
     def gather(self, start: int, end: int) -> Any:
+        """(In a worker thread) rows ``start:end`` packed into a new staging buffer, ready for UCX to read: CUDA
+        copies are waited for here, since UCX does not order itself after the stream."""
+        buffer = self._gather(start, end)
+        _finish_stream(buffer)
+        return buffer
+
+    def scatter(self, buffer: Any, start: int, end: int) -> None:
+        """(In a worker thread) a received staging buffer written into rows ``start:end``; returns once CUDA is
+        done with it, so the buffer can be freed and its memory handed to the next receive."""
+        self._scatter(buffer, start, end)
+        _finish_stream(buffer)
+
+    def _gather(self, start: int, end: int) -> Any:
         buffer = self.staging(start, end)
         paged = self._pages(start, end)
         if paged is not None:
@@ -161,7 +174,7 @@ class _Views:
             position += n
         return buffer
 
-    def scatter(self, buffer: Any, start: int, end: int) -> None:
+    def _scatter(self, buffer: Any, start: int, end: int) -> None:
         paged = self._pages(start, end)
         if paged is not None:
             pages, ids = paged
@@ -176,6 +189,14 @@ class _Views:
             n = len(piece)
             _copy(piece, buffer[position : position + n])
             position += n
+
+
+def _finish_stream(buffer: Any) -> None:
+    """Wait until the current CUDA stream has run what this thread queued on it (nothing for host buffers)."""
+    if not isinstance(buffer, np.ndarray) and buffer.is_cuda:
+        import torch
+
+        torch.cuda.current_stream(buffer.device).synchronize()
 
 
 def _copy(dst: Any, src: Any) -> None:
@@ -316,6 +337,9 @@ class UcxTransport(ChannelTransport):
             raise peer.error
         plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
         views = _Views(self.own_regions, src, "source")
+        if any(views.table.regions[int(i)].device != "cpu" for i in np.unique(views.index)):
+            # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
+            await synchronize_cuda()
         write_id = self.new_write_id()
         replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
         peer.pending[write_id] = replies_out
