@@ -78,9 +78,11 @@ def as_fragments(fragments: npt.ArrayLike) -> Fragments:
         raise ValueError(f"fragments must be an integer array, got {array.dtype}")
     out = np.ascontiguousarray(array, dtype=np.uint64)
     if out.size:
-        if not bool(np.all(out[:, 1] > 0)):
+        flat = out.reshape(-1)
+        lengths = flat[1::2]
+        if not bool(lengths.all()):
             raise ValueError("fragments hold a zero-length range")
-        if not bool(np.all(out[:, 0] + out[:, 1] > out[:, 0])):
+        if bool((flat[0::2] > ~lengths).any()):  # address + length > 2**64 - 1
             raise ValueError("a fragment wraps around the address space")
     return out
 
@@ -103,14 +105,19 @@ def coalesce(src: Fragments, dst: Fragments) -> tuple[Fragments, Fragments]:
     n = len(src)
     if n <= 1:
         return src, dst
-    joins = (src[:-1, 0] + src[:-1, 1] == src[1:, 0]) & (dst[:-1, 0] + dst[:-1, 1] == dst[1:, 0])
+    s, d = np.ascontiguousarray(src).reshape(-1), np.ascontiguousarray(dst).reshape(-1)
+    s_addr, lengths, d_addr = s[0::2], s[1::2], d[0::2]
+    joins = (s_addr[:-1] + lengths[:-1]) == s_addr[1:]
+    joins &= (d_addr[:-1] + lengths[:-1]) == d_addr[1:]
     if not joins.any():
         return src, dst
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(src[:, 1], starts).astype(np.uint64)
-    new_src = np.stack([src[starts, 0], lengths], axis=1)
-    new_dst = np.stack([dst[starts, 0], lengths], axis=1)
-    return np.ascontiguousarray(new_src), np.ascontiguousarray(new_dst)
+    merged = np.add.reduceat(lengths, starts).astype(np.uint64, copy=False)
+    new_src = np.empty((len(starts), 2), dtype=np.uint64)
+    new_src[:, 0], new_src[:, 1] = s_addr[starts], merged
+    new_dst = np.empty((len(starts), 2), dtype=np.uint64)
+    new_dst[:, 0], new_dst[:, 1] = d_addr[starts], merged
+    return new_src, new_dst
 
 
 def check_pairing(src: Fragments, dst: Fragments) -> None:
