@@ -49,7 +49,7 @@ import nixl_cu13._api as nixl_api
 import nixl_cu13._bindings as nixl_bindings
 import numpy as np
 import numpy.typing as npt
-from attrs import define, field
+from attrs import define, field, frozen
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
 from kvferry.transports import wire
@@ -92,6 +92,17 @@ class _IpcPeer:
     failed: bool = False
     #: exports changed since the last mapping
     dirty: bool = True
+
+
+@frozen
+class _IpcRoute:
+    """A write that goes by CUDA IPC: the destination rows in our mapping of the peer's regions, that mapping's
+    table (in the order of the peer's), and the regions each source and destination row lies in."""
+
+    dst: Fragments
+    table: RegionTable
+    src_index: npt.NDArray[np.int64]
+    dst_index: npt.NDArray[np.int64]
 
 
 def _pack_blob(
@@ -527,15 +538,14 @@ class NixlTransport(ChannelTransport):
 
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
-    def _ipc_route(
-        self, peer: ChannelPeer, src: Fragments, dst: Fragments
-    ) -> tuple[Fragments, RegionTable, npt.NDArray[np.int64]] | None:
+    def _ipc_route(self, peer: ChannelPeer, src: Fragments, dst: Fragments) -> _IpcRoute | None:
         """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL)."""
         ipc = self._ipc.get(peer)
         if ipc is None or ipc.failed or not ipc.exports or len(src) == 0:
             return None
         own = self.own_regions
-        if any(own.regions[int(i)].device == "cpu" for i in np.unique(own.locate(src, "source"))):
+        src_index = own.locate(src, "source")
+        if any(own.regions[int(i)].device == "cpu" for i in np.unique(src_index)):
             return None
         if not self._ipc_map(ipc):
             return None
@@ -545,7 +555,7 @@ class NixlTransport(ChannelTransport):
             return None
         translated = dst.copy()
         translated[:, 0] = dst[:, 0] - ipc.starts[index] + ipc.local[index]
-        return translated, ipc.local_table, index
+        return _IpcRoute(translated, ipc.local_table, src_index, index)
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
         """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""
@@ -586,13 +596,20 @@ class NixlTransport(ChannelTransport):
         self,
         peer: ChannelPeer,
         src: Fragments,
-        route: tuple[Fragments, RegionTable, npt.NDArray[np.int64]],
+        route: _IpcRoute,
         notify: bytes | None,
         stall: float,
     ) -> None:
-        dst, table, index = route  # local_table lists the regions in the order of the peer's table
+        plan = CopyPlan(
+            src,
+            self.own_regions,
+            route.dst,
+            route.table,
+            src_index=route.src_index,
+            dst_index=route.dst_index,
+        )
         async with self.guard(peer, stall):
-            await CopyPlan(src, self.own_regions, dst, table, dst_index=index).run()
+            await plan.run()
         self.ipc_writes += 1
         if notify is not None:
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
