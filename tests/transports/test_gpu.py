@@ -11,7 +11,7 @@ import torch
 from conftest import PeerProcess
 from test_transports import asha, remote_buffer
 
-from kvferry.errors import MissingExtraError
+from kvferry.errors import MissingExtraError, RegionError
 from kvferry.transports import get_transport, page_fragments
 
 pytestmark = [
@@ -100,3 +100,49 @@ async def _local_cuda() -> None:
         assert await b.receive_notification(remote) == b"x"
         view_s, view_d = src.view(n, page), dst.view(n, page)
         assert torch.equal(view_d[torch.from_numpy(perm_d).cuda()], view_s[torch.from_numpy(perm_s).cuda()])
+
+
+@pytest.mark.parametrize("cuda_ipc", [True, False])
+async def test_cuda_reregistration_at_the_same_address(cuda_ipc: bool) -> None:
+    """A peer deregisters a CUDA region and registers it again at the same address on a live connection. By CUDA
+    IPC the write lands (the peer re-exports its handles). Through NIXL alone, NIXL 1.5.1 on the H200 refuses the
+    new metadata: then the write raises a RegionError that says to reconnect, nothing lands, and the connection
+    and the peer's other regions keep working. Either way: no hang and no wrong bytes."""
+    try:
+        get_transport("nixl")
+    except MissingExtraError as exc:
+        pytest.skip(str(exc))
+    proc = await anyio.to_thread.run_sync(lambda: PeerProcess("nixl", device="cuda"))
+    try:
+        async with get_transport("nixl")(cuda_ipc=cuda_ipc) as transport:
+            peer = await transport.connect(proc.address)
+            kept = await remote_buffer(transport, peer, proc, "kept", MiB)
+            reused = await remote_buffer(transport, peer, proc, "reused", MiB)
+            src = torch.randint(0, 256, (MiB,), dtype=torch.uint8, device="cuda")
+            await transport.register(src)
+            whole = [[src.data_ptr(), MiB]]
+            expected = await asha(src.cpu().numpy())
+            await transport.write(peer, whole, [[reused, MiB]], b"before")
+            await proc.call(op="deregister", name="reused")
+            assert b"deregistered" in await transport.receive_message(peer)
+            assert (await proc.call(op="reregister", name="reused"))["address"] == reused
+            assert b"registered" in await transport.receive_message(peer)
+            src.random_(0, 256)
+            expected = await asha(src.cpu().numpy())
+            with anyio.fail_after(60):
+                try:
+                    await transport.write(peer, whole, [[reused, MiB]], b"after")
+                except RegionError as exc:
+                    assert not cuda_ipc, exc
+                    assert "reconnect" in str(exc)
+                    landed = False
+                else:
+                    landed = True
+            digest = (await proc.call(op="digest", name="reused", fragments=[[0, MiB]]))["sha"]
+            assert (digest == expected) == landed
+            print(f"nixl cuda_ipc={cuda_ipc}: re-registered region written: {landed}")
+            await transport.write(peer, whole, [[kept, MiB]], b"kept")
+            assert (await proc.call(op="digest", name="kept", fragments=[[0, MiB]]))["sha"] == expected
+            await transport.send_message(peer, b"still talking")
+    finally:
+        proc.close()
