@@ -55,7 +55,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     # No annotations but constexpr: Triton resolves a jitted function's annotations as globals.
-    @triton.jit  # type: ignore[untyped-decorator,misc]
+    @triton.jit(do_not_specialize=["num_pieces"])  # type: ignore[untyped-decorator,misc]
     def copy_pieces(  # type: ignore[no-untyped-def]
         base_ptr,
         table_ptr,
