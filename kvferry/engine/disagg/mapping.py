@@ -309,9 +309,13 @@ class TransferPlan:
     """What sender rank ``src_rank`` writes to receiver rank ``dst_rank`` for one request.
 
     ``src`` / ``dst``: coalesced fragments (absolute addresses) of a direct write; empty when this sender is
-    elected out of every byte (it still reports an empty write). ``gather``: set when the policy chose to bounce:
-    pack with ``gather.gather(pools, staging)`` and write :meth:`staged_fragments` instead of ``src``/``dst``;
-    the receiver unpacks with its own :meth:`RankMap.scatter_plan`.
+    elected out of every byte (it still reports an empty write). ``gather``: set when the policy finds the
+    sender's side fragmented (its runs, :attr:`src_runs`): pack with ``gather.gather(pools, staging)``; then
+    write :meth:`staged_fragments` into the receiver's staging area (a bounce: the receiver unpacks with its own
+    :meth:`RankMap.scatter_plan`) or the packed bytes into :attr:`dst_runs` (the receiver's side is not
+    fragmented). ``src_runs`` / ``dst_runs``: each side's bytes in canonical (staging) order, merged where that
+    side alone is contiguous (within one pool); None when the policy can never bounce. Writing ``src_runs`` into
+    the receiver's staging area is the other half-bounce (only the receiver's side is fragmented).
     """
 
     src_rank: int
@@ -320,6 +324,8 @@ class TransferPlan:
     dst: Fragments
     gather: StagingPlan | None
     statistics: MappingStatistics
+    src_runs: Fragments | None = None
+    dst_runs: Fragments | None = None
 
     @property
     def empty(self) -> bool:
@@ -679,6 +685,22 @@ def _coalesced(src: Int64Array, dst: Int64Array, length: Int64Array) -> tuple[Fr
     return out_src, out_dst
 
 
+def _run_starts(address: Int64Array, length: Int64Array, pool: Int64Array) -> Int64Array:
+    """Indices of the units that start a run of units contiguous on this side (and in one pool)."""
+    if len(address) == 0:
+        return _EMPTY
+    joins = (address[:-1] + length[:-1] == address[1:]) & (pool[:-1] == pool[1:])
+    return np.flatnonzero(np.concatenate(([True], ~joins)))
+
+
+def _fragments(address: Int64Array, length: Int64Array, starts: Int64Array) -> Fragments:
+    """``(address, length)`` of the runs of units beginning at ``starts``."""
+    out = np.empty((len(starts), 2), dtype=np.uint64)
+    if len(starts):
+        out[:, 0], out[:, 1] = address[starts], np.add.reduceat(length, starts)
+    return out
+
+
 def _runs(
     address: Int64Array, length: Int64Array, pool: Int64Array, names: Sequence[str], bases: Int64Array
 ) -> StagingPlan:
@@ -686,8 +708,7 @@ def _runs(
     n = len(address)
     if n == 0:
         return StagingPlan(nbytes=0, segments=())
-    joins = (address[:-1] + length[:-1] == address[1:]) & (pool[:-1] == pool[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    starts = _run_starts(address, length, pool)
     run_address, run_pool = address[starts], pool[starts]
     run_length = np.add.reduceat(length, starts)
     staging = np.concatenate(([0], np.cumsum(run_length)))
@@ -939,12 +960,14 @@ class RankMap:
         nbytes = layout.nbytes
         fragments = len(src_frags)
         gather: StagingPlan | None = None
-        scatter_count = 0
-        if policy.wants(fragments, nbytes):
-            gather = _runs(src_address, length, layout.src_pool, self._src_pools, self._src_bases)
-            scatter_count = _runs(
-                dst_address, length, layout.dst_pool, self._dst_pools, self._dst_bases
-            ).num_fragments
+        src_runs = dst_runs = None
+        if len(length) >= policy.min_fragments:  # else no side can look fragmented enough to stage
+            src_starts = _run_starts(src_address, length, layout.src_pool)
+            dst_starts = _run_starts(dst_address, length, layout.dst_pool)
+            src_runs = _fragments(src_address, length, src_starts)
+            dst_runs = _fragments(dst_address, length, dst_starts)
+            if policy.wants(len(src_starts), nbytes):
+                gather = _runs(src_address, length, layout.src_pool, self._src_pools, self._src_bases)
         statistics = MappingStatistics(
             nbytes=nbytes,
             units=layout.count,
@@ -952,7 +975,7 @@ class RankMap:
             posted=(1 if nbytes else 0) if gather is not None else fragments,
             bounced=int(gather is not None),
             gather_fragments=0 if gather is None else gather.num_fragments,
-            scatter_fragments=scatter_count,
+            scatter_fragments=0 if gather is None or dst_runs is None else len(dst_runs),
             bytes_per_group=layout.bytes_per_group,
         )
         return TransferPlan(
@@ -962,6 +985,8 @@ class RankMap:
             dst=dst_frags,
             gather=gather,
             statistics=statistics,
+            src_runs=src_runs,
+            dst_runs=dst_runs,
         )
 
     def scatter_plan(self, dst: RequestCache, tokens: TokenRange) -> StagingPlan:

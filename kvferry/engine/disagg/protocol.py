@@ -349,7 +349,8 @@ class ChunkResult:
 
     ``num_chunks`` is how many chunks this writer has for the session (the same in each of its reports), so
     the receiver knows when the writer is done. A writer with nothing to send reports one empty chunk.
-    ``staged``: the chunk went into the writer's staging area (the receiver scatters it), not into the pages.
+    ``staged``: the chunk went into the writer's staging area (the receiver scatters it), not into the pages;
+    its ``nbytes`` bytes fill the area from ``offset`` on (the receiver scatters each chunk as it lands).
     """
 
     session_id: int
@@ -361,6 +362,7 @@ class ChunkResult:
     fragments: int = 0
     detail: str = ""
     staged: bool = False
+    offset: int = 0
 
     def validate(self) -> None:
         cls = type(self)
@@ -370,6 +372,7 @@ class ChunkResult:
         _check_range(cls, "chunk", self.chunk, 0, self.num_chunks - 1)
         _check_range(cls, "nbytes", self.nbytes, 0, wire.INT64_MAX)
         _check_range(cls, "fragments", self.fragments, 0, wire.INT64_MAX)
+        _check_range(cls, "offset", self.offset, 0, wire.INT64_MAX)
         if len(self.detail) > _MAX_TEXT:
             raise _fail(cls, "detail too long")
 

@@ -86,21 +86,25 @@ log = logging.getLogger("kvferry.disagg")
 class Chunk:
     """One write of one writer: ``src`` fragments (the writer's memory) into ``dst`` (rank ``dst_rank``'s).
 
-    ``staged``: the bounce this chunk is part of (``src`` lies in its lease, ``dst`` in the receiver's staging
-    area); it is packed before the chunk is posted. All chunks of a bounced writer share one.
+    ``staged``: the writer's packing this chunk reads (``src`` lies in its lease); the chunk's bytes are packed
+    right before it is posted. All chunks of a packed writer share one. ``area_offset``: ``dst`` lies in the
+    receiver's staging area of this writer, from this offset on (the receiver scatters it); None: ``dst`` are
+    the receiver's pages. A bounce has both, a writer whose fragments are small on one side only one of them.
     """
 
     dst_rank: int
     src: Fragments
     dst: Fragments
     staged: StagedWrite | None = None
+    area_offset: int | None = None
 
     @property
     def nbytes(self) -> int:
         return total_bytes(self.src)
 
     def __repr__(self) -> str:
-        kind = " staged" if self.staged is not None else ""
+        kind = " packed" if self.staged is not None else ""
+        kind += f" into the area at +{self.area_offset}" if self.area_offset is not None else ""
         return f"<Chunk -> rank {self.dst_rank}{kind}: {len(self.src)} fragments, {self.nbytes} bytes>"
 
 
@@ -169,7 +173,7 @@ class SendSession:
         nbytes = fragments = 0
         if status is ChunkStatus.OK and chunks:
             nbytes, fragments = chunks[chunk].nbytes, len(chunks[chunk].src)
-        staged = bool(chunks) and chunks[min(chunk, len(chunks) - 1)].staged is not None
+        offset = chunks[min(chunk, len(chunks) - 1)].area_offset if chunks else None
         return ChunkResult(
             self.session_id,
             writer,
@@ -179,7 +183,8 @@ class SendSession:
             nbytes,
             fragments,
             detail[:4000],
-            staged,
+            offset is not None,
+            offset or 0,
         )
 
     def next_post(self, writer: int) -> tuple[int, Chunk | None] | None:
@@ -405,6 +410,10 @@ class ReceiveSession:
         """Writers that bounced and whose every chunk landed OK: their staging areas may be scattered now."""
         return [w for w, staged in self._staged.items() if staged and self.writer_done(w)]
 
+    def staged_landed(self) -> list[ChunkResult]:
+        """The OK reports of chunks that landed in a staging area (each may be scattered as soon as it landed)."""
+        return [r for r in self._reports.values() if r.staged and r.status is ChunkStatus.OK and r.nbytes]
+
     def _settle(self) -> None:
         if self.state in (ReceiveState.CANCELLING, ReceiveState.IN_DOUBT):
             self._move(ReceiveState.CANCELLED)
@@ -540,7 +549,7 @@ class Receiver:
         """
         live = self._sessions[session.session_id]
         started = time.perf_counter()
-        scattered: dict[int, str] = {}
+        scattered: dict[tuple[int, int], str] = {}
         try:
             if self._lost is not None:
                 session.peer_lost(self._lost)
@@ -557,7 +566,7 @@ class Receiver:
                 except MessageTooLarge as exc:
                     session.not_sent(f"receive request refused by the transport: {exc}")
             while True:
-                # unpack each bounced writer as soon as all of its chunks landed (overlaps other writers)
+                # unpack each staged chunk as soon as it landed (overlaps the chunks still being written)
                 await self._scatter(live, scattered)
                 if session.settled:
                     # reports that arrived during the scatter above may have completed other writers
@@ -599,20 +608,22 @@ class Receiver:
             )
         raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {session.detail}")
 
-    async def _scatter(self, live: _Live, scattered: dict[int, str]) -> None:
-        """Scatter the staging areas of bounced writers whose chunks all landed (once each; in a worker thread:
-        it is a kernel plus a device wait). A failure is recorded in ``scattered`` (the transfer fails once
+    async def _scatter(self, live: _Live, scattered: dict[tuple[int, int], str]) -> None:
+        """Scatter every staged chunk that landed OK (once each, its byte range of its writer's area; in a worker
+        thread: a kernel plus a device wait). A failure is recorded in ``scattered`` (the transfer fails once
         every writer reported; until then the pages stay as they are)."""
         if live.staging is None or live.session.state not in (ReceiveState.REQUESTED, ReceiveState.COMPLETE):
             return
-        for writer in live.session.staged_done():
-            if writer in scattered:
+        for report in live.session.staged_landed():
+            key = (report.writer, report.chunk)
+            if key in scattered:
                 continue
-            scattered[writer] = ""
+            scattered[key] = ""
+            end = report.offset + report.nbytes
             try:
-                await anyio.to_thread.run_sync(live.staging.scatter, writer)
+                await anyio.to_thread.run_sync(live.staging.scatter, report.writer, report.offset, end)
             except ConfigError as exc:
-                scattered[writer] = f"scatter of writer {writer}'s staging failed: {exc}"
+                scattered[key] = f"scatter of writer {report.writer}'s staging failed: {exc}"
 
     async def _abandon(self, live: _Live) -> None:
         session = live.session
@@ -719,14 +730,17 @@ async def send(
 
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
-    reported CANCELLED. A bounced chunk packs its own bytes into the writer's staging (in a worker thread)
-    right before it is posted; a failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
+    reported CANCELLED. A packed chunk packs its own bytes into the writer's staging (in a worker thread, one
+    chunk at a time over all writers) right before it is posted; a failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
     peer is gone): then the source pages may be freed, and the writers' staging leases have been released.
     Never raises for a failed chunk (it is reported instead).
 
     :raises ~kvferry.errors.PeerDisconnected: the peer went away (nothing more can be reported).
     """
     lost: list[BaseException] = []
+    # one chunk packed at a time, in posting order: packing the next chunk overlaps writing this one (several
+    # packs at once would only fight over the cores and memory the writes need)
+    packing = anyio.CapacityLimiter(1)
 
     async def report(result: ChunkResult) -> None:
         if lost:
@@ -746,7 +760,7 @@ async def send(
                 continue
             try:
                 if chunk.staged is not None:  # pack this chunk's bytes (overlaps the writes in flight)
-                    await anyio.to_thread.run_sync(chunk.staged.pack_chunk, chunk.src)
+                    await anyio.to_thread.run_sync(chunk.staged.pack_chunk, chunk.src, limiter=packing)
                 await transport.write(
                     peer, chunk.src, chunk.dst, encode_control(ok), stall_timeout=stall_timeout
                 )

@@ -67,27 +67,17 @@ def _copy(
     *,
     pack: bool,
 ) -> None:
-    """Pack (or unpack) staging bytes ``[start, end)`` of ``plan``. On the host one numpy slice copy per
-    fragment (kernels.copy's host path builds an int64 index per byte: 8x the bytes, and slow); on a device
-    kernels.copy's fragment kernels."""
+    """Pack (or unpack) staging bytes ``[start, end)`` of ``plan`` with kernels.copy's fragment copies (one
+    torch call per segment for small fragments: it runs without the GIL, so packing in a worker thread
+    overlaps the writes and the event loop)."""
     for segment in plan.segments:
         table, lo, hi = _range(segment, start, end)
         if lo >= hi:
             continue
-        pool = pools[segment.pool]
-        if pool.device.type == "cpu" and staging.device.type == "cpu":
-            stage, memory = staging.numpy(), pool.numpy()
-            position = lo
-            for offset, length in table.tolist():
-                if pack:
-                    stage[position : position + length] = memory[offset : offset + length]
-                else:
-                    memory[offset : offset + length] = stage[position : position + length]
-                position += length
-        elif pack:
-            gather_fragments(pool, table, staging[lo:hi])
+        if pack:
+            gather_fragments(pools[segment.pool], table, staging[lo:hi])
         else:
-            scatter_fragments(pool, table, staging[lo:hi])
+            scatter_fragments(pools[segment.pool], table, staging[lo:hi])
 
 
 @define(eq=False)
@@ -258,10 +248,17 @@ class StagedWrite:
         self.packed += end - start
 
     def pack_chunk(self, src: npt.NDArray[np.uint64]) -> None:
-        """Pack the staging bytes a chunk's ``src`` fragments (addresses in the lease) will write."""
-        for address, length in np.asarray(src, dtype=np.int64).tolist():
-            offset = address - self.lease.address
-            self.pack(offset, offset + length)
+        """Pack the staging bytes a chunk's ``src`` fragments (addresses in the lease) will write (one range per
+        run of contiguous fragments)."""
+        table = np.asarray(src, dtype=np.int64).reshape(-1, 2)
+        if not len(table):
+            return
+        ends = table[:, 0] + table[:, 1]
+        starts = np.flatnonzero(np.concatenate(([True], ends[:-1] != table[1:, 0])))
+        stops = [*starts[1:].tolist(), len(table)]
+        base = self.lease.address
+        for a, b in zip(starts.tolist(), stops, strict=True):
+            self.pack(int(table[a, 0]) - base, int(ends[b - 1]) - base)
 
     def release(self) -> None:
         self.lease.release()
@@ -279,6 +276,8 @@ class _Area:
     plan: StagingPlan
     pools: Mapping[str, torch.Tensor]
     scattered: bool = False
+    #: bytes unpacked so far (ranges of chunks)
+    unpacked: int = 0
 
 
 @define(eq=False)
@@ -309,19 +308,26 @@ class ReceiveStaging:
     def writers(self) -> frozenset[int]:
         return frozenset(self._areas)
 
-    def scatter(self, writer: int) -> None:
-        """Unpack ``writer``'s area into its pages (once) and wait for the device.
+    def scatter(self, writer: int, start: int = 0, end: int | None = None) -> None:
+        """Unpack bytes ``[start, end)`` (default: all, once) of ``writer``'s area into its pages and wait for the
+        device. A chunk's range may be unpacked as soon as it landed.
 
-        :raises ~kvferry.errors.ConfigError: no area for ``writer``, or a pool is missing.
+        :raises ~kvferry.errors.ConfigError: no area for ``writer``, a range outside it, or a pool is missing.
         """
         area = self._areas.get(writer)
         if area is None:
             raise ConfigError(f"writer {writer} has no staging area")
-        if not area.scattered:
-            area.plan._check(area.pools, area.lease.tensor)
-            _copy(area.plan, area.pools, area.lease.tensor, 0, area.plan.nbytes, pack=False)
-            _synchronize(area.lease.tensor)
-            area.scattered = True
+        whole = start == 0 and end is None
+        end = area.plan.nbytes if end is None else end
+        if not 0 <= start <= end <= area.plan.nbytes:
+            raise ConfigError(f"staging range [{start}, {end}) outside [0, {area.plan.nbytes})")
+        if whole and area.scattered:
+            return
+        area.plan._check(area.pools, area.lease.tensor)
+        _copy(area.plan, area.pools, area.lease.tensor, start, end, pack=False)
+        _synchronize(area.lease.tensor)
+        area.unpacked += end - start
+        area.scattered = area.scattered or whole or area.unpacked >= area.plan.nbytes
 
     def release(self) -> None:
         """Give every lease back (idempotent)."""

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap, RequestCache, TokenRange
@@ -31,6 +32,7 @@ from kvferry.errors import WireFormatError
 from kvferry.pools.layout import GroupKind
 from kvferry.pools.manager import CacheManager
 from kvferry.pools.pagetable import PageTable
+from kvferry.transports.base import Fragments
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -134,12 +136,17 @@ def plan_transfer(
     default a direct writer posts one write (its coalesced fragments; more writes only add per-write costs) and
     a bounced writer chunks of :data:`DEFAULT_CHUNK_BYTES` (packing the next overlaps writing this one).
 
-    Bounce: a writer whose plan ``policy`` (default :class:`~.mapping.BouncePolicy`) finds fragmented, and
-    that the request offers a staging area, is staged when ``src_pools`` (``CacheArena.pool_tensors()`` per
-    context rank, indexed by rank) and ``staging`` (the writer's registered staging) are given and ``staging``
-    has room: its chunks are pieces of one packed write (:class:`~.staging.StagedWrite`), whose lease
-    :func:`~.session.send` releases (call :meth:`~.session.SendSession.release_staging` if the plan is never
-    sent). Otherwise the writer writes directly. On an exception nothing stays reserved.
+    Staging, per writer and side (``policy``, default :class:`~.mapping.BouncePolicy`, judges each side's own
+    runs): the sender's side is *packed* when its runs look fragmented and ``src_pools``
+    (``CacheArena.pool_tensors()`` per context rank, indexed by rank) and ``staging`` (the writer's registered
+    staging, when it has room) are given: a :class:`~.staging.StagedWrite` packs each chunk's bytes right before
+    it is posted, and :func:`~.session.send` releases its lease (call
+    :meth:`~.session.SendSession.release_staging` if the plan is never sent). The receiver's side goes *through
+    its staging area* when the request offers one to the writer and the receiver's runs look fragmented: the
+    chunks land in the area and their reports say ``staged`` (the receiver unpacks each as it lands). Both: a
+    bounce (packed bytes into the area, few large fragments); one: the packed bytes into the receiver's runs, or
+    the sender's runs into the area; neither: a direct write. A full pool costs speed, never a transfer. On an
+    exception nothing stays reserved.
 
     :raises ~kvferry.errors.WireFormatError: the request does not fit the receiver's page tables, or a staging
         area is smaller than what its writer would stage.
@@ -153,7 +160,8 @@ def plan_transfer(
     dst = _dst_cache(request)
     src = RequestCache(src_blocks, src_slot)
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
-    bounce = staging is not None and src_pools is not None and bool(areas)
+    policy = BouncePolicy() if policy is None else policy
+    can_pack = staging is not None and src_pools is not None
     lease = None
     plan: WriterPlan = {}
     try:
@@ -161,33 +169,64 @@ def plan_transfer(
             for d in peer_map.targets(s):
                 w = writer_id(s, d, peer_map.dst_tp)
                 area = areas.get(w)
-                rank_policy = policy if bounce and area is not None else BouncePolicy.never()
-                rank_plan = peer_map.pair(s, d).plan(src, dst, tokens, policy=rank_policy)
+                staged = can_pack or area is not None
+                rank_plan = peer_map.pair(s, d).plan(
+                    src, dst, tokens, policy=policy if staged else BouncePolicy.never()
+                )
                 if rank_plan.empty:
                     plan[w] = []
                     continue
-                lease = None
-                if rank_plan.gather is not None and area is not None and staging is not None:
-                    if area.nbytes < rank_plan.nbytes:
-                        raise WireFormatError(
-                            f"staging area of writer {w}: {area.nbytes} bytes < {rank_plan.nbytes} to write"
-                        )
-                    lease = staging.try_reserve(rank_plan.nbytes)
-                if lease is None or rank_plan.gather is None or area is None or src_pools is None:
-                    if max_chunk_bytes is None:  # already coalesced
-                        plan[w] = [Chunk(d, rank_plan.src, rank_plan.dst)]
-                    else:
-                        plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
-                    continue
-                staged = StagedWrite(rank_plan.gather, src_pools[s], lease)
-                src_f, dst_f = rank_plan.staged_fragments(
-                    lease.address,
-                    area.address,
-                    chunk_bytes=DEFAULT_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes,
+                nbytes = rank_plan.nbytes
+                if area is not None and area.nbytes < nbytes:
+                    raise WireFormatError(
+                        f"staging area of writer {w}: {area.nbytes} bytes < {nbytes} to write"
+                    )
+                # the receiver's side is fragmented (it offered an area; we judge its runs the same way)
+                into_area = (
+                    area is not None
+                    and rank_plan.dst_runs is not None
+                    and policy.wants(len(rank_plan.dst_runs), nbytes)
                 )
-                plan[w] = [
-                    Chunk(d, src_f[i : i + 1], dst_f[i : i + 1], staged=staged) for i in range(len(src_f))
-                ]
+                lease = None
+                if rank_plan.gather is not None and staging is not None and src_pools is not None:
+                    lease = staging.try_reserve(nbytes)  # the sender's side is fragmented: pack it
+                chunk_bytes = DEFAULT_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes
+                if lease is not None and rank_plan.gather is not None and src_pools is not None:
+                    packed = StagedWrite(rank_plan.gather, src_pools[s], lease)
+                    if into_area:  # a bounce: packed bytes into the area, the receiver unpacks
+                        assert area is not None
+                        src_f, dst_f = rank_plan.staged_fragments(
+                            lease.address, area.address, chunk_bytes=chunk_bytes
+                        )
+                        plan[w] = [
+                            Chunk(
+                                d,
+                                src_f[i : i + 1],
+                                dst_f[i : i + 1],
+                                packed,
+                                int(src_f[i, 0]) - lease.address,
+                            )
+                            for i in range(len(src_f))
+                        ]
+                    else:  # packed bytes straight into the receiver's (large) runs
+                        assert rank_plan.dst_runs is not None
+                        src_f = _packed(lease.address, rank_plan.dst_runs)
+                        plan[w] = [
+                            attrs.evolve(c, staged=packed)
+                            for c in split_chunks(d, src_f, rank_plan.dst_runs, max_bytes=chunk_bytes)
+                        ]
+                    lease = None
+                elif into_area:  # the sender's (large) runs into the area, the receiver unpacks
+                    assert area is not None and rank_plan.src_runs is not None
+                    dst_f = _packed(area.address, rank_plan.src_runs)
+                    plan[w] = [
+                        attrs.evolve(c, area_offset=int(c.dst[0, 0]) - area.address)
+                        for c in split_chunks(d, rank_plan.src_runs, dst_f, max_bytes=chunk_bytes)
+                    ]
+                elif max_chunk_bytes is None:  # direct, already coalesced
+                    plan[w] = [Chunk(d, rank_plan.src, rank_plan.dst)]
+                else:
+                    plan[w] = split_chunks(d, rank_plan.src, rank_plan.dst, max_bytes=max_chunk_bytes)
     except BaseException:
         for chunks in plan.values():  # nothing was sent: give back the leases already taken
             for chunk in chunks:
@@ -197,6 +236,15 @@ def plan_transfer(
             lease.release()
         raise
     return plan
+
+
+def _packed(address: int, runs: Fragments) -> Fragments:
+    """``runs``' bytes back to back from ``address``: the other side of a write whose one side is packed."""
+    out = np.empty_like(runs)
+    lengths = runs[:, 1]
+    out[:, 1] = lengths
+    out[:, 0] = np.uint64(address) + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    return out
 
 
 def offer_staging(

@@ -113,7 +113,7 @@ async def test_forced_bounce_equals_aggregated(
 
 @pytest.mark.parametrize("short", ["both", "context"])
 @pytest.mark.asyncio
-async def test_a_staging_pool_too_small_falls_back_to_direct_writes(short: str) -> None:
+async def test_a_staging_pool_too_small_falls_back_to_direct_or_half_bounced_writes(short: str) -> None:
     reference = await expected()
     async with disaggregated(
         transport="local",
@@ -132,12 +132,18 @@ async def test_a_staging_pool_too_small_falls_back_to_direct_writes(short: str) 
             context.staging = StagingPool.allocate(16 << 10)
         got, transfers = await run_all(router, parts)
         assert got == reference
-        assert [t.bounced for t in transfers] == [0] * len(PROMPTS)
+        # offered areas without room to pack: the writers write their own runs into the areas (half-bounce)
+        assert [t.bounced for t in transfers] == [0 if short == "both" else 2] * len(PROMPTS)
         assert context.statistics()["bounced"] == 0
         assert context.staging is not None and worker.staging is not None
         offered, own = worker.staging.statistics(), context.staging.statistics()
-        if short == "both":  # no area offered: the writers never try their own pool
-            assert (offered["refused"] > 0, offered["leases"], own["refused"]) == (True, 0, 0)
+        if short == "both":  # no area offered, no room to pack in their own pool either
+            assert (offered["refused"] > 0, offered["leases"], own["refused"] > 0, own["leases"]) == (
+                True,
+                0,
+                True,
+                0,
+            )
         else:  # offered, refused by the writers' pool, released with the pages
             assert (offered["leases"] > 0, own["refused"] > 0, own["leases"]) == (True, True, 0)
         await settled(parts)

@@ -190,9 +190,37 @@ async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_
     assert bounced.free_counts() == before
 
 
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 2), (2, 1), (1, 1)])
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+@pytest.mark.parametrize("chunk", [512, 1 << 20])
+@pytest.mark.asyncio
+async def test_half_bounces_give_identical_bytes(ctx_tp: int, gen_tp: int, side: str, chunk: int) -> None:
+    """Only one side stages: the writers pack into the receiver's pages (sender), or write their own runs into
+    the receiver's areas, unpacked chunk by chunk as they land (receiver); several chunks or one."""
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, ctx_tp), make_side(spec, gen_tp)
+    ctx.fake_prefill("c", PROMPT, seed=13)
+    rx_cap, tx_cap = (None, 1 << 20) if side == "sender" else (1 << 20, None)
+    stats, rx, tx = await transfer(
+        ctx, gen, rx_capacity=rx_cap, tx_capacity=tx_cap, policy=BouncePolicy.always(), chunk=chunk
+    )
+    writers = bounced_writers(ctx, gen)
+    assert stats.bounced == (0 if side == "sender" else writers)
+    assert (tx if side == "sender" else rx).statistics()["leases"] == writers  # type: ignore[union-attr]
+    if chunk == 512:
+        assert stats.chunks > writers
+    src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(gen, "g", len(PROMPT))
+    for key in src:
+        assert torch.equal(src[key], dst[key]), key
+    for pool in (rx, tx):
+        assert pool is None or pool.used == 0
+
+
 @pytest.mark.parametrize("short", ["receiver", "sender"])
 @pytest.mark.asyncio
-async def test_short_staging_falls_back_to_direct_writes(short: str) -> None:
+async def test_short_staging_falls_back_to_half_bounces(short: str) -> None:
+    """No room on one side: that side is written (receiver) or read (sender) in place; the other still stages:
+    the writers pack into the receiver's pages, or write their own runs into the receiver's areas."""
     spec = tiny_spec()
     ctx, gen = make_side(spec, 2), make_side(spec, 1)
     ctx.fake_prefill("c", PROMPT, seed=3)
@@ -200,7 +228,9 @@ async def test_short_staging_falls_back_to_direct_writes(short: str) -> None:
     stats, rx, tx = await transfer(
         ctx, gen, rx_capacity=rx_cap, tx_capacity=tx_cap, policy=BouncePolicy.always()
     )
-    assert stats.bounced == 0
+    # ``bounced`` counts writers whose bytes came through the receiver's staging
+    assert stats.bounced == (0 if short == "receiver" else 2)
+    assert (tx if short == "receiver" else rx).statistics()["leases"] == 2
     src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(gen, "g", len(PROMPT))
     for key in src:
         assert torch.equal(src[key], dst[key]), key
