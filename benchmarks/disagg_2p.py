@@ -7,9 +7,13 @@ context side) maps, packs (bounce) and writes. Three modes, each measured ``--re
 
 - ``contiguous``: one write of the same number of bytes from one buffer into one buffer (the ceiling),
   requested and notified the same way;
-- ``direct``: the coalesced fragments written straight into the pages;
-- ``bounce``: the receiver offers staging areas, the sender gathers into its staging, writes a few large
-  fragments, the receiver scatters.
+- ``direct``: the coalesced fragments written straight into the pages (no staging anywhere);
+- ``auto``: each side stages only where its own runs look fragmented (``--auto-min-fragments`` /
+  ``--auto-max-mean-kib``, a :class:`BouncePolicy`): the sender packs its small runs into its staging and
+  writes them into the receiver's runs, or writes its runs into the receiver's staging area, which the
+  receiver unpacks chunk by chunk as they land, or both (a bounce), or neither (direct);
+- ``bounce``: every writer bounces: the receiver offers staging areas, the sender packs into its staging,
+  writes a few large fragments, the receiver unpacks.
 
 Every mode's receiver bytes are checked against the sender's (a digest of each writer's bytes in canonical
 order, computed on each side), after poisoning the receiving pages.
@@ -59,6 +63,15 @@ from kvferry.pools.spec import ModelSpec, preset
 from kvferry.transports import Peer, Transport, get_transport
 
 CASES = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1)]
+MODES = ("direct", "auto", "bounce")
+
+
+def policy_of(mode: str, args: Any) -> BouncePolicy:
+    if mode == "direct":
+        return BouncePolicy.never()
+    if mode == "bounce":
+        return BouncePolicy.always()
+    return BouncePolicy(args.auto_min_fragments, args.auto_max_mean_kib << 10)
 
 
 def spec_of(args: Any) -> ModelSpec:
@@ -141,8 +154,8 @@ async def sender(args: Any) -> None:
                     1,
                     message,
                     list(state["remote"].page_tables),
-                    max_chunk_bytes=args.chunk_mib << 20,
-                    policy=BouncePolicy.always(),
+                    max_chunk_bytes=(args.chunk_mib << 20) or None,
+                    policy=policy_of(message.key, args),  # the receiver names the mode in the request's key
                     src_pools=[a.pool_tensors() for a in state["arenas"]],
                     staging=state["staging"],
                 )
@@ -151,10 +164,16 @@ async def sender(args: Any) -> None:
                 await send(transport, peer, session, max_in_flight=args.in_flight)
                 done = time.perf_counter()
                 stats = session.statistics()
+                packed = sum(1 for chunks in plan.values() if chunks and chunks[0].staged is not None)
                 await transport.send_message(
                     peer,
                     json.dumps(
-                        {"plan_s": planned - began, "send_s": done - planned, "fragments": stats["fragments"]}
+                        {
+                            "plan_s": planned - began,
+                            "send_s": done - planned,
+                            "fragments": stats["fragments"],
+                            "packed": packed,
+                        }
                     ).encode(),
                 )
             elif cmd["op"] == "case":
@@ -290,13 +309,13 @@ async def run_case(
 
     async def transfer(mode: str) -> tuple[float, Any, dict[str, Any]]:
         session_staging = None
-        request = base
+        request = attrs.evolve(base, key=mode)
         began = time.perf_counter()
-        if mode == "bounce":
+        if mode != "direct":
             request, session_staging = offer_staging(
-                peer_map, base, pools, staging, policy=BouncePolicy.always()
+                peer_map, request, pools, staging, policy=policy_of(mode, args)
             )
-        session = receiver.new_session("bench", NoHold(), session_staging)
+        session = receiver.new_session(mode, NoHold(), session_staging)
         request = attrs.evolve(request, session_id=session.session_id)
         stats = await receiver.receive(session, request)
         seconds = time.perf_counter() - began
@@ -307,23 +326,24 @@ async def run_case(
     await contiguous()
     sync(device)
     row["contiguous_identical"] = digest(flat) == sums["flat"]
-    for mode in ("direct", "bounce"):
+    modes = args.modes.split(",")
+    for mode in modes:
         poison()
         await transfer(mode)
         row[f"{mode}_identical"] = check()
     # then the timed runs, the modes interleaved so that a noisy neighbour hits all of them alike
-    times: dict[str, list[float]] = {"contiguous": [], "direct": [], "bounce": []}
-    sender: dict[str, list[dict[str, Any]]] = {"direct": [], "bounce": []}
+    times: dict[str, list[float]] = {"contiguous": [], **{m: [] for m in modes}}
+    sender: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     last: dict[str, Any] = {}
     for _ in range(args.repeat):
         times["contiguous"].append(await contiguous())
-        for mode in ("direct", "bounce"):
+        for mode in modes:
             seconds, last[mode], note = await transfer(mode)
             times[mode].append(seconds)
             sender[mode].append(note)
     row["contiguous_s"] = statistics.median(times["contiguous"])
     row["contiguous_gbps"] = request_bytes / row["contiguous_s"] / 1e9
-    for mode in ("direct", "bounce"):
+    for mode in modes:
         seconds = statistics.median(times[mode])
         row[f"{mode}_s"] = seconds
         row[f"{mode}_gbps"] = request_bytes / seconds / 1e9
@@ -338,7 +358,8 @@ async def run_case(
         )
         row[f"{mode}_posted_fragments"] = last[mode].fragments
         row[f"{mode}_chunks"] = last[mode].chunks
-        row[f"{mode}_bounced_writers"] = last[mode].bounced
+        row[f"{mode}_bounced_writers"] = last[mode].bounced  # through the receiver's staging
+        row[f"{mode}_packed_writers"] = statistics.median(x["packed"] for x in sender[mode])
         row[f"{mode}_sender_plan_ms"] = 1e3 * statistics.median(x["plan_s"] for x in sender[mode])
         row[f"{mode}_sender_send_ms"] = 1e3 * statistics.median(x["send_s"] for x in sender[mode])
     mapping = MappingStatistics.total(
@@ -389,13 +410,16 @@ async def receiver_main(args: Any) -> dict[str, Any]:
         # and re-registering memory on a live connection is what NIXL refuses
         row = await _one_case(args, src_tp, dst_tp)
         results.append(row)
+        modes = args.modes.split(",")
+        parts = " | ".join(
+            f"{m} {row[f'{m}_gbps']:.2f} GB/s ({row[f'{m}_ratio']:.2f}, {row[f'{m}_posted_fragments']} "
+            f"fragments in {row[f'{m}_chunks']} writes, plan {row[f'{m}_sender_plan_ms']:.2f} ms)"
+            for m in modes
+        )
+        identical = row["contiguous_identical"] and all(row[f"{m}_identical"] for m in modes)
         print(
             f"tp {src_tp}->{dst_tp}: {row['bytes'] / 1e6:.0f} MB, fragments {row['fragments']}, "
-            f"contiguous {row['contiguous_gbps']:.2f} GB/s | direct {row['direct_gbps']:.2f} GB/s "
-            f"({row['direct_ratio']:.2f}, {row['direct_posted_fragments']} fragments in "
-            f"{row['direct_chunks']} writes) | bounce {row['bounce_gbps']:.2f} GB/s "
-            f"({row['bounce_ratio']:.2f}, {row['bounce_chunks']} writes) | identical "
-            f"{row['direct_identical'] and row['bounce_identical'] and row['contiguous_identical']}",
+            f"contiguous {row['contiguous_gbps']:.2f} GB/s | {parts} | identical {identical}",
             flush=True,
         )
     return {"results": results}
@@ -483,9 +507,12 @@ def plot(out: dict[str, Any], path: str) -> None:
     labels = [f"{r['src_tp']}->{r['dst_tp']}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, (mode, color) in enumerate((("direct", "tab:blue"), ("bounce", "tab:orange"))):
+    modes = [m for m in MODES if f"{m}_ratio" in rows[0]]
+    width = 0.8 / len(modes)
+    colors = {"direct": "tab:blue", "auto": "tab:green", "bounce": "tab:orange"}
+    for i, mode in enumerate(modes):
         values = [r[f"{mode}_ratio"] for r in rows]
-        bars = ax.bar(x + (i - 0.5) * 0.38, values, 0.38, label=mode, color=color)
+        bars = ax.bar(x + (i - (len(modes) - 1) / 2) * width, values, width, label=mode, color=colors[mode])
         for bar, r in zip(bars, rows, strict=True):
             ax.annotate(
                 f"{r[f'{mode}_gbps']:.2f}\n{r[f'{mode}_posted_fragments']}f",
@@ -520,7 +547,24 @@ def main() -> int:
     parser.add_argument("--transport", default="nixl")
     parser.add_argument("--cases", default=",".join(f"{a}-{b}" for a, b in CASES))
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--chunk-mib", type=int, default=64, help="bytes per write (and per report)")
+    parser.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=0,
+        help="MiB per write (and per report); 0: plan_transfer's default (one write per direct writer, "
+        "16 MiB chunks where staged)",
+    )
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    default = BouncePolicy()
+    parser.add_argument(
+        "--auto-min-fragments",
+        type=int,
+        default=default.min_fragments,
+        help="auto mode's BouncePolicy (default: the library's, what the engine roles use)",
+    )
+    parser.add_argument(
+        "--auto-max-mean-kib", type=int, default=default.max_mean_bytes >> 10, help="auto mode's BouncePolicy"
+    )
     parser.add_argument("--in-flight", type=int, default=4, help="writes in flight per writer")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
@@ -536,8 +580,13 @@ def main() -> int:
         "tokens": args.tokens,
         "device": args.device,
         "transport": args.transport,
-        "chunk_bytes": args.chunk_mib << 20,
+        "chunk_bytes": args.chunk_mib << 20,  # 0: plan_transfer's default
         "in_flight": args.in_flight,
+        "modes": args.modes,
+        "auto_policy": {
+            "min_fragments": args.auto_min_fragments,
+            "max_mean_bytes": args.auto_max_mean_kib << 10,
+        },
         "repeat": args.repeat,
         "torch": torch.__version__,
         "statistic": "median seconds from sending the request to the last report (+ scatter)",
@@ -552,7 +601,8 @@ def main() -> int:
     if args.plot:
         plot(out, args.plot)
     ok = all(
-        r["direct_identical"] and r["bounce_identical"] and r["contiguous_identical"] for r in out["results"]
+        r["contiguous_identical"] and all(r[f"{m}_identical"] for m in args.modes.split(","))
+        for r in out["results"]
     )
     return 0 if ok else 1
 
