@@ -140,6 +140,18 @@ async def sender(args: Any) -> None:
     async with get_transport(args.transport)() as transport:
         peer = await transport.connect(args.address)
         state: dict[str, Any] = {}
+        # every write's own seconds (the rest of ``send`` is the session's bookkeeping and reports)
+        writes: list[float] = []
+        write = transport.write
+
+        async def timed_write(*a: Any, **k: Any) -> None:
+            began = time.perf_counter()
+            try:
+                await write(*a, **k)
+            finally:
+                writes.append(time.perf_counter() - began)
+
+        transport.write = timed_write  # type: ignore[method-assign]
         while True:
             data = await transport.receive_message(peer)
             cmd = as_json(data)
@@ -161,6 +173,7 @@ async def sender(args: Any) -> None:
                 )
                 planned = time.perf_counter()
                 session = SendSession(message.session_id, plan)
+                writes.clear()
                 await send(transport, peer, session, max_in_flight=args.in_flight)
                 done = time.perf_counter()
                 stats = session.statistics()
@@ -171,6 +184,7 @@ async def sender(args: Any) -> None:
                         {
                             "plan_s": planned - began,
                             "send_s": done - planned,
+                            "write_s": list(writes),
                             "fragments": stats["fragments"],
                             "packed": packed,
                         }
@@ -362,6 +376,10 @@ async def run_case(
         row[f"{mode}_packed_writers"] = statistics.median(x["packed"] for x in sender[mode])
         row[f"{mode}_sender_plan_ms"] = 1e3 * statistics.median(x["plan_s"] for x in sender[mode])
         row[f"{mode}_sender_send_ms"] = 1e3 * statistics.median(x["send_s"] for x in sender[mode])
+        row[f"{mode}_sender_longest_write_ms"] = 1e3 * statistics.median(
+            max(x["write_s"], default=0.0) for x in sender[mode]
+        )
+        row[f"{mode}_sender_writes_ms"] = 1e3 * statistics.median(sum(x["write_s"]) for x in sender[mode])
     mapping = MappingStatistics.total(
         peer_map.pair(s, d)
         .plan(RequestCache(block_ids(spec, args.tokens, seed=2), slot=1), dst, span, policy=BouncePolicy())

@@ -584,8 +584,11 @@ class ChannelTransport(Transport):
         async with peer.send_lock:
             try:
                 with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
-                    await peer.stream.send(wire.FRAME_HEADER.pack(kind, len(body)))
-                    if body:
+                    header = wire.FRAME_HEADER.pack(kind, len(body))
+                    if len(body) <= 1 << 16:  # one send (one segment, one wakeup) for the small frames
+                        await peer.stream.send(header + body)
+                    else:
+                        await peer.stream.send(header)
                         await peer.stream.send(body)
             except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
                 error = PeerDisconnected(f"sending to {peer.address} failed: {exc!r}")
