@@ -61,8 +61,18 @@ async def writer(args: Any) -> None:
 
 async def measure(args: Any) -> dict[str, Any]:
     async with get_transport(args.transport)() as transport:
+        profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
         child = subprocess.Popen(  # noqa: ASYNC220 (once, before anything is timed)
-            [sys.executable, __file__, "--role", "writer", "--address", transport.address, *sys.argv[1:]]
+            [
+                sys.executable,
+                *profile,
+                __file__,
+                "--role",
+                "writer",
+                "--address",
+                transport.address,
+                *sys.argv[1:],
+            ]
         )
         try:
             peer = await transport.accept()
@@ -117,6 +127,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--tcp-port", type=int, default=47231)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default="", help="cProfile the writer process into this file")
     parser.add_argument("--role", default="measure")
     parser.add_argument("--address", default="")
     args = parser.parse_args()
