@@ -25,7 +25,6 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
-from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define
 
@@ -399,7 +398,7 @@ class ChannelTransport(Transport):
                     raise PeerDisconnected(f"nobody listens at {address}: {exc}") from exc
                 _tune(stream)
                 await stream.send(self._handshake_frame())
-                reader = BufferedByteReceiveStream(stream)
+                reader = _FrameReader(stream)
                 kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
                 if kind == wire.FrameKind.REFUSAL:
                     raise PeerIncompatible(
@@ -439,7 +438,7 @@ class ChannelTransport(Transport):
 
     async def _accept_one(self, stream: SocketStream) -> None:
         _tune(stream)
-        reader = BufferedByteReceiveStream(stream)
+        reader = _FrameReader(stream)
         try:
             with anyio.fail_after(self._connect_timeout):
                 kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
@@ -473,7 +472,7 @@ class ChannelTransport(Transport):
         except (anyio.EndOfStream, anyio.ClosedResourceError) as exc:
             raise ClosedResourceError(f"{self.name} transport was closed") from exc
 
-    async def _run_peer(self, peer: ChannelPeer, reader: BufferedByteReceiveStream) -> None:
+    async def _run_peer(self, peer: ChannelPeer, reader: _FrameReader) -> None:
         """The peer's reader: dispatches frames until the connection ends."""
         error: TransportError | None = None
         try:
@@ -491,7 +490,10 @@ class ChannelTransport(Transport):
                         continue
                     body = await reader.receive_exactly(length) if length else b""
                     self._messages_received += 1
-                    await peer.messages_out.send(body)
+                    try:
+                        peer.messages_out.send_nowait(body)  # no extra turn of the loop when there is room
+                    except anyio.WouldBlock:
+                        await peer.messages_out.send(body)
                     continue
                 if length > _MAX_CONTROL_FRAME:
                     raise WireFormatError(f"control frame of {length} bytes")
@@ -610,7 +612,10 @@ class ChannelTransport(Transport):
         self._check_open()
         p = self._peer(peer)
         try:
-            item = await p.messages_in.receive()
+            try:
+                item = p.messages_in.receive_nowait()  # already here: no extra turn of the event loop
+            except anyio.WouldBlock:
+                item = await p.messages_in.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise p.error from None
         if isinstance(item, MessageTooLarge):
@@ -831,14 +836,39 @@ def _frame(kind: wire.FrameKind, body: bytes) -> bytes:
     return wire.FRAME_HEADER.pack(kind, len(body)) + body
 
 
-async def _read_frame(reader: BufferedByteReceiveStream, limit: int) -> tuple[int, bytes]:
+#: bytes asked of the socket per read: whatever arrived together (a header, its body, the next frames) is taken
+#: in one turn of the event loop
+_READ_CHUNK = 1 << 16
+
+
+class _FrameReader:
+    """The bytes of one connection, read in chunks and handed out exactly.
+
+    :raises anyio.EndOfStream: (from :meth:`receive_exactly`) the connection ended, also in the middle of a frame.
+    """
+
+    __slots__ = ("_buffer", "_stream")
+
+    def __init__(self, stream: SocketStream) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+
+    async def receive_exactly(self, nbytes: int) -> bytes:
+        while len(self._buffer) < nbytes:
+            self._buffer += await self._stream.receive(max(_READ_CHUNK, nbytes - len(self._buffer)))
+        data = bytes(self._buffer[:nbytes])
+        del self._buffer[:nbytes]
+        return data
+
+
+async def _read_frame(reader: _FrameReader, limit: int) -> tuple[int, bytes]:
     kind, length = wire.FRAME_HEADER.unpack(await reader.receive_exactly(wire.FRAME_HEADER.size))
     if length > limit:
         raise WireFormatError(f"frame of {length} bytes exceeds {limit}")
     return kind, (await reader.receive_exactly(length) if length else b"")
 
 
-async def _discard(reader: BufferedByteReceiveStream, length: int) -> None:
+async def _discard(reader: _FrameReader, length: int) -> None:
     """Skip ``length`` bytes without holding more than one chunk."""
     while length:
         n = min(length, _DISCARD_CHUNK)
