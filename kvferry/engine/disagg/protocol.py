@@ -11,7 +11,8 @@ Everything is a frozen attrs class serialised by the one converter of :mod:`kvfe
 2. **Control messages** (:class:`Control` = kind + body): the router's context request and the context
    side's answer, the generation side's :class:`ReceiveRequest`, every writer's per-chunk
    :class:`ChunkResult` (also carried as the transport's write notification, delivered only after the chunk's
-   data landed), and :class:`CancelTransfer`.
+   data landed), :class:`CancelTransfer`, and the context side's :class:`CancelAck` to a cancel of a transfer
+   it is not pushing.
 
 Every decode raises :class:`~kvferry.errors.WireFormatError` on anything malformed; a peer's bad bytes cost
 that peer its session, nothing else.
@@ -34,6 +35,7 @@ from kvferry.pools.pagetable import PageTable
 __all__ = [
     "MAX_TOKENS",
     "BlockIds",
+    "CancelAck",
     "CancelTransfer",
     "ChunkResult",
     "ChunkStatus",
@@ -205,6 +207,7 @@ class ControlKind(enum.StrEnum):
     RECEIVE_REQUEST = "receive_request"
     CHUNK_RESULT = "chunk_result"
     CANCEL_TRANSFER = "cancel_transfer"
+    CANCEL_ACK = "cancel_ack"
 
 
 @frozen
@@ -379,10 +382,29 @@ class ChunkResult:
 
 @frozen
 class CancelTransfer:
-    """Generation -> context: post nothing more for ``session_id``; report every chunk not posted."""
+    """Generation -> context: post nothing more for ``session_id``; report every chunk not posted.
+
+    The context side answers with :class:`CancelAck` when it is not pushing the session (its writers' reports
+    are the answer when it is)."""
 
     session_id: int
     reason: str = ""
+
+
+@frozen
+class CancelAck:
+    """Context -> generation, answering a :class:`CancelTransfer` of a session the context side is not pushing:
+    no write of ``session_id`` can land any more. Either its push never started and never will (the receive
+    request never arrived, or it arrived and the push is now called off), or the push finished (every write
+    had returned, hence landed, before its reports were sent). The receiver may release the session's
+    quarantined pages at once."""
+
+    session_id: int
+    reason: str = ""
+
+    def validate(self) -> None:
+        if len(self.reason) > _MAX_TEXT:
+            raise _fail(type(self), "reason too long")
 
 
 _BODIES: dict[ControlKind, type[Any]] = {
@@ -392,10 +414,13 @@ _BODIES: dict[ControlKind, type[Any]] = {
     ControlKind.RECEIVE_REQUEST: ReceiveRequest,
     ControlKind.CHUNK_RESULT: ChunkResult,
     ControlKind.CANCEL_TRANSFER: CancelTransfer,
+    ControlKind.CANCEL_ACK: CancelAck,
 }
 _KINDS = {cls: kind for kind, cls in _BODIES.items()}
 
-ControlBody = ContextRequest | ContextDone | ReleaseContext | ReceiveRequest | ChunkResult | CancelTransfer
+ControlBody = (
+    ContextRequest | ContextDone | ReleaseContext | ReceiveRequest | ChunkResult | CancelTransfer | CancelAck
+)
 
 
 def encode_control(message: ControlBody) -> bytes:

@@ -43,6 +43,7 @@ from kvferry.engine.disagg.link import exchange_hello, pump
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.engine.disagg.protocol import (
     BlockIds,
+    CancelAck,
     CancelTransfer,
     ChunkStatus,
     ContextDone,
@@ -190,6 +191,8 @@ class _Held:
     ready: anyio.Event = attrs.field(factory=anyio.Event)
     request: ReceiveRequest | None = None
     released: bool = False
+    #: the receiver cancelled the transfer before its push started: it never starts
+    cancelled: bool = False
 
 
 @define(eq=False)
@@ -199,6 +202,11 @@ class ContextWorker:
 
     A held cache is freed after its push (every posted write ended), on :class:`~.protocol.ReleaseContext`,
     when the peer goes away, or after ``hold_timeout`` seconds without a receive request.
+
+    A :class:`~.protocol.CancelTransfer` stops a push in progress (its writers then report every chunk, which
+    releases the receiver's pages); for any other session (receive request never seen, seen but the push not
+    started: it never starts, or push finished) it is answered with :class:`~.protocol.CancelAck`, on which
+    the receiver releases its pages at once.
     """
 
     built: BuiltEngine
@@ -219,7 +227,7 @@ class ContextWorker:
     _sending: dict[int, SendSession] = attrs.field(factory=dict, init=False)
     _counts: dict[str, int] = attrs.field(
         factory=lambda: dict.fromkeys(
-            ("prefilled", "pushed", "released", "failed", "bytes", "fragments", "bounced"), 0
+            ("prefilled", "pushed", "released", "cancelled", "failed", "bytes", "fragments", "bounced"), 0
         ),
         init=False,
     )
@@ -268,12 +276,31 @@ class ContextWorker:
                         held.released = True
                         held.ready.set()
                 elif isinstance(message, CancelTransfer):
-                    session = self._sending.get(message.session_id)
-                    if session is not None:
-                        session.cancel()
+                    await self._cancel(peer, message)
 
             await pump(self.transport, peer, on_message=on_message)
             tg.cancel_scope.cancel()  # the peer is gone: stop prefills and pushes
+
+    async def _cancel(self, peer: Peer, message: CancelTransfer) -> None:
+        """The receiver cancelled session ``message.session_id``: stop its push, or say none can write."""
+        session = self._sending.get(message.session_id)
+        if session is not None:
+            session.cancel()  # its writers report every chunk: the receiver releases its pages on the last one
+            return
+        for held in self._held.values():
+            if held.request is not None and held.request.session_id == message.session_id:
+                # received, push not started: _prefill_and_push checks this flag and, with no await between
+                # the check and the session's registration in _sending, never pushes once it is set
+                held.cancelled = True
+                held.ready.set()
+                reason = "the push was called off before it started"
+                break
+        else:
+            # never received (the control channel is ordered: it never will be) or already pushed (every write
+            # returned before the reports were sent)
+            reason = "no push in progress"
+        with anyio.move_on_after(1.0), contextlib.suppress(PeerDisconnected, KvferryError):
+            await self.transport.send_message(peer, encode_control(CancelAck(message.session_id, reason)))
 
     async def _prefill_and_push(
         self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, req: ContextRequest
@@ -325,9 +352,14 @@ class ContextWorker:
                 return
             with anyio.move_on_after(self.hold_timeout):
                 await held.ready.wait()
+            if held.cancelled:
+                self._counts["cancelled"] += 1
+                return
             if held.request is None or held.released:
                 self._counts["released"] += 1
                 return
+            # no await from the check above until _push registers the session in _sending: a CancelTransfer
+            # finds the session either here (cancelled before the push) or sending (cancelled during it)
             await self._push(peer, peer_map, remote, rid, held.request)
         finally:
             self._held.pop(req.key, None)
@@ -336,6 +368,7 @@ class ContextWorker:
     async def _push(
         self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, rid: int, request: ReceiveRequest
     ) -> None:
+        # synchronous until the session is in _sending (see _prefill_and_push): keep it so
         manager = self.cache.inner.primary
         blocks = {"attention": list(manager.block_table(rid))}
         if manager.config.has_draft:
@@ -486,12 +519,16 @@ class GenerationWorker:
     async def _read(self) -> None:
         assert self.peer is not None and self.receiver is not None
 
+        receiver = self.receiver
+
         async def on_message(message: ControlBody) -> None:
             if isinstance(message, ContextDone):
                 waiting = self._waiting.get(message.key)
                 if waiting is not None:
                     waiting[1].append(message)
                     waiting[0].set()
+            elif isinstance(message, CancelAck):
+                receiver.on_cancel_ack(message)  # no write of that session can land: release its pages
 
         await pump(self.transport, self.peer, self.receiver, on_message=on_message)
         for event, _ in self._waiting.values():

@@ -18,9 +18,21 @@ of that writer landed OK, and completes only after every scatter. Staging areas 
 when nothing can land any more, quarantined with them otherwise.
 
 Cancellation is two-phase. A cancel stops posting; a receiver that cancels while writers are still to report
-keeps its pages *quarantined* (out of the pools, never reallocated) until they have all reported, or until
-the transport says the peer is gone (its process died: nothing more can land). A stall deadline turns a
-silent peer into :class:`~kvferry.errors.TransferInDoubt` with the pages still quarantined.
+keeps its pages *quarantined* (out of the pools, never reallocated) and sends
+:class:`~.protocol.CancelTransfer`. The pages come back when the first of these happens, each of which means no
+write of the session can land any more:
+
+- every writer has reported every chunk (the sender was pushing: it posts nothing more, and reports the rest
+  CANCELLED);
+- the sender answers :class:`~.protocol.CancelAck`: it was not pushing the session and never will (the receive
+  request never reached it, or reached it before the push started, which the cancel then called off), or it
+  had finished it (every write returned, hence landed, before the reports were sent);
+- the transport says the peer is gone (its process died: nothing more can land).
+
+So a cancel whose request never reached the sender costs its pages one round trip, not the connection's
+life; only a CancelTransfer or an acknowledgement lost on a live connection keeps them out until it drops.
+A stall deadline turns a silent peer into :class:`~kvferry.errors.TransferInDoubt` with the pages still
+quarantined (no CancelTransfer is sent then, so only the reports or the peer's loss release them).
 
 The cores (:class:`SendSession`, :class:`ReceiveSession`) do no I/O and never block; :class:`Receiver` and
 :func:`send` drive them over a :class:`~kvferry.transports.Transport`.
@@ -42,6 +54,7 @@ import numpy as np
 from attrs import define, frozen
 
 from kvferry.engine.disagg.protocol import (
+    CancelAck,
     CancelTransfer,
     ChunkResult,
     ChunkStatus,
@@ -438,6 +451,14 @@ class ReceiveSession:
             return CancelAction.FREE  # everyone reported: nothing can land any more
         return CancelAction.NOTHING
 
+    def cancel_acknowledged(self) -> bool:
+        """The sender answered our cancel: no write can land any more. CANCELLING -> CANCELLED (True: the pages
+        may be released); any other state is left as it is (False)."""
+        if self.state is ReceiveState.CANCELLING:
+            self._move(ReceiveState.CANCELLED)
+            return True
+        return False
+
     def stalled(self) -> bool:
         """The stall deadline passed; True (-> IN_DOUBT, pages stay quarantined) if writers are still out."""
         if self.state is ReceiveState.REQUESTED and not self.all_reported:
@@ -507,9 +528,9 @@ class Receiver:
     """The generation side's transfers from one context peer.
 
     Feed it the peer's reports (:meth:`on_result`, from the link's reader tasks) and the peer's loss
-    (:meth:`peer_lost`); call :meth:`receive` once per request. Quarantined pages of cancelled or in-doubt
-    transfers are released here when their writers report or the peer is gone, so they outlive
-    :meth:`receive`.
+    (:meth:`peer_lost`) and its answers to our cancels (:meth:`on_cancel_ack`); call :meth:`receive` once per
+    request. Quarantined pages of cancelled or in-doubt transfers are released here when their writers report,
+    the peer acknowledges a cancel, or the peer is gone, so they outlive :meth:`receive`.
     """
 
     transport: Transport
@@ -539,8 +560,12 @@ class Receiver:
         On success the pages hold the request's cache and stay with the caller. Otherwise the hold is freed
         (everyone reported, or the peer is gone) or quarantined (writers still out) before this raises.
 
-        A cancel sends :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until
-        the writers report or the peer is gone.
+        A cancel before the request is sent frees the pages at once. A later one sends
+        :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until no write can
+        land any more: every writer reported (the sender was pushing), the sender answered
+        :class:`~.protocol.CancelAck` (it never got the request, called the push off before it started, or had
+        finished it), or the peer is gone. Only a lost CancelTransfer or acknowledgement on a connection that
+        stays up keeps them quarantined for the connection's life.
 
         :raises ~kvferry.errors.TransferError: a chunk failed, or the peer went away.
         :raises ~kvferry.errors.TransferCancelled: the sender cancelled.
@@ -672,6 +697,20 @@ class Receiver:
         live.changed.set()
         if live.session.settled and live.release is not None:
             self._finish(live)  # a cancelled / in-doubt session: its writers are done, release the pages
+
+    def on_cancel_ack(self, ack: CancelAck) -> None:
+        """The peer answered a :class:`~.protocol.CancelTransfer`: no write of ``ack.session_id`` can land any
+        more. A session quarantined after a cancel is released now (pages and staging), as when its last writer
+        reports; an unknown, finished or not cancelled session is left as it is (a stale or stray answer).
+        Reports of the released session that arrive later are ignored (its id is never reused)."""
+        live = self._sessions.get(ack.session_id)
+        if live is None or not live.session.cancel_acknowledged():
+            state = "unknown or finished" if live is None else live.session.state.name
+            log.debug("cancel acknowledgement for %s session %s ignored", state, ack.session_id)
+            return
+        live.session.detail = live.session.detail or f"cancelled; the peer acknowledged: {ack.reason}"
+        live.changed.set()
+        self._finish(live)
 
     def peer_lost(self, reason: str) -> None:
         """The transport says the peer is gone: every session settles and quarantines are released."""
