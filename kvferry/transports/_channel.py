@@ -114,6 +114,7 @@ class ChannelPeer(Peer):
         "notifications_out",
         "pending",
         "regions",
+        "same_host",
         "same_process",
         "send_lock",
         "stream",
@@ -124,11 +125,9 @@ class ChannelPeer(Peer):
         self.transport = transport
         self.stream = stream
         self.hello = hello
-        self.same_process = (
-            hello.hostname == socket.gethostname()
-            and hello.pid == os.getpid()
-            and hello.pid_namespace == _pid_namespace()
-        )
+        #: on this host, in this pid namespace (its pid names it here)
+        self.same_host = hello.hostname == socket.gethostname() and hello.pid_namespace == _pid_namespace()
+        self.same_process = self.same_host and hello.pid == os.getpid()
         self.regions = RegionTable(hello.regions)
         self._state = PeerState.CONNECTED
         self.error: TransportError = PeerDisconnected(f"peer {hello.address} disconnected")

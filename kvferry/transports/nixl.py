@@ -20,6 +20,12 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
   costs ~10 us per descriptor, so 1 MiB fragments reached 0.2 of one contiguous write; a bounce (gather, one
   large write, scatter) moves every byte through HBM three times on one GPU and stays near 0.5. Other peers
   (other hosts, host memory, a peer whose handles cannot be opened) go through NIXL.
+- Host memory of peers on the same host is written with batched ``process_vm_writev`` calls (``host_cma``, on
+  by default; :mod:`~kvferry.transports._cma`): UCX's CMA transport makes one system call per descriptor (~3 us
+  here), which capped mismatched-TP KV mappings (thousands of 16-32 KiB fragments) near 0.6 of one contiguous
+  write; one call per 1024 fragments does not. Destinations are checked against the host regions the peer's blob
+  lists as well as the channel's table (the kernel would write anywhere the peer maps); a refusal (no ptrace
+  permission, another pid namespace) turns the path off for that peer and the write goes through NIXL.
 - Re-registration at a freed device address on a live connection: on the H200 (VRAM, NIXL 1.5.1), after a
   peer deregistered a region and registered a new one at the same address (cudaMalloc reuses addresses), our
   ``add_remote_agent`` refused the new regions' metadata (NIXL_ERR_NOT_ALLOWED, with whole or partial
@@ -36,6 +42,7 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import time
@@ -44,6 +51,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgpack
 import nixl_cu13._api as nixl_api
 import nixl_cu13._bindings as nixl_bindings
@@ -52,7 +60,7 @@ import numpy.typing as npt
 from attrs import define, field, frozen
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
-from kvferry.transports import wire
+from kvferry.transports import _cma, wire
 from kvferry.transports._channel import ChannelPeer, ChannelTransport
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute, total_bytes
@@ -65,6 +73,8 @@ log = logging.getLogger("kvferry.transports.nixl")
 _NOTIFY_MARK = b"\x01"
 #: prefix of our backend blob (NIXL metadata + CUDA IPC exports), msgpack after it
 _BLOB_MARK = b"KVFN1"
+#: bytes per worker-thread call of a process_vm_writev write (a cancel or a stall is seen between them)
+_CMA_SLICE_BYTES = 64 << 20
 #: longest a worker thread polls one write before handing back to the event loop (cancel, stall, peer loss)
 _POLL_SLICE = 5e-3
 
@@ -110,32 +120,37 @@ def _pack_blob(
     exports: Sequence[_IpcExport],
     partial: Sequence[bytes] = (),
     new: Sequence[wire.RegionInfo] = (),
+    host: Sequence[wire.RegionInfo] = (),
 ) -> bytes:
     """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of the ``new`` regions only
-    (updates)."""
+    (updates); ``host``: every host region registered now (what process_vm_writev writers check against)."""
     rows = [[e.address, e.length, e.offset, list(e.share)] for e in exports]
     body = {
         "nixl": metadata,
         "ipc": rows,
         "partial": list(partial),
         "new": [[r.address, r.length, r.device] for r in new],
+        "host": [[r.address, r.length] for r in host],
     }
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return _BLOB_MARK + packed
 
 
-def _unpack_blob(blob: bytes) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo]]:
+def _unpack_blob(
+    blob: bytes,
+) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo], list[wire.RegionInfo]]:
     if not blob.startswith(_BLOB_MARK):
-        return blob, [], [], []
+        return blob, [], [], [], []
     try:
         body = msgpack.unpackb(blob[len(_BLOB_MARK) :], raw=False)
         exports = [_IpcExport(int(a), int(n), int(o), tuple(share)) for a, n, o, share in body["ipc"]]
         metadata = bytes(body["nixl"])
         partial = [bytes(b) for b in body.get("partial", ())]
         new = [wire.RegionInfo(int(a), int(n), str(d)) for a, n, d in body.get("new", ())]
+        host = [wire.RegionInfo(int(a), int(n), "cpu") for a, n in body.get("host", ())]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise WireFormatError(f"malformed NIXL backend blob: {exc}") from exc
-    return metadata, exports, partial, new
+    return metadata, exports, partial, new, host
 
 
 def _export_cuda(tensor: Any) -> _IpcExport | None:
@@ -210,6 +225,8 @@ class NixlTransport(ChannelTransport):
         while a write or a notification is awaited, and up to ``poll_idle`` otherwise
     :param cuda_ipc: write CUDA regions of peers on this host by CUDA IPC and batched device copies instead of
         NIXL descriptors (see the module docstring); False: everything goes through NIXL
+    :param host_cma: write host memory of peers on this host with batched ``process_vm_writev`` calls (up to
+        1024 fragments per call; see :mod:`~kvferry.transports._cma`) instead of NIXL descriptors (one call each)
     """
 
     name = "nixl"
@@ -225,6 +242,7 @@ class NixlTransport(ChannelTransport):
         poll_busy: float = 1e-3,
         poll_idle: float = 20e-3,
         cuda_ipc: bool = True,
+        host_cma: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -234,6 +252,13 @@ class NixlTransport(ChannelTransport):
         self._poll_min, self._poll_busy, self._poll_idle = poll_min, poll_busy, poll_idle
         self._cuda_ipc = cuda_ipc
         self._ipc: dict[ChannelPeer, _IpcPeer] = {}
+        self._host_cma = host_cma and _cma.available()
+        #: peers whose memory this process may not attach to (the first refusal turns the path off for them)
+        self._cma_refused: set[ChannelPeer] = set()
+        #: per peer: its host regions as its NIXL blob lists them (checked again before a process_vm_writev)
+        self._cma_tables: dict[ChannelPeer, RegionTable] = {}
+        #: writes that went by process_vm_writev (not through NIXL) since start
+        self.cma_writes = 0
         #: per peer: regions whose NIXL metadata NIXL refused to merge (why), refused as write destinations
         self._refused_regions: dict[ChannelPeer, dict[wire.RegionInfo, str]] = {}
         #: writes that went by CUDA IPC (not through NIXL) since start
@@ -284,8 +309,12 @@ class NixlTransport(ChannelTransport):
         registrations = [*self._registrations, *([extra] if extra is not None else [])]
         return [e for r in registrations for e in (r.backend[1] if r.backend else ())]
 
+    def _host_regions(self, extra: TensorRegistration | None = None) -> list[wire.RegionInfo]:
+        registrations = [*self._registrations, *([extra] if extra is not None else [])]
+        return [i for r in registrations for i in r.infos if i.device == "cpu"]
+
     def _backend_hello(self) -> bytes:
-        return _pack_blob(self._agent.get_agent_metadata(), self._exports())
+        return _pack_blob(self._agent.get_agent_metadata(), self._exports(), host=self._host_regions())
 
     def _nixl_peer(self, peer: ChannelPeer) -> bool:
         return not (peer.same_process and self._same_process_copy)
@@ -293,7 +322,8 @@ class NixlTransport(ChannelTransport):
     async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
         if not self._nixl_peer(peer):
             return
-        metadata, exports, _, _ = _unpack_blob(peer.hello.backend)
+        metadata, exports, _, _, host = _unpack_blob(peer.hello.backend)
+        self._cma_tables[peer] = RegionTable(host)
         try:
             name = self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
@@ -317,6 +347,8 @@ class NixlTransport(ChannelTransport):
 
     async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
         self._refused_regions.pop(peer, None)
+        self._cma_tables.pop(peer, None)
+        self._cma_refused.discard(peer)
         ipc = self._ipc.pop(peer, None)
         if ipc is not None and ipc.mapped:
             import torch
@@ -359,7 +391,9 @@ class NixlTransport(ChannelTransport):
                 partial = [self._agent.get_partial_agent_metadata(d, False) for d in dlists]
             except _NIXL_ERRORS as exc:
                 raise translate(exc, "reading NIXL metadata of new regions") from exc
-        return _pack_blob(b"", self._exports(registration), partial, registration.infos)
+        return _pack_blob(
+            b"", self._exports(registration), partial, registration.infos, self._host_regions(registration)
+        )
 
     async def _backend_deregister(self, registration: TensorRegistration) -> None:
         if self._agent is None:
@@ -373,7 +407,8 @@ class NixlTransport(ChannelTransport):
     async def _backend_regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
         if peer.backend is None:
             return
-        metadata, exports, partial, new = _unpack_blob(blob)
+        metadata, exports, partial, new, host = _unpack_blob(blob)
+        self._cma_tables[peer] = RegionTable(host)
         if peer in self._ipc:
             self._ipc[peer].exports = exports
             self._ipc[peer].dirty = True
@@ -461,6 +496,8 @@ class NixlTransport(ChannelTransport):
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
             return
+        if self._cma_route(peer, src, dst) and await self._cma_write(peer, src, dst, notify, stall):
+            return
         self._check_refused(peer, dst)
         local, local_mem = _descs(src, self.own_regions, "source")
         remote, remote_mem = _descs(dst, peer.regions, f"destination at {peer.address}")
@@ -535,6 +572,58 @@ class NixlTransport(ChannelTransport):
         except _NIXL_ERRORS as exc:
             raise translate(exc, "polling a NIXL write") from exc
         return state
+
+    # --- host memory by process_vm_writev ------------------------------------------------------------
+
+    def _cma_route(self, peer: ChannelPeer, src: Fragments, dst: Fragments) -> bool:
+        """True when every row is host memory on both sides, the peer is a process of this host we may attach to
+        (as far as we know), and every destination lies in a host region its NIXL blob lists: checked apart from
+        the channel's check, as NIXL checks its own metadata (the kernel would write anywhere the peer maps)."""
+        table = self._cma_tables.get(peer)
+        if (
+            not self._host_cma
+            or not peer.same_host
+            or peer in self._cma_refused
+            or table is None
+            or not len(src)
+        ):
+            return False
+        own = self.own_regions
+        if any(own.regions[int(i)].device != "cpu" for i in np.unique(own.locate(src, "source"))):
+            return False
+        try:
+            table.locate(dst, "destination")
+        except RegionError:
+            return False  # NIXL decides (and refuses what its metadata does not hold)
+        return True
+
+    async def _cma_write(
+        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+    ) -> bool:
+        """Write by ``process_vm_writev`` in slices of about :data:`_CMA_SLICE_BYTES` (each in a worker thread; a
+        cancel is seen between slices), then notify over the control channel. False (the caller writes through
+        NIXL; what was written is written again) when the kernel refuses: the path stays off for this peer."""
+        ends = np.cumsum(src[:, 1], dtype=np.uint64)
+        cuts = np.searchsorted(ends, np.arange(1, 1 + int(ends[-1]) // _CMA_SLICE_BYTES) * _CMA_SLICE_BYTES)
+        bounds = [0, *sorted({int(c) + 1 for c in cuts if int(c) + 1 < len(src)}), len(src)]
+        async with self.guard(peer, stall) as guard:
+            for lo, hi in itertools.pairwise(bounds):
+                try:
+                    await anyio.to_thread.run_sync(_cma.write, peer.hello.pid, src[lo:hi], dst[lo:hi])
+                except OSError as exc:
+                    log.info(
+                        "cannot write %s by process_vm_writev (%s); writing through NIXL", peer.address, exc
+                    )
+                    self._cma_refused.add(peer)
+                    return False
+                await (
+                    anyio.lowlevel.checkpoint()
+                )  # a slice that outlasted the stall deadline ends the write here
+                guard.progress()
+        self.cma_writes += 1
+        if notify is not None:
+            await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
+        return True
 
     # --- CUDA IPC ------------------------------------------------------------------------------------
 

@@ -286,10 +286,11 @@ async def test_nixl_refused_region_metadata(
 ) -> None:
     """When NIXL refuses to merge the metadata of a peer's new regions (NIXL_ERR_NOT_ALLOWED on the H200 for
     VRAM re-registered at a freed address; simulated here), writes into those regions raise a RegionError that
-    names the cause, the connection stays up for everything else, and a later accepted registration heals."""
+    names the cause, the connection stays up for everything else, and a later accepted registration heals.
+    (Through NIXL: process_vm_writev, which does not need NIXL's metadata, is off.)"""
     import nixl_cu13._bindings as nixl_bindings
 
-    async with connected(transport_name, remote) as (transport, peer):
+    async with connected(transport_name, remote, host_cma=False) as (transport, peer):
         kept = await remote_buffer(transport, peer, remote, "kept", 4096)
         src = random_tensor(4096, seed=7)
         await transport.register(src)
@@ -416,7 +417,9 @@ async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None
 
 async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that makes no progress ends with TransferTimeout at its stall deadline, leaving nothing behind."""
-    options = {} if transport_name == "local" else {"same_process": "transport"}
+    options: dict[str, object] = {} if transport_name == "local" else {"same_process": "transport"}
+    if transport_name == "nixl":
+        options["host_cma"] = False  # the NIXL path stalls here; test_stall_deadline_cma covers the other one
     async with get_transport(transport_name)(**options) as a, get_transport(transport_name)(**options) as b:
         pa = await a.connect(b.address)
         pb = await b.accept()
@@ -450,6 +453,38 @@ async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPat
                 1,
                 4,
             )  # the remote agent (+ handles NIXL would not release)
+
+
+@pytest.mark.parametrize("transport_name", ["nixl"])
+async def test_stall_deadline_cma(
+    transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process_vm_writev slice that takes longer than the stall deadline: TransferTimeout once it returns (a
+    system call is not abandoned), nothing in flight after; the next write goes through."""
+    import time
+
+    from kvferry.transports import _cma
+
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "slow", MiB)
+        src = random_tensor(MiB, seed=11)
+        await transport.register(src)
+        write = _cma.write
+
+        def slow(pid: int, s: object, d: object) -> None:
+            time.sleep(0.6)
+            write(pid, s, d)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_cma, "write", slow)
+        with anyio.fail_after(10), pytest.raises(TransferTimeout):
+            await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"n", stall_timeout=0.3)
+        monkeypatch.undo()
+        assert transport.statistics().writes_in_flight == 0
+        before = transport.cma_writes  # type: ignore[attr-defined]
+        await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"n")
+        assert transport.cma_writes == before + 1  # type: ignore[attr-defined]
+        digest = await remote.call(op="digest", name="slow", fragments=[[0, MiB]])
+        assert digest["sha"] == sha(src.numpy().tobytes())
 
 
 async def test_use_after_aclose(transport_name: str, remote: Remote) -> None:
