@@ -66,7 +66,7 @@ from kvferry.engine.disagg.transfer import (
 )
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine, LockstepCache
-from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, TransferError
+from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, TransferError, TransportError
 from kvferry.pools.manager import CacheState, Offload, Resumed
 from kvferry.transports import Peer, Registration, Transport
 
@@ -266,7 +266,12 @@ class ContextWorker:
                 elif isinstance(message, ReceiveRequest):
                     held = self._held.get(message.key)
                     if held is None:
+                        # nothing is held for it (released, or its hold ran out): every writer fails it at
+                        # once, so the receiver frees its pages instead of waiting into doubt
                         log.warning("receive request for unknown key %r", message.key)
+                        tg.start_soon(
+                            self._fail_request, peer, peer_map, message, f"no cache held for {message.key!r}"
+                        )
                     else:
                         held.request = message
                         held.ready.set()
@@ -365,6 +370,17 @@ class ContextWorker:
             self._held.pop(req.key, None)
             self.cache.release(rid)  # synchronous: no cancel can interrupt it
 
+    async def _fail_request(self, peer: Peer, peer_map: PeerMap, request: ReceiveRequest, why: str) -> None:
+        """A receive request we cannot serve: every writer reports a failure (nothing is written), so the
+        receiver completes it as failed and frees its pages."""
+        session = SendSession(request.session_id, {w: [] for w in expected_writers(peer_map)})
+        with contextlib.suppress(TransportError):
+            for w in session.writers:
+                await self.transport.send_message(
+                    peer, encode_control(session.result(w, 0, ChunkStatus.FAILED, why))
+                )
+        self._counts["failed"] += 1
+
     async def _push(
         self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, rid: int, request: ReceiveRequest
     ) -> None:
@@ -389,13 +405,7 @@ class ContextWorker:
         except KvferryError as exc:
             # a request we cannot serve: every writer reports a failure, so the receiver completes (failed)
             log.warning("cannot plan transfer %s: %s", request.session_id, exc)
-            plan = {w: [] for w in expected_writers(peer_map)}
-            session = SendSession(request.session_id, plan)
-            for w in session.writers:
-                await self.transport.send_message(
-                    peer, encode_control(session.result(w, 0, ChunkStatus.FAILED, str(exc)))
-                )
-            self._counts["failed"] += 1
+            await self._fail_request(peer, peer_map, request, str(exc))
             return
         session = SendSession(request.session_id, plan)
         self._sending[request.session_id] = session

@@ -34,7 +34,7 @@ from kvferry.engine.disagg.router import RoutedGeneration, Router
 from kvferry.engine.disagg.serve import _options
 from kvferry.engine.disagg.session import Receiver, ReceiveSession, ReceiveState
 from kvferry.engine.runner import BuiltEngine, build_engine
-from kvferry.errors import WireFormatError
+from kvferry.errors import KvferryError, WireFormatError
 from kvferry.transports import Peer, Transport, get_transport
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -148,6 +148,8 @@ class _Tap:
         self.inner = inner
         self.requests: list[ReceiveRequest] = []
         self.swallow = False
+        #: seconds a receive request waits before it goes out
+        self.delay = 0.0
 
     async def send_message(self, peer: Peer, data: bytes) -> None:
         try:
@@ -159,6 +161,7 @@ class _Tap:
             if self.swallow:
                 await anyio.lowlevel.checkpoint()
                 return
+            await anyio.sleep(self.delay)
         await self.inner.send_message(peer, data)
 
     def __getattr__(self, name: str) -> Any:
@@ -196,7 +199,7 @@ class _Paired:
 
 @asynccontextmanager
 async def serving(
-    *, write_delay: float = 0.0, max_chunk_bytes: int | None = None
+    *, write_delay: float = 0.0, max_chunk_bytes: int | None = None, hold_timeout: float = 60.0
 ) -> AsyncIterator[tuple[Router, GenerationWorker, ContextWorker, _Tap, _Paired]]:
     """Both roles in this process over the local transport, each behind a test wrapper."""
     gen = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
@@ -207,7 +210,13 @@ async def serving(
         worker = GenerationWorker(gen, tap)  # type: ignore[arg-type]
         async with factory() as ctx_transport, ctx.engine:
             paired = _Paired(ctx_transport)
-            context = ContextWorker(ctx, paired, write_delay=write_delay, max_chunk_bytes=max_chunk_bytes)  # type: ignore[arg-type]
+            context = ContextWorker(  # type: ignore[arg-type]
+                ctx,
+                paired,
+                write_delay=write_delay,
+                max_chunk_bytes=max_chunk_bytes,
+                hold_timeout=hold_timeout,
+            )
             peer = await gen_transport.connect(ctx_transport.address)
             ctx_peer = await ctx_transport.accept()
             tg.start_soon(context.serve, ctx_peer)
@@ -354,4 +363,26 @@ async def test_a_cancel_during_the_push_is_answered_by_the_writers_reports() -> 
         assert (s["pushed"], s["cancelled"]) == (1, 0)
         assert worker.receiver.statistics()["cancelled"] == 1
         context.write_delay = 0.0
+        await serves_on(router, worker)
+
+
+@pytest.mark.asyncio
+async def test_a_receive_request_after_the_hold_ran_out_fails_at_once_and_frees_the_pages() -> None:
+    """The context side no longer holds the prompt's cache when the receive request comes: every writer
+    reports a failure, so the receiver frees its pages now (before: no report, in doubt after the stall
+    deadline, pages quarantined until the connection dropped)."""
+    await expected()
+    async with serving(hold_timeout=0.05) as (router, worker, context, tap, _):
+        gen = worker.built
+        before = counts(gen)
+        tap.delay = 0.5  # the request leaves after the context side let the cache go
+        with anyio.fail_after(10), pytest.raises(KvferryError, match="no cache held"):
+            await router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
+        tap.delay = 0.0
+        context.hold_timeout = 60.0  # the next requests must not race a short hold on a loaded machine
+        assert worker.receiver is not None
+        await until(lambda: counts(gen) == before, 5, lambda: (counts(gen), before, worker.receiver))
+        s = worker.receiver.statistics()
+        assert (s["quarantined"], s["in_doubt"], s["failed"]) == (0, 0, 1)
+        assert context.statistics()["pushed"] == 0
         await serves_on(router, worker)
