@@ -158,8 +158,8 @@ async def _probe_main(name: str, device: str) -> None:
     import anyio
 
     with await anyio.to_thread.run_sync(lambda: PeerProcess(name, device=device, env=clean)) as proc:
-        # the UCX transports of NIXL itself: its CUDA IPC path (cuda_ipc) would bypass them
-        options = {"cuda_ipc": False} if name == "nixl" else {}
+        # the UCX transports of NIXL itself: our same-host paths (CUDA IPC, process_vm_writev) would bypass them
+        options = {"cuda_ipc": False, "host_cma": False} if name == "nixl" else {}
         async with get_transport(name)(**options) as transport:
             peer = await transport.connect(proc.address)
             size = 4 << 20
