@@ -14,7 +14,7 @@ Rows (``kind``):
   ratio is taken against that paired time, so that load from other processes hits both alike;
 - ``memcpy``: ``torch`` copy of the same bytes inside this process;
 - ``nixl-per-page``: NIXL with one descriptor per page, coalescing off (what a user without kvferry writes);
-- ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its CUDA IPC path off (every byte through
+- ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its same-host paths off (CUDA IPC, process_vm_writev; every byte through
   NIXL descriptors), coalescing on;
 - ``gloo``: torch.distributed (gloo) send/recv of the same bytes, scattered after (always host memory: gloo
   has no CUDA path).
@@ -208,8 +208,8 @@ async def _nixl_baselines(
     whole = np.array([[src.data_ptr(), total]], dtype=np.uint64)
     whole_dst = np.array([[dst, total]], dtype=np.uint64)
     async with (
-        get_transport("nixl")(cuda_ipc=False) as plain,
-        get_transport("nixl")(coalesce=False, cuda_ipc=False) as naive,
+        get_transport("nixl")(cuda_ipc=False, host_cma=False) as plain,
+        get_transport("nixl")(coalesce=False, cuda_ipc=False, host_cma=False) as naive,
     ):
         plain_peer = await plain.connect(proc.address)
         naive_peer = await naive.connect(proc.address)
