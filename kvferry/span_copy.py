@@ -18,10 +18,13 @@ an allocation is a device fault that kills the process. Triton is imported lazil
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+log = logging.getLogger("kvferry.span_copy")
 
 __all__ = [
     "BLOCK_WORDS",
@@ -187,9 +190,10 @@ def copy_spans(
     programs_per_sm: int = PROGRAMS_PER_SM,
     streaming: bool = STREAMING,
     rotate: int = ROTATE,
-) -> int:
+) -> int | None:
     """Queue ``lengths[i]`` bytes from address ``src[i]`` to address ``dst[i]`` for every ``i`` on the current
-    stream of ``device`` (a CUDA torch device); returns the number of pieces launched (0: nothing to copy).
+    stream of ``device`` (a CUDA torch device); returns the number of pieces launched (0: nothing to copy), or
+    None when Triton could not build or launch the kernel (logged; nothing was queued: copy another way).
 
     The caller has checked that every span lies in memory of ``device`` this process may touch, and that no
     destination overlaps another span. Returns without synchronising: the copy is done once the stream has
@@ -204,18 +208,23 @@ def copy_spans(
     programs = len(table)
     if programs_per_sm > 0:
         programs = min(programs, programs_per_sm * _multiprocessors(device))
-    with torch.cuda.device(device):
-        _kernel()[(programs,)](
-            _Base(base),
-            device_table,
-            len(table),
-            WORD=word,
-            ALIGN=align,
-            BLOCK=block_words,
-            STREAM=streaming,
-            ROTATE=rotate,
-            num_warps=num_warps,
-        )
+    try:
+        with torch.cuda.device(device):
+            _kernel()[(programs,)](
+                _Base(base),
+                device_table,
+                len(table),
+                WORD=word,
+                ALIGN=align,
+                BLOCK=block_words,
+                STREAM=streaming,
+                ROTATE=rotate,
+                num_warps=num_warps,
+            )
+    except Exception as exc:  # a compiler or driver problem only costs the fast path
+        log.warning("the batched span copy failed (%s); copying another way", exc)
+        _kernel.cache_clear()
+        return None
     return len(table)
 
 

@@ -323,8 +323,7 @@ def _triton_copy(
     if not (src.is_cuda and dst.device == src.device and span_copy.available(src.device)):
         return False
     s_base, d_base = src.data_ptr(), dst.data_ptr()
-    span_copy.copy_spans(src.device, s_base + src_offsets, d_base + dst_offsets, lengths)
-    return True
+    return span_copy.copy_spans(src.device, s_base + src_offsets, d_base + dst_offsets, lengths) is not None
 
 
 def gather_fragments(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,6 @@ from kvferry.transports.wire import RegionInfo
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("kvferry.transports")
 
 __all__ = [
     "CopyPlan",
@@ -256,11 +253,10 @@ class CopyPlan:
 
     def _device_rows(self, rows: npt.NDArray[np.int64], view: Any) -> None:
         """Queue the copy of ``rows`` (all between CUDA ranges of one device): one batched launch when Triton
-        imports, else indexed copies per pair of regions."""
+        imports and builds the kernel, else indexed copies per pair of regions."""
         import torch
 
-        si = self.src_index[rows]
-        device = torch.device(self.src_regions.regions[int(si[0])].device)
+        device = torch.device(self.src_regions.regions[int(self.src_index[rows[0]])].device)
         if span_copy.available(device):
             # the device's own copy for the few largest spans (it beats any kernel on long runs), one batched
             # launch for the rest
@@ -275,11 +271,15 @@ class CopyPlan:
                     int(self.src[row, 0]) - self.src_regions.regions[s].address,
                     int(self.src[row, 1]),
                 )
-            rest = rows[~copied]
-            if len(rest):
-                span_copy.copy_spans(device, self.src[rest, 0], self.dst[rest, 0], self.src[rest, 1])
-            return
-        pairs = si * (1 << 32) + self.dst_index[rows]
+            rows = rows[~copied]
+            if not len(rows):
+                return
+            if (
+                span_copy.copy_spans(device, self.src[rows, 0], self.dst[rows, 0], self.src[rows, 1])
+                is not None
+            ):
+                return
+        pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
         for key in np.unique(pairs):
             chosen = rows[pairs == key]
             s, d = int(self.src_index[chosen[0]]), int(self.dst_index[chosen[0]])

@@ -305,13 +305,14 @@ class NixlTransport(ChannelTransport):
         # The C++ agent is destroyed with its last reference; nothing of it may outlive the transport.
         self._agent = None
 
+    def _registered(self, extra: TensorRegistration | None = None) -> list[TensorRegistration]:
+        return [*self._registrations, *([extra] if extra is not None else [])]
+
     def _exports(self, extra: TensorRegistration | None = None) -> list[_IpcExport]:
-        registrations = [*self._registrations, *([extra] if extra is not None else [])]
-        return [e for r in registrations for e in (r.backend[1] if r.backend else ())]
+        return [e for r in self._registered(extra) for e in (r.backend[1] if r.backend else ())]
 
     def _host_regions(self, extra: TensorRegistration | None = None) -> list[wire.RegionInfo]:
-        registrations = [*self._registrations, *([extra] if extra is not None else [])]
-        return [i for r in registrations for i in r.infos if i.device == "cpu"]
+        return [i for r in self._registered(extra) for i in r.infos if i.device == "cpu"]
 
     def _backend_hello(self) -> bytes:
         return _pack_blob(self._agent.get_agent_metadata(), self._exports(), host=self._host_regions())
@@ -492,11 +493,18 @@ class NixlTransport(ChannelTransport):
         name = peer.backend
         if name is None:
             raise peer.error
-        route = self._ipc_route(peer, src, dst)
+        # the regions of the source rows, once for both same-host routes
+        src_index = self.own_regions.locate(src, "source")
+        src_devices = {self.own_regions.regions[int(i)].device for i in np.unique(src_index)}
+        route = self._ipc_route(peer, src_index, src_devices, dst)
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
             return
-        if self._cma_route(peer, src, dst) and await self._cma_write(peer, src, dst, notify, stall):
+        if (
+            src_devices == {"cpu"}
+            and self._cma_route(peer, dst)
+            and await self._cma_write(peer, src, dst, notify, stall)
+        ):
             return
         self._check_refused(peer, dst)
         local, local_mem = _descs(src, self.own_regions, "source")
@@ -575,21 +583,12 @@ class NixlTransport(ChannelTransport):
 
     # --- host memory by process_vm_writev ------------------------------------------------------------
 
-    def _cma_route(self, peer: ChannelPeer, src: Fragments, dst: Fragments) -> bool:
-        """True when every row is host memory on both sides, the peer is a process of this host we may attach to
-        (as far as we know), and every destination lies in a host region its NIXL blob lists: checked apart from
-        the channel's check, as NIXL checks its own metadata (the kernel would write anywhere the peer maps)."""
+    def _cma_route(self, peer: ChannelPeer, dst: Fragments) -> bool:
+        """(For host-memory sources.) True when the peer is a process of this host we may attach to (as far as we
+        know) and every destination lies in a host region its NIXL blob lists: checked apart from the channel's
+        check, as NIXL checks its own metadata (the kernel would write anywhere the peer maps)."""
         table = self._cma_tables.get(peer)
-        if (
-            not self._host_cma
-            or not peer.same_host
-            or peer in self._cma_refused
-            or table is None
-            or not len(src)
-        ):
-            return False
-        own = self.own_regions
-        if any(own.regions[int(i)].device != "cpu" for i in np.unique(own.locate(src, "source"))):
+        if not self._host_cma or not peer.same_host or peer in self._cma_refused or table is None:
             return False
         try:
             table.locate(dst, "destination")
@@ -627,14 +626,13 @@ class NixlTransport(ChannelTransport):
 
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
-    def _ipc_route(self, peer: ChannelPeer, src: Fragments, dst: Fragments) -> _IpcRoute | None:
-        """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL)."""
+    def _ipc_route(
+        self, peer: ChannelPeer, src_index: npt.NDArray[np.int64], src_devices: set[str], dst: Fragments
+    ) -> _IpcRoute | None:
+        """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL).
+        ``src_index``/``src_devices``: our regions of the source rows and their devices."""
         ipc = self._ipc.get(peer)
-        if ipc is None or ipc.failed or not ipc.exports or len(src) == 0:
-            return None
-        own = self.own_regions
-        src_index = own.locate(src, "source")
-        if any(own.regions[int(i)].device == "cpu" for i in np.unique(src_index)):
+        if ipc is None or ipc.failed or not ipc.exports or len(src_index) == 0 or "cpu" in src_devices:
             return None
         if not self._ipc_map(ipc):
             return None
