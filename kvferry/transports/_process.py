@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -18,29 +18,44 @@ __all__ = ["PeerProcess"]
 class PeerProcess:
     """The other end of a transfer, in its own process. Use as a context manager; ``close()`` ends it."""
 
-    def __init__(self, name: str, *, device: str = "cpu", env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: str = "cpu",
+        env: Mapping[str, str] | None = None,
+        argv: Sequence[str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        """``argv``: another peer program speaking the same protocol (default :mod:`kvferry.transports._peer`)."""
+        self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.transports._peer", name, "--device", device],
+            list(argv or [sys.executable, "-m", "kvferry.transports._peer", name, "--device", device]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self._lock = threading.Lock()
-        info = self._read()
-        self.address: str = info["address"]
+        #: the peer's first line (its address, and what else that program tells)
+        self.info = self._read()
+        self.address: str = self.info["address"]
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"the peer process exited ({self.proc.poll()})")
+                raise RuntimeError(f"the peer process {self.name} exited ({self.proc.poll()})")
             if line.startswith("@@"):
-                result: dict[str, Any] = json.loads(line[2:])
-                if "error" in result:
-                    raise RuntimeError(f"peer: {result['error']}: {result['message']}")
-                return result
+                return self._result(json.loads(line[2:]))
+
+    def _result(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A reply that reports an error raises it here."""
+        if "error" in result:
+            raise RuntimeError(f"peer: {result['error']}: {result['message']}")
+        return result
 
     def call_sync(self, cmd: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

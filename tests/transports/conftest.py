@@ -4,12 +4,8 @@ local), a loop-lag monitor, and a leak check."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import json
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from kvferry.transports import Transport, get_transport
+from kvferry.transports import Transport, _process, get_transport
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -28,57 +24,25 @@ from transport_peer import PeerServer, set_ucx_test_env  # noqa: E402
 TRANSPORTS = ["nixl", "ucx", "local"]
 
 
-class PeerProcess:
-    """A transport in another process, driven over stdin/stdout (tests/transports/transport_peer.py)."""
+class PeerProcess(_process.PeerProcess):
+    """A transport in another process, driven over stdin/stdout (tests/transports/transport_peer.py: the
+    library's peer protocol with the test operations); error replies come back as they are."""
 
     def __init__(self, name: str, *args: str, device: str = "cpu") -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "transport_peer.py"), name, "--device", device, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=HERE.parent.parent,
-        )
-        self._lock = threading.Lock()
-        info = self._read()
-        self.address: str = info["address"]
-        self.pid: int = info["pid"]
+        program = [sys.executable, str(HERE / "transport_peer.py"), name, "--device", device, *args]
+        super().__init__(name, device=device, argv=program, cwd=str(HERE.parent.parent))
+        self.pid: int = self.info["pid"]
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise EOFError(f"peer process {self.name} exited ({self.proc.poll()})")
-            if line.startswith("@@"):
-                reply: dict[str, Any] = json.loads(line[2:])
-                return reply
-
-    def call_sync(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-            return self._read()
+    def _result(self, result: dict[str, Any]) -> dict[str, Any]:
+        return result  # the tests read {"error": ...} replies themselves
 
     async def call(self, **cmd: Any) -> dict[str, Any]:
         with anyio.fail_after(60):
-            return await anyio.to_thread.run_sync(self.call_sync, cmd)
+            return await super().call(**cmd)
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(EOFError, BrokenPipeError):
-                self.call_sync({"op": "exit"})
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 class InProcessPeer:
