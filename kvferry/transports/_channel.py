@@ -50,10 +50,10 @@ from kvferry.transports.base import (
     Transport,
     TransportAttribute,
     TransportStatistics,
+    WriteRows,
     as_fragments,
-    check_pairing,
-    coalesce,
     total_bytes,
+    write_rows,
 )
 
 if TYPE_CHECKING:
@@ -696,15 +696,13 @@ class ChannelTransport(Transport):
         stall_timeout: float | None = None,
     ) -> None:
         p = self._live_peer(peer)
-        src_f, dst_f = as_fragments(src), as_fragments(dst)
-        check_pairing(src_f, dst_f)
-        src_f, dst_f = self._checked(p, src_f, dst_f)
+        src_f, dst_f = self._checked(p, write_rows(src, dst, merge=self._coalesce))
         stall = self._stall_timeout if stall_timeout is None else stall_timeout
         self._writes_in_flight += 1
         try:
             if p.same_process and (self._same_process_copy or not self.capabilities.cross_process):
                 async with self.guard(p, stall):
-                    await CopyPlan(src_f, self._own, dst_f, p.regions).run()
+                    await CopyPlan(src_f, self._own, dst_f, p.regions).run(poll=self.writes_in_flight == 1)
                 if notify is not None:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
@@ -717,26 +715,30 @@ class ChannelTransport(Transport):
         self._writes_completed += 1
         self._bytes_written += total_bytes(src_f)
 
-    def _checked(self, p: ChannelPeer, src: Fragments, dst: Fragments) -> tuple[Fragments, Fragments]:
-        """The rows to write (coalesced if asked), once every row is known to lie in registered memory.
+    def _checked(self, p: ChannelPeer, rows: WriteRows) -> tuple[Fragments, Fragments]:
+        """The rows to write (merged if they merge), once every row is known to lie in registered memory.
 
         Merged rows are checked first (fewer rows: a merged row inside one registered range holds every row it
         merged); only when one is not, the rows as given are checked, which names the first bad one, or, when
         each lies in a range but a merged one spans two adjacent ranges, are written unmerged.
         """
-        if self._coalesce:
-            merged_src, merged_dst = coalesce(src, dst)
-            if len(merged_src) < len(src):
-                try:
-                    self._own.locate(merged_src, "source")
-                    p.regions.locate(merged_dst, f"destination at {p.address}")
-                except RegionError:
-                    pass
-                else:
-                    return merged_src, merged_dst
+        if rows.merged_src is not None and rows.merged_dst is not None:
+            try:
+                self._own.locate(rows.merged_src, "source")
+                p.regions.locate(rows.merged_dst, f"destination at {p.address}")
+            except RegionError:
+                pass
+            else:
+                return rows.merged_src, rows.merged_dst
+        src, dst = as_fragments(rows.src), as_fragments(rows.dst)  # every row checked (wrap-around) this time
         self._own.locate(src, "source")
         p.regions.locate(dst, f"destination at {p.address}")
         return src, dst
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Writes of this transport that have not returned yet."""
+        return self._writes_in_flight
 
     @property
     def own_regions(self) -> RegionTable:

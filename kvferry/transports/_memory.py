@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -13,7 +14,7 @@ import numpy.typing as npt
 
 from kvferry import span_copy
 from kvferry.errors import RegionError
-from kvferry.transports.base import Fragments, Registration
+from kvferry.transports.base import Fragments, Registration, total_bytes
 from kvferry.transports.wire import RegionInfo
 
 if TYPE_CHECKING:
@@ -38,6 +39,13 @@ COPY_SLICE_BYTES = 4 << 20
 DEVICE_COPY_BYTES = 32 << 20
 #: at most this many of them per write (each is a launch from Python); longer lists go to the kernel
 MAX_DEVICE_COPIES = 64
+#: a write of at most this many device rows is a ``copy_`` each (cheaper to launch than the batched kernel)
+FEW_DEVICE_COPIES = 8
+#: device waits are polled on the event loop for at most this long, then waited for in a worker thread
+POLL_SECONDS = 1e-3
+#: ... and for at most this long plus the time the copied bytes take at this rate
+POLL_BASE_SECONDS = 100e-6
+POLL_BYTES_PER_SECOND = 1e12
 
 
 def device_of(tensor: torch.Tensor) -> str:
@@ -97,10 +105,14 @@ class RegionTable:
     ``searchsorted`` over a running maximum answers every fragment at once.
     """
 
-    __slots__ = ("_best", "_best_end", "_starts", "regions")
+    __slots__ = ("_best", "_best_end", "_starts", "_views", "device", "regions")
 
     def __init__(self, regions: Sequence[RegionInfo]) -> None:
         self.regions = tuple(regions)
+        devices = {r.device for r in self.regions}
+        #: the one device every range is on, or None (none, or several)
+        self.device: str | None = devices.pop() if len(devices) == 1 else None
+        self._views: dict[int, Any] = {}
         starts = np.array([r.address for r in self.regions], dtype=np.uint64)
         ends = np.array([r.address + r.length for r in self.regions], dtype=np.uint64)
         order = np.argsort(starts, kind="stable")
@@ -117,6 +129,14 @@ class RegionTable:
 
     def __len__(self) -> int:
         return len(self.regions)
+
+    def view(self, index: int) -> Any:
+        """:func:`byte_view` of range ``index``, made once per table (the table is replaced when its ranges
+        change; the owner keeps the ranges registered while the table is in use)."""
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = byte_view(self.regions[index])
+        return view
 
     def locate(self, fragments: Fragments, what: str) -> npt.NDArray[np.int64]:
         """The index (into ``regions``) of a registered range holding each fragment.
@@ -195,16 +215,21 @@ class CopyPlan:
         self.dst_index = dst_regions.locate(dst, "destination") if dst_index is None else dst_index
         self.src_regions, self.dst_regions = src_regions, dst_regions
 
-    async def run(self) -> None:
-        """Copy every row; returns when the bytes are in place (CUDA copies synchronised)."""
-        views: dict[tuple[int, int], Any] = {}
+    async def run(self, *, poll: bool = True) -> None:
+        """Copy every row; returns when the bytes are in place (CUDA copies synchronised).
 
-        def view(table: RegionTable, side: int, index: int) -> Any:
-            key = (side, index)
-            if key not in views:
-                views[key] = byte_view(table.regions[index])
-            return views[key]
+        ``poll``: the end of CUDA copies may be polled on the event loop (:func:`synchronize_cuda`); callers
+        with other copies in flight pass False (several pollers only slow each other down).
 
+        A cancel while the copy runs waits (shielded) for what was queued on the device: nothing lands after
+        the cancel returns.
+        """
+        device = self.src_regions.device
+        if device is not None and device != "cpu" and device == self.dst_regions.device:
+            # every row between CUDA ranges of one device (the common case): no per-row sorting
+            self._device_rows(np.arange(len(self.src)))
+            await synchronize_cuda(total_bytes(self.src), poll=poll)
+            return
         codes: dict[str, int] = {"cpu": -1}
         s_code = np.array(
             [codes.setdefault(r.device, len(codes)) for r in self.src_regions.regions], dtype=np.int64
@@ -222,14 +247,15 @@ class CopyPlan:
             uses_cuda = True
             for code in np.unique(s_dev[same_cuda]):
                 rows = np.flatnonzero(same_cuda & (s_dev == code))
-                self._device_rows(rows, view)
+                self._device_rows(rows)
                 await anyio.lowlevel.checkpoint()
         since_yield = 0
         for row in np.flatnonzero(~same_cuda):
-            s_info = self.src_regions.regions[int(self.src_index[row])]
-            d_info = self.dst_regions.regions[int(self.dst_index[row])]
-            s_view = view(self.src_regions, 0, int(self.src_index[row]))
-            d_view = view(self.dst_regions, 1, int(self.dst_index[row]))
+            s_index, d_index = int(self.src_index[row]), int(self.dst_index[row])
+            s_info = self.src_regions.regions[s_index]
+            d_info = self.dst_regions.regions[d_index]
+            s_view = self.src_regions.view(s_index)
+            d_view = self.dst_regions.view(d_index)
             s_off = int(self.src[row, 0]) - s_info.address
             d_off = int(self.dst[row, 0]) - d_info.address
             length = int(self.src[row, 1])
@@ -249,31 +275,40 @@ class CopyPlan:
                     since_yield = 0
                     await anyio.lowlevel.checkpoint()
         if uses_cuda:
-            await synchronize_cuda()
+            await synchronize_cuda(total_bytes(self.src), poll=poll)
 
-    def _device_rows(self, rows: npt.NDArray[np.int64], view: Any) -> None:
-        """Queue the copy of ``rows`` (all between CUDA ranges of one device): one batched launch when Triton
+    def _copy_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """Queue one ``copy_`` per row."""
+        for row in rows.tolist():
+            s, d = int(self.src_index[row]), int(self.dst_index[row])
+            _torch_copy(
+                self.dst_regions.view(d),
+                int(self.dst[row, 0]) - self.dst_regions.regions[d].address,
+                self.src_regions.view(s),
+                int(self.src[row, 0]) - self.src_regions.regions[s].address,
+                int(self.src[row, 1]),
+            )
+
+    def _device_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """Queue the copy of ``rows`` (all between CUDA ranges of one device): a ``copy_`` each when they are
+        few, else the device's own copy for the few longest and one batched launch for the rest when Triton
         imports and builds the kernel, else indexed copies per pair of regions."""
         import torch
 
+        if len(rows) <= FEW_DEVICE_COPIES:
+            self._copy_rows(rows)
+            return
         device = torch.device(self.src_regions.regions[int(self.src_index[rows[0]])].device)
         if span_copy.available(device):
             # the device's own copy for the few largest spans (it beats any kernel on long runs), one batched
             # launch for the rest
             copied = np.zeros(len(rows), dtype=bool)
             copied[np.flatnonzero(self.src[rows, 1] >= DEVICE_COPY_BYTES)[:MAX_DEVICE_COPIES]] = True
-            for row in rows[copied].tolist():
-                s, d = int(self.src_index[row]), int(self.dst_index[row])
-                _torch_copy(
-                    view(self.dst_regions, 1, d),
-                    int(self.dst[row, 0]) - self.dst_regions.regions[d].address,
-                    view(self.src_regions, 0, s),
-                    int(self.src[row, 0]) - self.src_regions.regions[s].address,
-                    int(self.src[row, 1]),
-                )
-            rows = rows[~copied]
-            if not len(rows):
-                return
+            if copied.any():
+                self._copy_rows(rows[copied])
+                rows = rows[~copied]
+                if not len(rows):
+                    return
             if (
                 span_copy.copy_spans(device, self.src[rows, 0], self.dst[rows, 0], self.src[rows, 1])
                 is not None
@@ -284,22 +319,50 @@ class CopyPlan:
             chosen = rows[pairs == key]
             s, d = int(self.src_index[chosen[0]]), int(self.dst_index[chosen[0]])
             device_copy(
-                view(self.src_regions, 0, s),
+                self.src_regions.view(s),
                 self.src_regions.regions[s].address,
                 self.src[chosen],
-                view(self.dst_regions, 1, d),
+                self.dst_regions.view(d),
                 self.dst_regions.regions[d].address,
                 self.dst[chosen],
             )
 
 
-async def synchronize_cuda() -> None:
-    """Wait (in a worker thread, not on the event loop) until what this thread queued on the current stream ran."""
+async def synchronize_cuda(nbytes: int = 0, *, poll: bool = True) -> None:
+    """Wait until what this thread queued on the current stream ran, without blocking the event loop.
+
+    With ``poll``, a wait the copy of ``nbytes`` should end soon is polled on the loop between its other tasks
+    (at most :data:`POLL_SECONDS`; a hop to a worker thread costs more than such a copy on the H200's host:
+    0.15-0.3 ms); anything longer, or any wait without ``poll``, is waited for in a worker thread. A cancel during the wait is held off until the stream has passed the event (what
+    was queued reads and writes memory the caller may free once we return).
+    """
     import torch
 
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
-    await anyio.to_thread.run_sync(event.synchronize)
+    await wait_event(event, nbytes, poll=poll)
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+async def wait_event(event: _Event, nbytes: int = 0, *, poll: bool = True) -> None:
+    """The wait of :func:`synchronize_cuda` for a recorded ``event`` (anything with ``query`` and
+    ``synchronize``): polled on the loop for at most the budget, then in a worker thread; a cancel is held
+    off until the event has passed."""
+    with anyio.CancelScope(shield=True):
+        if event.query():
+            return
+        budget = min(POLL_SECONDS, POLL_BASE_SECONDS + nbytes / POLL_BYTES_PER_SECOND) if poll else 0.0
+        end = time.perf_counter() + budget
+        while time.perf_counter() < end:
+            await anyio.lowlevel.checkpoint()
+            if event.query():
+                return
+        await anyio.to_thread.run_sync(event.synchronize)
 
 
 #: bound on the temporary buffer of a gather-then-scatter copy (both sides scattered)

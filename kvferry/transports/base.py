@@ -48,6 +48,7 @@ __all__ = [
     "page_fragments",
     "tensor_fragments",
     "total_bytes",
+    "write_rows",
 ]
 
 #: ``(n, 2)`` uint64 array of ``(address, length)`` rows.
@@ -68,15 +69,7 @@ def as_fragments(fragments: npt.ArrayLike) -> Fragments:
 
     :raises ValueError: if the shape or values are not fragments.
     """
-    array = np.asarray(fragments)
-    if array.ndim != 2 or array.shape[1] != 2:
-        raise ValueError(f"fragments must have shape (n, 2), got {array.shape}")
-    if array.dtype.kind == "i":
-        if array.size and int(array.min()) < 0:
-            raise ValueError("fragments hold a negative address or length")
-    elif array.dtype.kind != "u":
-        raise ValueError(f"fragments must be an integer array, got {array.dtype}")
-    out = np.ascontiguousarray(array, dtype=np.uint64)
+    out = _rows(fragments)
     if out.size:
         flat = out.reshape(-1)
         lengths = flat[1::2]
@@ -102,22 +95,103 @@ def coalesce(src: Fragments, dst: Fragments) -> tuple[Fragments, Fragments]:
     :raises ValueError: if ``src`` and ``dst`` do not pair row by row.
     """
     check_pairing(src, dst)
+    merged = _merge(np.ascontiguousarray(src), np.ascontiguousarray(dst))
+    return (src, dst) if merged is None else merged
+
+
+def _merge(
+    src: Fragments, dst: Fragments, delta: npt.NDArray[np.uint64] | None = None
+) -> tuple[Fragments, Fragments] | None:
+    """The merged rows of paired, C-contiguous fragments, or None when no two rows merge. ``delta``: the
+    destination minus the source addresses (mod 2**64), when the caller has it."""
     n = len(src)
     if n <= 1:
-        return src, dst
-    s, d = np.ascontiguousarray(src).reshape(-1), np.ascontiguousarray(dst).reshape(-1)
-    s_addr, lengths, d_addr = s[0::2], s[1::2], d[0::2]
-    joins = (s_addr[:-1] + lengths[:-1]) == s_addr[1:]
-    joins &= (d_addr[:-1] + lengths[:-1]) == d_addr[1:]
-    if not joins.any():
-        return src, dst
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = np.add.reduceat(lengths, starts).astype(np.uint64, copy=False)
+        return None
+    s_addr, lengths, d_addr = src[:, 0], src[:, 1], dst[:, 0]
+    s_end = s_addr + lengths
+    joins = s_end[:-1] == s_addr[1:]
+    # contiguous at the destination too iff the offset between the two sides stays the same
+    if delta is None:
+        delta = d_addr - s_addr
+    joins &= delta[:-1] == delta[1:]
+    breaks = np.flatnonzero(~joins)
+    if len(breaks) == n - 1:
+        return None
+    starts = np.empty(len(breaks) + 1, dtype=np.int64)
+    starts[0], starts[1:] = 0, breaks + 1
+    lasts = np.empty_like(starts)
+    lasts[:-1], lasts[-1] = breaks, n - 1
+    # a merged run is contiguous: its length is its last end minus its first address
+    merged = s_end[lasts] - s_addr[starts]
     new_src = np.empty((len(starts), 2), dtype=np.uint64)
     new_src[:, 0], new_src[:, 1] = s_addr[starts], merged
     new_dst = np.empty((len(starts), 2), dtype=np.uint64)
     new_dst[:, 0], new_dst[:, 1] = d_addr[starts], merged
     return new_src, new_dst
+
+
+class WriteRows(NamedTuple):
+    """The rows of one write, checked as fragments and paired (:func:`write_rows`)."""
+
+    src: Fragments
+    dst: Fragments
+    #: the rows merged where contiguous on both sides (None: nothing merges, or merging was not asked for)
+    merged_src: Fragments | None
+    merged_dst: Fragments | None
+
+
+#: below this many rows a write's rows are checked row by row (:func:`as_fragments`): as fast, and simpler
+_FEW_ROWS = 64
+
+
+def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) -> WriteRows:
+    """:func:`as_fragments` on both sides, :func:`check_pairing`, and (if ``merge``) :func:`coalesce`, in few
+    passes over the rows: what every write does first.
+
+    Where rows merge, the wrap-around check runs on the merged rows (a row that wraps makes the run holding it
+    wrap; lengths are checked positive and their sum small row by row), which saves passes over many rows.
+
+    :raises ValueError: as those three functions do; nothing is returned then.
+    """
+    s, d = _rows(src), _rows(dst)
+    if len(s) < _FEW_ROWS or not merge:
+        s, d = as_fragments(s), as_fragments(d)
+        check_pairing(s, d)
+        merged = _merge(s, d) if merge else None
+        return WriteRows(s, d, *(merged or (None, None)))
+    if s.shape != d.shape:
+        raise ValueError(f"source and destination fragments differ in shape: {s.shape} != {d.shape}")
+    lengths = s[:, 1]
+    # one pass gives both the pairing (lengths agree) and the offsets that decide merging at the destination
+    difference = d - s
+    if bool(difference[:, 1].any()):
+        raise ValueError("source and destination fragments differ in length row by row")
+    if int(lengths.min()) == 0:
+        raise ValueError("fragments hold a zero-length range")
+    if int(lengths.max()) >= (1 << 63) // len(s):
+        # the merged lengths could overflow: check row by row
+        return WriteRows(as_fragments(s), as_fragments(d), *(_merge(s, d) or (None, None)))
+    merged = _merge(s, d, difference[:, 0])
+    ms, md = (s, d) if merged is None else merged
+    if bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any()):
+        raise ValueError("a fragment wraps around the address space")
+    return WriteRows(s, d, *(merged or (None, None)))
+
+
+def _rows(fragments: npt.ArrayLike) -> Fragments:
+    """``fragments`` as a C-contiguous ``(n, 2)`` uint64 array, refusing shapes, dtypes and negative values that
+    are not fragments (the values of the rows are checked by the caller)."""
+    array = np.asarray(fragments)
+    if array.ndim != 2 or array.shape[1] != 2:
+        raise ValueError(f"fragments must have shape (n, 2), got {array.shape}")
+    if array.dtype == np.uint64 and array.flags.c_contiguous:
+        return array
+    if array.dtype.kind == "i":
+        if array.size and int(array.min()) < 0:
+            raise ValueError("fragments hold a negative address or length")
+    elif array.dtype.kind != "u":
+        raise ValueError(f"fragments must be an integer array, got {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.uint64)
 
 
 def check_pairing(src: Fragments, dst: Fragments) -> None:

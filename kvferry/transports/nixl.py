@@ -696,7 +696,8 @@ class NixlTransport(ChannelTransport):
             dst_index=route.dst_index,
         )
         async with self.guard(peer, stall):
-            await plan.run()
+            # polled on the loop only when it is our one write in flight (pollers slow each other down)
+            await plan.run(poll=self.writes_in_flight == 1)
         self.ipc_writes += 1
         if notify is not None:
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)

@@ -440,7 +440,7 @@ async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPat
         else:
             from kvferry.transports import _memory
 
-            async def never(self: object) -> None:
+            async def never(self: object, **options: object) -> None:
                 await anyio.sleep_forever()
 
             monkeypatch.setattr(_memory.CopyPlan, "run", never)

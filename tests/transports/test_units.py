@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvferry.errors import MissingExtraError, RegionError, WireFormatError
 from kvferry.transports import as_fragments, coalesce, get_transport, page_fragments, wire
 from kvferry.transports._memory import RegionTable
+from kvferry.transports.base import check_pairing, write_rows
 from kvferry.transports.wire import RegionInfo
 
 
@@ -48,6 +49,66 @@ def test_coalesce_moves_the_same_bytes(lengths: list[int], rnd: object) -> None:
     cs, cd = coalesce(src, dst)
     assert mapping(cs, cd) == mapping(src, dst)
     assert len(cs) <= len(src)
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.booleans(), st.booleans()), min_size=1, max_size=200),
+    st.sampled_from([np.uint64, np.int64]),
+)
+def test_write_rows_is_as_fragments_pairing_and_coalesce(
+    rows: list[tuple[int, bool, bool]], dtype: type
+) -> None:
+    """The fused preparation of a write returns what the three functions return one after the other, above and
+    below the row count where it switches to checking row by row."""
+    lengths = np.array([n for n, _, _ in rows], dtype=np.int64)
+    # a gap before a row on either side (or both) decides whether it merges with the one before
+    s_gap = np.array([g for _, g, _ in rows], dtype=np.int64)
+    d_gap = np.array([g for _, _, g in rows], dtype=np.int64)
+    src = np.stack([1000 + np.cumsum(lengths + s_gap) - lengths, lengths], axis=1).astype(dtype)
+    dst = np.stack([90000 + np.cumsum(lengths + 3 * d_gap) - lengths, lengths], axis=1).astype(dtype)
+    got = write_rows(src, dst)
+    want_s, want_d = as_fragments(src), as_fragments(dst)
+    check_pairing(want_s, want_d)
+    assert got.src.tolist() == want_s.tolist() and got.dst.tolist() == want_d.tolist()
+    merged_s, merged_d = coalesce(want_s, want_d)
+    if len(merged_s) < len(want_s):
+        assert got.merged_src is not None and got.merged_dst is not None
+        assert got.merged_src.tolist() == merged_s.tolist() and got.merged_dst.tolist() == merged_d.tolist()
+    else:
+        assert got.merged_src is None and got.merged_dst is None
+    unmerged = write_rows(src, dst, merge=False)
+    assert unmerged.merged_src is None and unmerged.src.tolist() == want_s.tolist()
+
+
+@pytest.mark.parametrize("rows", [3, 200])
+def test_write_rows_refuses_what_as_fragments_refuses(rows: int) -> None:
+    """Every refusal holds on both of its paths (few rows: row by row; many: on the merged rows)."""
+    src = page_fragments(1 << 20, 64, np.arange(rows))
+    dst = page_fragments(1 << 30, 64, np.arange(rows))
+
+    def refused(s: np.ndarray, d: np.ndarray, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            write_rows(s, d)
+
+    refused(src[:, :1], dst[:, :1], "shape")
+    refused(src, dst[:-1], "differ in shape")
+    other = dst.copy()
+    other[-1, 1] = 32
+    refused(src, other, "differ in length")
+    zero_s, zero_d = src.copy(), dst.copy()
+    zero_s[1, 1] = zero_d[1, 1] = 0
+    refused(zero_s, zero_d, "zero-length")
+    # the last row wraps around the address space on one side; with many rows it merges into a run first
+    wrap_s = src.copy()
+    wrap_s[:, 0] += np.uint64(2**64 - (1 << 20) - 64 * (rows - 1))
+    refused(wrap_s, dst, "wraps")
+    wrap_d = dst.copy()
+    wrap_d[:, 0] += np.uint64(2**64 - (1 << 30) - 64 * (rows - 1))
+    refused(src, wrap_d, "wraps")
+    refused(np.array([[1, -2]] * rows), np.array([[1, 2]] * rows), "negative")
+    refused(src.astype(np.float64), dst, "integer")
+    huge = np.array([[2**62 * (1 + i % 3), 2**62] for i in range(rows)], dtype=np.uint64)  # 3 * 2**62 + 2**62
+    refused(huge, huge, "wraps")  # lengths this large are checked row by row
 
 
 def test_region_table_with_overlaps() -> None:
@@ -165,3 +226,57 @@ def test_granularity_and_row_indices() -> None:
     assert granularity(np.array([64, 96])) == 32
     rows = row_indices(np.array([5, 0, 9], dtype=np.int64), np.array([2, 1, 3], dtype=np.int64))
     assert rows.tolist() == [5, 6, 0, 9, 10, 11]
+
+
+class _FakeEvent:
+    """A recorded device event that passes after ``polls`` queries, or only when synchronised (``polls`` None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.queries = 0
+        self.synchronized = False
+        self.thread: int | None = None
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+    def synchronize(self) -> None:
+        import threading
+        import time
+
+        time.sleep(0.05)
+        self.thread = threading.get_ident()
+        self.synchronized = True
+
+
+@pytest.mark.anyio
+async def test_device_waits_poll_briefly_then_use_a_thread() -> None:
+    import threading
+
+    from kvferry.transports._memory import POLL_SECONDS, wait_event
+
+    quick = _FakeEvent(polls=3)  # ends within the poll budget: no worker thread
+    await wait_event(quick, 1 << 20)
+    assert quick.queries == 4 and not quick.synchronized
+    slow = _FakeEvent(polls=None)  # never ends by polling: the thread waits, after at most the budget
+    await wait_event(slow, 1 << 30)
+    assert slow.synchronized and slow.thread != threading.get_ident() and slow.queries > 1
+    unpolled = _FakeEvent(polls=3)  # another write is in flight: straight to the thread
+    await wait_event(unpolled, 1 << 20, poll=False)
+    assert unpolled.synchronized and unpolled.queries == 1
+    assert POLL_SECONDS <= 2e-3  # a bounded poll, not a spinning wait
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_device_wait_returns_only_after_the_event() -> None:
+    """What was queued reads and writes memory the caller may free once the wait returns: a cancel waits."""
+    import anyio
+
+    from kvferry.transports._memory import wait_event
+
+    event = _FakeEvent(polls=None)
+    with anyio.move_on_after(0.001) as scope:
+        await wait_event(event, 1 << 30)
+    assert event.synchronized
+    assert scope.cancel_called
