@@ -100,3 +100,20 @@ def test_copy_spans_matches_slices(alignment: int, max_length: int) -> None:
     for s, d, length in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
         expected[d : d + length] = src[s : s + length]
     assert torch.equal(dst, expected)
+
+
+@cuda
+@pytest.mark.gpu
+def test_repeated_launches_skip_the_jit_and_copy_the_same() -> None:
+    """The second launch of a configuration calls the compiled kernel directly; its bytes are as right."""
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    lengths = np.full(64, 4096, dtype=np.int64)
+    src_addr = src.data_ptr() + np.arange(64, dtype=np.int64)[::-1] * 4096
+    for _ in range(3):
+        dst = torch.zeros(64 * 4096, dtype=torch.uint8, device="cuda")
+        direct = span_copy._launcher.direct_launches
+        dst_addr = dst.data_ptr() + np.arange(64, dtype=np.int64) * 4096
+        assert span_copy.copy_spans(src.device, src_addr, dst_addr, lengths) == 64
+        torch.cuda.synchronize()
+        assert torch.equal(dst.view(64, 4096), src[: 64 * 4096].view(64, 4096).flip(0))
+    assert span_copy._launcher.direct_launches >= direct + 1
