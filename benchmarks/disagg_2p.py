@@ -554,6 +554,12 @@ def plot(out: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _poll_seconds() -> float:
+    from kvferry.transports import _memory
+
+    return _memory.POLL_SECONDS
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="nemotron-h-8b")
@@ -584,12 +590,23 @@ def main() -> int:
         "--auto-max-mean-kib", type=int, default=default.max_mean_bytes >> 10, help="auto mode's BouncePolicy"
     )
     parser.add_argument("--in-flight", type=int, default=4, help="writes in flight per writer")
+    parser.add_argument(
+        "--poll-us",
+        type=float,
+        default=None,
+        help="longest poll of a CUDA copy's end on the event loop before waiting in a worker thread "
+        "(default: the library's; 0 always waits in a thread)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.poll_us is not None:
+        from kvferry.transports import _memory
+
+        _memory.POLL_SECONDS = args.poll_us * 1e-6
     if args.role == "sender":
         anyio.run(sender, args)
         return 0
@@ -600,6 +617,7 @@ def main() -> int:
         "transport": args.transport,
         "chunk_bytes": args.chunk_mib << 20,  # 0: plan_transfer's default
         "in_flight": args.in_flight,
+        "poll_seconds": _poll_seconds(),
         "modes": args.modes,
         "auto_policy": {
             "min_fragments": args.auto_min_fragments,

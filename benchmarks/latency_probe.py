@@ -6,7 +6,10 @@ Medians over ``--repeat`` round trips, in microseconds:
 - ``message_rtt``: the same over the transport's control channel;
 - ``write_notify_rtt``: a message to the writer, which writes ``--bytes`` (CUDA by IPC with ``--device cuda``)
   with a notification; timed until the notification arrives (what the disagg benchmark's contiguous write is);
-- ``synchronize_cuda``: recording an event and waiting for it in a worker thread (once per CUDA write).
+- ``synchronize_cuda``: recording an event and waiting for it in a worker thread (once per CUDA write);
+- ``writer_stages`` (``--stages``): the writer's own time per stage of its writes (medians, microseconds), and
+  with ``--device cuda`` micro-timings of the copy path in the writer (launch, table upload, synchronisation,
+  to its own memory and to the peer's memory mapped by CUDA IPC), to find where a small write's time goes.
 
     python benchmarks/latency_probe.py --device cuda --json $OUT/latency_h200.json
 """
@@ -31,10 +34,137 @@ from kvferry.transports import get_transport
 from kvferry.transports._memory import synchronize_cuda
 
 
+class _Stages:
+    """Wall time per call of chosen functions (patched on their owners), in microseconds."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        import inspect
+
+        inner = getattr(owner, name)
+        times = self.times.setdefault(label, [])
+        if inspect.iscoroutinefunction(inner):
+
+            async def timed_async(*a: Any, **k: Any) -> Any:
+                began = time.perf_counter()
+                try:
+                    return await inner(*a, **k)
+                finally:
+                    times.append((time.perf_counter() - began) * 1e6)
+
+            setattr(owner, name, timed_async)
+        else:
+
+            def timed(*a: Any, **k: Any) -> Any:
+                began = time.perf_counter()
+                try:
+                    return inner(*a, **k)
+                finally:
+                    times.append((time.perf_counter() - began) * 1e6)
+
+            setattr(owner, name, timed)
+
+    def medians(self) -> dict[str, float]:
+        return {k: statistics.median(v[1:] or v) for k, v in self.times.items() if v}
+
+
+def _patch_stages(transport: Any) -> _Stages:
+    from kvferry import span_copy
+    from kvferry.transports import _memory
+    from kvferry.transports._channel import ChannelTransport
+
+    stages = _Stages()
+    cls = type(transport)
+    stages.wrap(cls, "write", "write (whole)")
+    stages.wrap(ChannelTransport, "_checked", "checked (pairing, coalesce, locate)")
+    stages.wrap(cls, "_backend_write", "backend write (route + copy + notify)")
+    if hasattr(cls, "_ipc_route"):
+        stages.wrap(cls, "_ipc_route", "ipc route")
+    stages.wrap(_memory.CopyPlan, "run", "CopyPlan.run (queue + sync)")
+    stages.wrap(_memory.CopyPlan, "_device_rows", "device rows (queue)")
+    stages.wrap(span_copy, "piece_table", "piece table")
+    stages.wrap(span_copy, "copy_spans", "copy_spans (table + upload + launch)")
+    stages.wrap(_memory, "synchronize_cuda", "synchronize_cuda")
+    stages.wrap(ChannelTransport, "send_frame", "send_frame")
+    return stages
+
+
+def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> dict[str, float]:
+    """Micro-timings of the CUDA copy path in this process (medians, microseconds)."""
+    from kvferry import span_copy
+
+    own = torch.zeros_like(buffer)
+    ipc = transport._ipc.get(transport._peer(peer))
+    mapped = None
+    if ipc is not None and len(ipc.local):
+        index = ipc.table.locate(np.array([[address, args.bytes]], dtype=np.uint64), "d")
+        mapped = int(address - int(ipc.starts[index[0]]) + int(ipc.local[index[0]]))
+    n = args.bytes
+    table = np.array([[0, 0, n // 8]], dtype=np.int64)
+    pinned = torch.from_numpy(table).pin_memory()
+    device = buffer.device
+
+    def med(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.repeat):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e6
+
+    def spans(dst: int) -> Any:
+        return lambda: span_copy.copy_spans(
+            device,
+            np.array([buffer.data_ptr()], np.uint64),
+            np.array([dst], np.uint64),
+            np.array([n], np.uint64),
+        )
+
+    def synced(fn: Any) -> Any:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()
+
+        return run
+
+    def event_sync() -> None:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        event.synchronize()
+
+    out = {
+        "upload pageable": med(lambda: torch.from_numpy(table).to(device, non_blocking=True)),
+        "upload pinned": med(lambda: pinned.to(device, non_blocking=True)),
+        "copy_spans own (queue)": med(spans(own.data_ptr())),
+        "copy_spans own + sync": med(synced(spans(own.data_ptr()))),
+        "copy_ own + sync": med(synced(lambda: own.copy_(buffer))),
+        "event record + synchronize (idle)": med(event_sync),
+        "empty device synchronize": med(torch.cuda.synchronize),
+    }
+    if mapped is not None:
+        target = torch.as_tensor(_memory_view(mapped, n), device=device)
+        out["copy_spans ipc (queue)"] = med(spans(mapped))
+        out["copy_spans ipc + sync"] = med(synced(spans(mapped)))
+        out["copy_ ipc + sync"] = med(synced(lambda: target.copy_(buffer)))
+    return out
+
+
+def _memory_view(address: int, n: int) -> Any:
+    from kvferry.transports._memory import _CudaArray
+
+    return _CudaArray(address, n)
+
+
 async def writer(args: Any) -> None:
     """The child: echoes messages; on b"write <address>", writes its buffer there with a notification."""
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=args.tcp_port)
     async with get_transport(args.transport)() as transport:
+        stages = _patch_stages(transport) if args.stages else None
         peer = await transport.connect(args.address)
         buffer = torch.randint(0, 256, (args.bytes,), dtype=torch.uint8, device=args.device)
         await transport.register(buffer)
@@ -46,9 +176,16 @@ async def writer(args: Any) -> None:
             )
             while (data := await stream.receive()) != b"done":
                 await stream.send(data)
+        address = 0
         while True:
             message = await transport.receive_message(peer)
             if message == b"bye":
+                report: dict[str, Any] = {}
+                if stages is not None:
+                    report["stages"] = stages.medians()
+                    if args.device.startswith("cuda") and address:
+                        report["micro"] = _micro(args, transport, peer, buffer, address)
+                await transport.send_message(peer, json.dumps(report).encode())
                 return
             if message.startswith(b"write "):
                 address = int(message.split()[1])
@@ -114,6 +251,9 @@ async def measure(args: Any) -> dict[str, Any]:
                     times.append(time.perf_counter() - began)
                 out["synchronize_cuda"] = statistics.median(times) * 1e6
             await transport.send_message(peer, b"bye")
+            report = json.loads(await transport.receive_message(peer))
+            if report:
+                out["writer_stages"] = report
         finally:
             await anyio.to_thread.run_sync(child.wait)
     return out
@@ -128,6 +268,7 @@ def main() -> int:
     parser.add_argument("--tcp-port", type=int, default=47231)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default="", help="cProfile the writer process into this file")
+    parser.add_argument("--stages", action="store_true", help="time the writer's stages (see the docstring)")
     parser.add_argument("--role", default="measure")
     parser.add_argument("--address", default="")
     args = parser.parse_args()

@@ -67,7 +67,7 @@ def stages(
         torch.cuda.synchronize()
 
     def device_rows_sync() -> None:
-        plan._device_rows(rows, lambda *a: None)
+        plan._device_rows(rows)
         torch.cuda.synchronize()
 
     timed: dict[str, Callable[[], Any]] = {
