@@ -13,16 +13,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvferry import span_copy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from span_copy import timed
 
 MiB = 1 << 20
 
@@ -83,22 +86,6 @@ def _on(stream: Any, fn: Callable[[], Any]) -> None:
     with torch.cuda.stream(stream):
         fn()
     current.wait_stream(stream)
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
-    fn()
-    torch.cuda.synchronize()
-    walls, devices = [], []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began = time.perf_counter()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        walls.append(time.perf_counter() - began)
-        devices.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(walls), statistics.median(devices)
 
 
 def main() -> int:
