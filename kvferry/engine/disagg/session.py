@@ -412,17 +412,6 @@ class ReceiveSession:
         done = {w for w, n in self._num_chunks.items() if all((w, c) in self._reports for c in range(n))}
         return len(self.writers) - len(done)
 
-    def writer_done(self, writer: int) -> bool:
-        """Every chunk of ``writer`` reported OK."""
-        n = self._num_chunks.get(writer)
-        return n is not None and all(
-            (r := self._reports.get((writer, c))) is not None and r.status is ChunkStatus.OK for c in range(n)
-        )
-
-    def staged_done(self) -> list[int]:
-        """Writers that bounced and whose every chunk landed OK: their staging areas may be scattered now."""
-        return [w for w, staged in self._staged.items() if staged and self.writer_done(w)]
-
     def staged_landed(self) -> list[ChunkResult]:
         """The OK reports of chunks that landed in a staging area (each may be scattered as soon as it landed)."""
         return [r for r in self._reports.values() if r.staged and r.status is ChunkStatus.OK and r.nbytes]

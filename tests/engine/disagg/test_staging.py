@@ -91,9 +91,9 @@ def test_receive_session_refuses_staged_reports_it_did_not_offer() -> None:
     session.on_result(ChunkResult(1, 1, 0, 2, ChunkStatus.OK, 8, 1, staged=True))
     with pytest.raises(WireFormatError):  # a writer cannot mix staged and direct chunks
         session.on_result(ChunkResult(1, 1, 1, 2, ChunkStatus.OK, 8, 1, staged=False))
-    assert session.staged_done() == []
+    assert [(r.writer, r.chunk) for r in session.staged_landed()] == [(1, 0)]
     session.on_result(ChunkResult(1, 1, 1, 2, ChunkStatus.OK, 8, 1, staged=True))
-    assert session.staged_done() == [1]
+    assert [(r.writer, r.chunk) for r in session.staged_landed()] == [(1, 0), (1, 1)]
 
 
 # --- whole transfers over the local transport ------------------------------------------------------------
