@@ -4,6 +4,9 @@ tiny engine, whose tokens and draft proposals disaggregated serving must reprodu
 from __future__ import annotations
 
 import random
+from typing import Any
+
+import anyio
 
 from kvferry.engine.disagg.serve import _options
 from kvferry.engine.runner import build_engine
@@ -30,3 +33,24 @@ async def aggregated(prompts: list[list[int]]) -> Result:
             tokens.append(await g.collect())
             drafts.append(list(g.request.draft_history))
     return tokens, drafts
+
+
+async def run_disaggregated(router: Any, parts: dict[str, Any]) -> tuple[Result, list[Any]]:
+    """Every prompt through ``router`` at once, after poisoning the receiver's free pages and slots (a correct
+    transfer, bounced or not, overwrites all it uses); the result to compare with :func:`aggregated`, and each
+    request's transfer. Returns once the generation engine is idle."""
+    gen = parts["gen"]
+    for arena in gen.arenas:
+        for group in ("attention", "draft", "mamba2"):
+            arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
+    routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
+    got: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        got[i] = await routed[i].collect()
+
+    async with anyio.create_task_group() as tg:  # concurrent: leases of several transfers overlap
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    await gen.engine.wait_idle()
+    return (got, [r.draft_history for r in routed]), [r.transfer for r in routed]

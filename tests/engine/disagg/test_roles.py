@@ -21,7 +21,7 @@ from kvferry.pools.pagetable import PageTable
 from kvferry.transports import get_transport
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
+from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,21 +47,8 @@ async def test_disaggregated_tokens_and_proposals_equal_aggregated(
         gen, ctx = parts["gen"], parts["ctx"]
         gen_free = gen.cache.statistics()
         ctx_free = ctx.cache.statistics()
-        # poison every free page and slot of the receiver: a correct transfer overwrites what it uses
-        for arena in gen.arenas:
-            for group in ("attention", "draft", "mamba2"):
-                arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
-        routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
-        got: list[list[int]] = [[] for _ in PROMPTS]
-
-        async def one(i: int) -> None:
-            got[i] = await routed[i].collect()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i)
-        assert (got, [r.draft_history for r in routed]) == expected
-        await gen.engine.wait_idle()
+        got, _transfers = await run_disaggregated(router, parts)
+        assert got == expected
         with anyio.fail_after(5):
             while parts["context"].statistics()["held"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)

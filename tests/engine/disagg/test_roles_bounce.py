@@ -18,7 +18,7 @@ from kvferry.engine.disagg.serve import disaggregated
 from kvferry.engine.disagg.staging import StagingPool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
+from reference import PROMPTS, SPEC_K, Result, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,24 +35,6 @@ async def expected() -> Result:
 def writing_pairs(peer_map: PeerMap) -> int:
     """Writers with bytes to send (elected-out writers report an empty write and never bounce)."""
     return sum(peer_map.writes(s, d) for d in range(peer_map.dst_tp) for s in peer_map.expected_writers(d))
-
-
-async def run_all(router: Any, parts: dict[str, Any]) -> tuple[Result, list[Any]]:
-    gen = parts["gen"]
-    for arena in gen.arenas:  # poisoned free pages: a transfer (bounced or not) must overwrite all it uses
-        for group in ("attention", "draft", "mamba2"):
-            arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
-    routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
-    got: list[list[int]] = [[] for _ in PROMPTS]
-
-    async def one(i: int) -> None:
-        got[i] = await routed[i].collect()
-
-    async with anyio.create_task_group() as tg:  # concurrent: leases of several transfers overlap
-        for i in range(len(PROMPTS)):
-            tg.start_soon(one, i)
-    await gen.engine.wait_idle()
-    return (got, [r.draft_history for r in routed]), [r.transfer for r in routed]
 
 
 async def settled(parts: dict[str, Any]) -> None:
@@ -94,7 +76,7 @@ async def test_forced_bounce_equals_aggregated(
         separate_process=separate,
         bounce=BouncePolicy.always(),
     ) as (router, parts):
-        got, transfers = await run_all(router, parts)
+        got, transfers = await run_disaggregated(router, parts)
         assert got == reference
         worker: GenerationWorker = parts["worker"]
         assert worker.peer_map is not None
@@ -130,7 +112,7 @@ async def test_a_staging_pool_too_small_falls_back_to_direct_or_half_bounced_wri
             # the receiver offers areas; the writers find no room in their own pool and write directly
             # (a stand-in pool: nothing is ever reserved in it, so it needs no registration)
             context.staging = StagingPool.allocate(16 << 10)
-        got, transfers = await run_all(router, parts)
+        got, transfers = await run_disaggregated(router, parts)
         assert got == reference
         # offered areas without room to pack: the writers write their own runs into the areas (half-bounce)
         assert [t.bounced for t in transfers] == [0 if short == "both" else 2] * len(PROMPTS)
@@ -174,7 +156,7 @@ async def test_each_worker_registers_its_memory_once_for_its_life(monkeypatch: p
         after_start = list(calls)
         reference = await expected()
         for round_ in range(2):
-            got, _transfers = await run_all(router, parts)
+            got, _transfers = await run_disaggregated(router, parts)
             # the second round reuses the context side's prefix cache, whose draft KV the manager zeroes (so
             # do aggregated engines: their drafts differ on a reused prompt too); tokens stay exact
             assert got == reference if round_ == 0 else got[0] == reference[0]
