@@ -722,6 +722,7 @@ class ChannelTransport(Transport):
         merged); only when one is not, the rows as given are checked, which names the first bad one, or, when
         each lies in a range but a merged one spans two adjacent ranges, are written unmerged.
         """
+        src, dst = rows.src, rows.dst
         if rows.merged_src is not None and rows.merged_dst is not None:
             try:
                 self._own.locate(rows.merged_src, "source")
@@ -730,7 +731,8 @@ class ChannelTransport(Transport):
                 pass
             else:
                 return rows.merged_src, rows.merged_dst
-        src, dst = as_fragments(rows.src), as_fragments(rows.dst)  # every row checked (wrap-around) this time
+            # the wrap-around check ran on the merged rows: the rows as given get it row by row now
+            src, dst = as_fragments(src), as_fragments(dst)
         self._own.locate(src, "source")
         p.regions.locate(dst, f"destination at {p.address}")
         return src, dst

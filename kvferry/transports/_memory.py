@@ -333,8 +333,9 @@ async def synchronize_cuda(nbytes: int = 0, *, poll: bool = True) -> None:
 
     With ``poll``, a wait the copy of ``nbytes`` should end soon is polled on the loop between its other tasks
     (at most :data:`POLL_SECONDS`; a hop to a worker thread costs more than such a copy on the H200's host:
-    0.15-0.3 ms); anything longer, or any wait without ``poll``, is waited for in a worker thread. A cancel during the wait is held off until the stream has passed the event (what
-    was queued reads and writes memory the caller may free once we return).
+    0.15-0.3 ms); anything longer, or any wait without ``poll``, is waited for in a worker thread. A cancel
+    during the wait is held off until the stream has passed the event (what was queued reads and writes
+    memory the caller may free once we return).
     """
     import torch
 

@@ -131,7 +131,11 @@ def _merge(
 
 
 class WriteRows(NamedTuple):
-    """The rows of one write, checked as fragments and paired (:func:`write_rows`)."""
+    """The rows of one write, checked as fragments and paired (:func:`write_rows`).
+
+    Where rows merged, the wrap-around check ran on the merged rows only: whoever writes ``src``/``dst`` as
+    given instead checks them with :func:`as_fragments` first.
+    """
 
     src: Fragments
     dst: Fragments
