@@ -696,17 +696,20 @@ class ChannelTransport(Transport):
         stall_timeout: float | None = None,
     ) -> None:
         p = self._live_peer(peer)
-        src_f, dst_f = self._checked(p, write_rows(src, dst, merge=self._coalesce))
+        src_f, dst_f, src_index, dst_index = self._checked(p, write_rows(src, dst, merge=self._coalesce))
         stall = self._stall_timeout if stall_timeout is None else stall_timeout
         self._writes_in_flight += 1
         try:
             if p.same_process and (self._same_process_copy or not self.capabilities.cross_process):
                 async with self.guard(p, stall):
-                    await CopyPlan(src_f, self._own, dst_f, p.regions).run(poll=self.writes_in_flight == 1)
+                    plan = CopyPlan(
+                        src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index
+                    )
+                    await plan.run(poll=self.writes_in_flight == 1)
                 if notify is not None:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
-                await self._backend_write(p, src_f, dst_f, notify, stall)
+                await self._backend_write(p, src_f, dst_f, notify, stall, src_index=src_index)
         except BaseException:
             self._writes_failed += 1
             raise
@@ -715,8 +718,11 @@ class ChannelTransport(Transport):
         self._writes_completed += 1
         self._bytes_written += total_bytes(src_f)
 
-    def _checked(self, p: ChannelPeer, rows: WriteRows) -> tuple[Fragments, Fragments]:
-        """The rows to write (merged if they merge), once every row is known to lie in registered memory.
+    def _checked(
+        self, p: ChannelPeer, rows: WriteRows
+    ) -> tuple[Fragments, Fragments, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The rows to write (merged if they merge) and the registered ranges (of ours, of the peer's) that hold
+        each, once every row is known to lie in registered memory.
 
         Merged rows are checked first (fewer rows: a merged row inside one registered range holds every row it
         merged); only when one is not, the rows as given are checked, which names the first bad one, or, when
@@ -725,17 +731,17 @@ class ChannelTransport(Transport):
         src, dst = rows.src, rows.dst
         if rows.merged_src is not None and rows.merged_dst is not None:
             try:
-                self._own.locate(rows.merged_src, "source")
-                p.regions.locate(rows.merged_dst, f"destination at {p.address}")
+                src_index = self._own.locate(rows.merged_src, "source")
+                dst_index = p.regions.locate(rows.merged_dst, f"destination at {p.address}")
             except RegionError:
                 pass
             else:
-                return rows.merged_src, rows.merged_dst
+                return rows.merged_src, rows.merged_dst, src_index, dst_index
             # the wrap-around check ran on the merged rows: the rows as given get it row by row now
             src, dst = as_fragments(src), as_fragments(dst)
-        self._own.locate(src, "source")
-        p.regions.locate(dst, f"destination at {p.address}")
-        return src, dst
+        src_index = self._own.locate(src, "source")
+        dst_index = p.regions.locate(dst, f"destination at {p.address}")
+        return src, dst, src_index, dst_index
 
     @property
     def writes_in_flight(self) -> int:
@@ -816,8 +822,16 @@ class ChannelTransport(Transport):
         raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
 
     async def _backend_write(
-        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+        self,
+        peer: ChannelPeer,
+        src: Fragments,
+        dst: Fragments,
+        notify: bytes | None,
+        stall: float,
+        *,
+        src_index: npt.NDArray[np.int64],
     ) -> None:
+        """Write ``src`` (rows of ours; ``src_index``: the registered range of each) to ``dst`` at ``peer``."""
         raise PeerIncompatible(f"{self.name} transport cannot write to another process")
 
     @asynccontextmanager

@@ -488,13 +488,18 @@ class NixlTransport(ChannelTransport):
     # --- writes --------------------------------------------------------------------------------------
 
     async def _backend_write(
-        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+        self,
+        peer: ChannelPeer,
+        src: Fragments,
+        dst: Fragments,
+        notify: bytes | None,
+        stall: float,
+        *,
+        src_index: npt.NDArray[np.int64],
     ) -> None:
         name = peer.backend
         if name is None:
             raise peer.error
-        # the regions of the source rows, once for both same-host routes
-        src_index = self.own_regions.locate(src, "source")
         src_devices = {self.own_regions.regions[int(i)].device for i in np.unique(src_index)}
         route = self._ipc_route(peer, src_index, src_devices, dst)
         if route is not None:

@@ -94,10 +94,18 @@ def plan_messages(
 class _Views:
     """Byte views of registered ranges, made once per write."""
 
-    def __init__(self, table: RegionTable, fragments: Fragments, what: str) -> None:
+    def __init__(
+        self,
+        table: RegionTable,
+        fragments: Fragments,
+        what: str,
+        *,
+        index: npt.NDArray[np.int64] | None = None,
+    ) -> None:
+        """``index``: the range of each row, when the caller has located them already."""
         self.table = table
         self.fragments = fragments
-        self.index = table.locate(fragments, what)
+        self.index = table.locate(fragments, what) if index is None else index
         self._cache: dict[int, Any] = {}
 
     def row(self, row: int) -> Any:
@@ -347,13 +355,20 @@ class UcxTransport(ChannelTransport):
     # --- writer --------------------------------------------------------------------------------------
 
     async def _backend_write(
-        self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
+        self,
+        peer: ChannelPeer,
+        src: Fragments,
+        dst: Fragments,
+        notify: bytes | None,
+        stall: float,
+        *,
+        src_index: npt.NDArray[np.int64],
     ) -> None:
         endpoint = peer.backend
         if endpoint is None:
             raise peer.error
         plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
-        views = _Views(self.own_regions, src, "source")
+        views = _Views(self.own_regions, src, "source", index=src_index)
         if any(views.table.regions[int(i)].device != "cpu" for i in np.unique(views.index)):
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
             await synchronize_cuda()
