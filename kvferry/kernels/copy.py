@@ -273,9 +273,10 @@ def _torch_copy(
     validated, destinations disjoint and not overlapping the sources).
 
     Rows: ``g`` = gcd of every offset and length, so every fragment is whole ``[g]`` rows of both tensors, viewed
-    as the widest integer dtype that divides ``g`` and both starts. Fragments of at least :data:`SLICE_ROWS_HOST` rows
-    (:data:`SLICE_ROWS_DEVICE` on a GPU) or :data:`SLICE_BYTES` bytes are one slice copy each (numpy on the host: a torch call costs more); the others are indexed row copies, in
-    chunks of about :data:`CHUNK_ROWS` rows.
+    as the widest integer dtype that divides ``g`` and both starts. Fragments of at least
+    :data:`SLICE_ROWS_HOST` rows (:data:`SLICE_ROWS_DEVICE` on a GPU) or :data:`SLICE_BYTES` bytes are one slice
+    copy each (numpy on the host: a torch call costs more); the others are indexed row copies, in chunks of
+    about :data:`CHUNK_ROWS` rows.
     """
     keep = lengths > 0
     src_offsets, dst_offsets, lengths = src_offsets[keep], dst_offsets[keep], lengths[keep]

@@ -14,8 +14,8 @@ Rows (``kind``):
   ratio is taken against that paired time, so that load from other processes hits both alike;
 - ``memcpy``: ``torch`` copy of the same bytes inside this process;
 - ``nixl-per-page``: NIXL with one descriptor per page, coalescing off (what a user without kvferry writes);
-- ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its same-host paths off (CUDA IPC, process_vm_writev; every byte through
-  NIXL descriptors), coalescing on;
+- ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its same-host paths off (CUDA IPC,
+  process_vm_writev; every byte through NIXL descriptors), coalescing on;
 - ``gloo``: torch.distributed (gloo) send/recv of the same bytes, scattered after (always host memory: gloo
   has no CUDA path).
 

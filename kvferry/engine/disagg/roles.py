@@ -427,7 +427,8 @@ class ContextWorker:
         await self.transport.send_message(peer, encode_control(message))
 
     def statistics(self) -> dict[str, int]:
-        """Counts (``bounced``: writers that packed their bytes, bounce or half-bounce), held caches, sessions sending, staging bytes in use."""
+        """Counts (``bounced``: writers that packed their bytes, bounce or half-bounce), held caches, sessions
+        sending, staging bytes in use."""
         return {
             **self._counts,
             "held": len(self._held),

@@ -1,8 +1,8 @@
 """Running the two roles: a context engine in its own OS process, or both in one process.
 
 ``python -m kvferry.engine.disagg.serve --transport ucx --tp 2 ...`` starts a context engine, prints one line
-``kvferry-context {"address": ..., "pid": ...}`` on stdout, serves the first generation peer that connects and exits when
-that peer goes away (or stdin closes). :func:`start_context_process` launches it; :func:`disaggregated` gives a
+``kvferry-context {"address": ..., "pid": ...}`` on stdout, serves the first generation peer that connects and
+exits when that peer goes away (or stdin closes). :func:`start_context_process` launches it; :func:`disaggregated` gives a
 connected :class:`~.router.Router` either way.
 """
 

@@ -759,8 +759,9 @@ async def send(
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
     reported CANCELLED. A packed chunk packs its own bytes into the writer's staging (in a worker thread, one
-    chunk at a time over all writers) right before it is posted; a failed pack fails that chunk. Returns when every posted write has ended and every report was sent (or the
-    peer is gone): then the source pages may be freed, and the writers' staging leases have been released.
+    chunk at a time over all writers) right before it is posted; a failed pack fails that chunk. Returns when
+    every posted write has ended and every report was sent (or the peer is gone): then the source pages may be
+    freed, and the writers' staging leases have been released.
     Never raises for a failed chunk (it is reported instead).
 
     :raises ~kvferry.errors.PeerDisconnected: the peer went away (nothing more can be reported).
