@@ -66,9 +66,8 @@ def write(pid: int, src: Fragments, dst: Fragments) -> None:
     function = _libc()
     if function is None:
         raise OSError(errno.ENOSYS, "process_vm_writev is not available")
-    local = np.ascontiguousarray(
-        src, dtype=np.uint64
-    )  # (address, length) rows == struct iovec on 64-bit Linux
+    # (address, length) rows are struct iovec on 64-bit Linux
+    local = np.ascontiguousarray(src, dtype=np.uint64)
     remote = np.ascontiguousarray(dst, dtype=np.uint64)
     for first in range(0, len(local), IOV_MAX):
         rows = slice(first, first + IOV_MAX)
