@@ -140,6 +140,7 @@ async def sender(args: Any) -> None:
     async with get_transport(args.transport)() as transport:
         peer = await transport.connect(args.address)
         state: dict[str, Any] = {}
+        stages = _stages_of(transport) if args.stages else None
         # every write's own seconds (the rest of ``send`` is the session's bookkeeping and reports)
         writes: list[float] = []
         write = transport.write
@@ -187,6 +188,7 @@ async def sender(args: Any) -> None:
                             "write_s": list(writes),
                             "fragments": stats["fragments"],
                             "packed": packed,
+                            "stages": {} if stages is None else stages.medians(),
                         }
                     ).encode(),
                 )
@@ -380,6 +382,9 @@ async def run_case(
             max(x["write_s"], default=0.0) for x in sender[mode]
         )
         row[f"{mode}_sender_writes_ms"] = 1e3 * statistics.median(sum(x["write_s"]) for x in sender[mode])
+        if sender[mode][-1]["stages"]:
+            # the sender's stages (medians over this case's writes so far, microseconds; --stages)
+            row[f"{mode}_sender_stages_us"] = sender[mode][-1]["stages"]
     mapping = MappingStatistics.total(
         peer_map.pair(s, d)
         .plan(RequestCache(block_ids(spec, args.tokens, seed=2), slot=1), dst, span, policy=BouncePolicy())
@@ -400,6 +405,14 @@ async def run_case(
         if peer_map.writes(s, d)
     )
     return row
+
+
+def _stages_of(transport: Any) -> Any:
+    """The writer's stages timed (``benchmarks/latency_probe.py``'s, on this transport)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from latency_probe import _patch_stages
+
+    return _patch_stages(transport)
 
 
 def _request_bytes(
@@ -596,6 +609,9 @@ def main() -> int:
         default=None,
         help="longest poll of a CUDA copy's end on the event loop before waiting in a worker thread "
         "(default: the library's; 0 always waits in a thread)",
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="time the sender's write stages (see latency_probe.py)"
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)

@@ -11,6 +11,11 @@ Medians over ``--repeat`` round trips, in microseconds:
   with ``--device cuda`` micro-timings of the copy path in the writer (launch, table upload, synchronisation,
   to its own memory and to the peer's memory mapped by CUDA IPC), to find where a small write's time goes.
 
+``--fragments N`` cuts each write into N equal fragments: the source in order, the destination's fragments
+permuted (``kvferry bench transfer``'s layout), so a large fragmented write's stages can be compared with the
+contiguous one's (``--fragments 1``); the micro-timings then copy the same fragments, with device times from
+CUDA events.
+
     python benchmarks/latency_probe.py --device cuda --json $OUT/latency_h200.json
 """
 
@@ -86,6 +91,8 @@ def _patch_stages(transport: Any) -> _Stages:
     stages.wrap(_memory.CopyPlan, "_device_rows", "device rows (queue)")
     stages.wrap(span_copy, "piece_table", "piece table")
     stages.wrap(span_copy, "copy_spans", "copy_spans (table + upload + launch)")
+    stages.wrap(span_copy, "_upload", "table upload")
+    stages.wrap(span_copy._Launcher, "launch", "launch")
     stages.wrap(_memory, "synchronize_cuda", "synchronize_cuda")
     stages.wrap(ChannelTransport, "send_frame", "send_frame")
     return stages
@@ -102,6 +109,8 @@ def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> d
         index = ipc.table.locate(np.array([[address, args.bytes]], dtype=np.uint64), "d")
         mapped = int(address - int(ipc.starts[index[0]]) + int(ipc.local[index[0]]))
     n = args.bytes
+    fragment = n // args.fragments
+    order = _order(args)
     table = np.array([[0, 0, n // 8]], dtype=np.int64)
     pinned = torch.from_numpy(table).pin_memory()
     device = buffer.device
@@ -117,13 +126,24 @@ def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> d
         torch.cuda.synchronize()
         return statistics.median(times) * 1e6
 
+    def med_device(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(min(args.repeat, 50)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
     def spans(dst: int) -> Any:
-        return lambda: span_copy.copy_spans(
-            device,
-            np.array([buffer.data_ptr()], np.uint64),
-            np.array([dst], np.uint64),
-            np.array([n], np.uint64),
-        )
+        s_addr = buffer.data_ptr() + np.arange(args.fragments, dtype=np.int64) * fragment
+        d_addr = dst + order * fragment
+        lengths = np.full(args.fragments, fragment, dtype=np.int64)
+        return lambda: span_copy.copy_spans(device, s_addr, d_addr, lengths)
 
     def synced(fn: Any) -> Any:
         def run() -> None:
@@ -151,7 +171,16 @@ def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> d
         out["copy_spans ipc (queue)"] = med(spans(mapped))
         out["copy_spans ipc + sync"] = med(synced(spans(mapped)))
         out["copy_ ipc + sync"] = med(synced(lambda: target.copy_(buffer)))
+        out["device: copy_spans ipc"] = med_device(spans(mapped))
+        out["device: copy_ ipc"] = med_device(lambda: target.copy_(buffer))
+        out["device: copy_spans own"] = med_device(spans(own.data_ptr()))
+        out["device: copy_ own"] = med_device(lambda: own.copy_(buffer))
     return out
+
+
+def _order(args: Any) -> Any:
+    """Where each source fragment lands (in fragments of the destination)."""
+    return np.random.default_rng(0).permutation(args.fragments).astype(np.int64)
 
 
 def _memory_view(address: int, n: int) -> Any:
@@ -189,8 +218,12 @@ async def writer(args: Any) -> None:
                 return
             if message.startswith(b"write "):
                 address = int(message.split()[1])
-                src = np.array([[buffer.data_ptr(), args.bytes]], dtype=np.uint64)
-                dst = np.array([[address, args.bytes]], dtype=np.uint64)
+                fragment = args.bytes // args.fragments
+                starts = np.arange(args.fragments, dtype=np.uint64) * np.uint64(fragment)
+                src = np.stack([buffer.data_ptr() + starts, np.full_like(starts, fragment)], axis=1)
+                dst = np.stack(
+                    [address + _order(args).astype(np.uint64) * np.uint64(fragment), src[:, 1]], axis=1
+                )
                 await transport.write(peer, src, dst, b"n")
             else:
                 await transport.send_message(peer, message)
@@ -264,6 +297,7 @@ def main() -> int:
     parser.add_argument("--transport", default="nixl")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bytes", type=int, default=4096)
+    parser.add_argument("--fragments", type=int, default=1, help="fragments per write (see the docstring)")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--tcp-port", type=int, default=47231)
     parser.add_argument("--json", default=None)
@@ -279,6 +313,7 @@ def main() -> int:
         "transport": args.transport,
         "device": args.device,
         "bytes": args.bytes,
+        "fragments": args.fragments,
         **anyio.run(measure, args),
     }
     print(json.dumps(out, indent=1))
