@@ -277,12 +277,11 @@ def copy_spans(
     destination overlaps another span. Returns without synchronising: the copy is done once the stream has
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
     """
-    import torch
 
     table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
     if not len(table):
         return 0
-    device_table = torch.from_numpy(table).to(device, non_blocking=True)
+    device_table = _upload(table, device)
     programs = len(table)
     if programs_per_sm > 0:
         programs = min(programs, programs_per_sm * _multiprocessors(device))
@@ -301,6 +300,19 @@ def copy_spans(
         _kernel.cache_clear()
         return None
     return len(table)
+
+
+def _upload(table: npt.NDArray[np.int64], device: Any) -> Any:
+    """``table`` on ``device``, copied on its current stream from pinned host memory.
+
+    The driver may stage a copy from pageable memory synchronously with the work queued on the stream before it
+    (a write that first queued ``copy_`` of its long rows would wait for them on the host). The pinned block
+    comes from torch's caching host allocator, which does not hand it out again before the copy from it ran."""
+    import torch
+
+    host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+    host.numpy()[...] = table
+    return host.to(device, non_blocking=True)
 
 
 def _multiprocessors(device: Any) -> int:
