@@ -63,6 +63,10 @@ __all__ = ["ChannelPeer", "ChannelTransport", "Guard"]
 
 log = logging.getLogger("kvferry.transports")
 
+#: a write's rows once checked: source and destination rows and the registered ranges (ours, the peer's) holding
+#: each
+_Checked = tuple[Fragments, Fragments, npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
 #: internal frames (handshake, regions, write requests) larger than this are a protocol violation
 _MAX_CONTROL_FRAME = 80 << 20
 _DISCARD_CHUNK = 1 << 20
@@ -235,6 +239,7 @@ class ChannelTransport(Transport):
         self._next_write_id = 1
         self._writes_in_flight = 0
         self._writes_completed = 0
+        self._writes_combined = 0
         self._writes_failed = 0
         self._bytes_written = 0
         self._messages_sent = 0
@@ -696,11 +701,60 @@ class ChannelTransport(Transport):
         stall_timeout: float | None = None,
     ) -> None:
         p = self._live_peer(peer)
-        src_f, dst_f, src_index, dst_index = self._checked(p, write_rows(src, dst, merge=self._coalesce))
-        stall = self._stall_timeout if stall_timeout is None else stall_timeout
+        checked = self._checked(p, write_rows(src, dst, merge=self._coalesce))
+        await self._write_checked(p, checked, notify, self._stall(stall_timeout))
+
+    async def write_many(
+        self,
+        peer: Peer,
+        writes: Sequence[tuple[npt.ArrayLike, npt.ArrayLike, bytes | None]],
+        *,
+        stall_timeout: float | None = None,
+    ) -> list[Exception | None]:
+        """As :meth:`Transport.write_many`: every write is checked on its own (a refused one is left out); the
+        rest move together, as one write and then their notifications in order, when this transport copies
+        them itself (same process) or the backend can (:meth:`_backend_write_together`: a CUDA IPC mapping or
+        ``process_vm_writev``); else each is written on its own, concurrently."""
+        outcomes: list[Exception | None] = [None] * len(writes)
+        try:
+            p = self._live_peer(peer)
+        except Exception as exc:  # the same error for every write
+            return [exc] * len(writes)
+        stall = self._stall(stall_timeout)
+        parts: list[tuple[int, _Checked, bytes | None]] = []
+        for i, (src, dst, notify) in enumerate(writes):
+            try:
+                parts.append((i, self._checked(p, write_rows(src, dst, merge=self._coalesce)), notify))
+            except (RegionError, ValueError) as exc:
+                outcomes[i] = exc
+        if len(parts) > 1 and await self._write_together(p, parts, stall, outcomes):
+            return outcomes
+
+        async def one(i: int, checked: _Checked, notify: bytes | None) -> None:
+            try:
+                await self._write_checked(p, checked, notify, stall)
+            except Exception as exc:  # reported to the caller, per write
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, checked, notify in parts:
+                tg.start_soon(one, i, checked, notify)
+        return outcomes
+
+    def _stall(self, stall_timeout: float | None) -> float:
+        return self._stall_timeout if stall_timeout is None else stall_timeout
+
+    def _copies_itself(self, p: ChannelPeer) -> bool:
+        """Writes to ``p`` are copies in this process (not through the backend)."""
+        return p.same_process and (self._same_process_copy or not self.capabilities.cross_process)
+
+    async def _write_checked(
+        self, p: ChannelPeer, checked: _Checked, notify: bytes | None, stall: float
+    ) -> None:
+        src_f, dst_f, src_index, dst_index = checked
         self._writes_in_flight += 1
         try:
-            if p.same_process and (self._same_process_copy or not self.capabilities.cross_process):
+            if self._copies_itself(p):
                 async with self.guard(p, stall):
                     plan = CopyPlan(
                         src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index
@@ -718,9 +772,51 @@ class ChannelTransport(Transport):
         self._writes_completed += 1
         self._bytes_written += total_bytes(src_f)
 
-    def _checked(
-        self, p: ChannelPeer, rows: WriteRows
-    ) -> tuple[Fragments, Fragments, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    async def _write_together(
+        self,
+        p: ChannelPeer,
+        parts: Sequence[tuple[int, _Checked, bytes | None]],
+        stall: float,
+        outcomes: list[Exception | None],
+    ) -> bool:
+        """Write the checked ``parts`` as one write, then send their notifications in order, filling
+        ``outcomes``; False (nothing written) when the backend cannot write them together."""
+        src_f, dst_f, src_index, dst_index = (
+            np.concatenate([checked[k] for _, checked, _ in parts]) for k in range(4)
+        )
+        self._writes_in_flight += 1
+        try:
+            if self._copies_itself(p):
+                async with self.guard(p, stall):
+                    plan = CopyPlan(
+                        src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index
+                    )
+                    await plan.run(poll=self.writes_in_flight == 1)
+            elif not await self._backend_write_together(p, src_f, dst_f, stall, src_index=src_index):
+                return False
+        except Exception as exc:  # the writes failed together
+            self._writes_failed += len(parts)
+            for i, _, _ in parts:
+                outcomes[i] = exc
+            return True
+        except BaseException:
+            self._writes_failed += len(parts)
+            raise
+        finally:
+            self._writes_in_flight -= 1
+        # every byte of every part landed: now the notifications
+        for i, _, notify in parts:
+            if notify is not None:
+                try:
+                    await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
+                except Exception as exc:  # the peer is lost: this and the later ones are not delivered
+                    outcomes[i] = exc
+        self._writes_completed += len(parts)
+        self._writes_combined += len(parts)
+        self._bytes_written += total_bytes(src_f)
+        return True
+
+    def _checked(self, p: ChannelPeer, rows: WriteRows) -> _Checked:
         """The rows to write (merged if they merge) and the registered ranges (of ours, of the peer's) that hold
         each, once every row is known to lie in registered memory.
 
@@ -768,6 +864,7 @@ class ChannelTransport(Transport):
             messages_received=self._messages_received,
             refused_connections=self._refused,
             backend_handles=self._backend_handles(),
+            writes_combined=self._writes_combined,
         )
 
     def __repr__(self) -> str:
@@ -776,7 +873,8 @@ class ChannelTransport(Transport):
         return (
             f"<{type(self).__name__} {where} [{self._state} | {s.peers} peers | {s.registrations} registrations, "
             f"{s.registered_bytes} bytes | writes: {s.writes_in_flight} in flight, {s.incoming_writes} incoming, "
-            f"{s.writes_completed} done, {s.writes_failed} failed | {s.backend_handles} library handles]>"
+            f"{s.writes_completed} done ({s.writes_combined} combined), {s.writes_failed} failed | "
+            f"{s.backend_handles} library handles]>"
         )
 
     @property
@@ -820,6 +918,19 @@ class ChannelTransport(Transport):
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
+
+    async def _backend_write_together(
+        self,
+        peer: ChannelPeer,
+        src: Fragments,
+        dst: Fragments,
+        stall: float,
+        *,
+        src_index: npt.NDArray[np.int64],
+    ) -> bool:
+        """Write checked rows (several writes' together, no notification), if the backend can finish them as
+        one copy whose end means every byte landed; False (nothing written) otherwise."""
+        return False
 
     async def _backend_write(
         self,

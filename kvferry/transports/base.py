@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 from anyio import TypedAttributeProvider, TypedAttributeSet, typed_attribute
@@ -357,6 +358,8 @@ class TransportStatistics(NamedTuple):
     refused_connections: int
     #: library handles held now (NIXL xfer/dlist handles, UCX endpoints); 0 after aclose
     backend_handles: int
+    #: completed writes that moved as one copy with others of a :meth:`Transport.write_many` since start
+    writes_combined: int = 0
 
 
 class Transport(TypedAttributeProvider, metaclass=ABCMeta):
@@ -491,6 +494,40 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         :raises ~kvferry.errors.TransferTimeout: if the write makes no progress within ``stall_timeout``.
         :raises ValueError: if the fragment arrays are malformed or do not pair.
         """
+
+    async def write_many(
+        self,
+        peer: Peer,
+        writes: Sequence[tuple[npt.ArrayLike, npt.ArrayLike, bytes | None]],
+        *,
+        stall_timeout: float | None = None,
+    ) -> list[Exception | None]:
+        """Several writes ``(src, dst, notify)`` to ``peer``, each as :meth:`write`; the transport may move
+        their bytes together (one device launch and one wait where it copies on a GPU itself). Each
+        notification is delivered only after every byte of its own write landed (here: after the bytes of all
+        the writes it moved together).
+
+        Returns, in order, None for each write that landed (its notification sent) or the error that write
+        ended with (those of :meth:`write`). A write refused before anything of it was written
+        (:class:`~kvferry.errors.RegionError`, ``ValueError``) costs the others nothing.
+
+        A cancel leaves every write as :meth:`write` says: some, all or none of the bytes written and
+        notifications undelivered; nothing is written after the cancel returns except what was posted.
+        This default runs the writes concurrently, each on its own.
+        """
+        outcomes: list[Exception | None] = [None] * len(writes)
+
+        async def one(i: int) -> None:
+            src, dst, notify = writes[i]
+            try:
+                await self.write(peer, src, dst, notify, stall_timeout=stall_timeout)
+            except Exception as exc:  # reported to the caller, per write
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(writes)):
+                tg.start_soon(one, i)
+        return outcomes
 
     @abstractmethod
     async def receive_notification(self, peer: Peer) -> bytes:

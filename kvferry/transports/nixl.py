@@ -629,6 +629,27 @@ class NixlTransport(ChannelTransport):
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
         return True
 
+    async def _backend_write_together(
+        self,
+        peer: ChannelPeer,
+        src: Fragments,
+        dst: Fragments,
+        stall: float,
+        *,
+        src_index: npt.NDArray[np.int64],
+    ) -> bool:
+        """Through our mapping of the peer's CUDA memory: one launch and one wait, after which every byte is in
+        place. Host memory (``process_vm_writev`` copies in worker threads, several at once when the writes
+        go on their own) and NIXL's own path write each on its own."""
+        if peer.backend is None:
+            raise peer.error
+        src_devices = {self.own_regions.regions[int(i)].device for i in np.unique(src_index)}
+        route = self._ipc_route(peer, src_index, src_devices, dst)
+        if route is None:
+            return False
+        await self._ipc_write(peer, src, route, None, stall)
+        return True
+
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
     def _ipc_route(

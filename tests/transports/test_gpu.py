@@ -73,6 +73,29 @@ async def test_cuda_regions_across_processes(transport_name: str, options: dict[
             assert reply["sha"] == expected
             if transport_name == "nixl":
                 assert (transport.ipc_writes > 0) == options.get("cuda_ipc", True)  # type: ignore[attr-defined]
+            # several writes in one call: over CUDA IPC they move as one copy, then the notifications
+            page, parts = 1 * MiB, 4
+            n = size // page
+            perm = np.random.default_rng(3).permutation(n)
+            chunks = np.array_split(np.arange(n), parts)
+            before = transport.statistics().writes_combined
+            ipc_before = getattr(transport, "ipc_writes", 0)
+            outcomes = await transport.write_many(
+                peer,
+                [
+                    (page_fragments(src.data_ptr(), page, c), page_fragments(dst, page, perm[c]), b"part")
+                    for c in chunks
+                ],
+            )
+            assert outcomes == [None] * parts
+            for _ in range(parts):
+                reply = await proc.call(op="wait_notify", name="gpu", fragments=[[0, 1]])
+            reply = await proc.call(op="digest", name="gpu", fragments=[[int(p) * page, page] for p in perm])
+            assert reply["sha"] == expected
+            via_ipc = transport_name == "nixl" and options.get("cuda_ipc", True)
+            assert transport.statistics().writes_combined - before == (parts if via_ipc else 0)
+            if via_ipc:
+                assert transport.ipc_writes == ipc_before + 1  # type: ignore[attr-defined]
     finally:
         proc.close()
 

@@ -147,6 +147,56 @@ async def test_notification_only_after_data(transport_name: str, remote: Remote)
         assert reply["notify"] == ""
 
 
+async def test_write_many_lands_each_write_and_refuses_only_the_bad_ones(
+    transport_name: str, remote: Remote
+) -> None:
+    """Three scattered writes and two bad ones in one call: the good ones land (each notification after its own
+    bytes at least), the bad ones are refused with nothing of them written; where the transport copies
+    itself (local) the good ones move as one write (nixl over CUDA IPC too: tests/transports/test_gpu.py)."""
+    page, per_part, parts = 4096, 64, 3
+    size = page * per_part * parts
+    rng = np.random.default_rng(7)
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "many", size + page)
+        src = await arandom(size, seed=9)
+        await transport.register(src)
+        unregistered = random_tensor(64)
+        perm = rng.permutation(per_part * parts)
+        good = []
+        for k in range(parts):
+            pages = np.arange(k * per_part, (k + 1) * per_part)
+            good.append(
+                (
+                    page_fragments(src.data_ptr(), page, pages),
+                    page_fragments(dst, page, perm[pages]),
+                    f"part-{k}".encode(),
+                )
+            )
+        bad_source = ([[unregistered.data_ptr(), 64]], [[dst + size, 64]], b"never")
+        past_the_end = ([[src.data_ptr(), 64]], [[dst + size + page - 32, 64]], b"never")
+        before = transport.statistics()
+        outcomes = await transport.write_many(peer, [good[0], bad_source, good[1], past_the_end, good[2]])
+        assert [o is None for o in outcomes] == [True, False, True, False, True], outcomes
+        assert isinstance(outcomes[1], RegionError) and isinstance(outcomes[3], RegionError)
+        after = transport.statistics()
+        assert after.writes_completed - before.writes_completed == parts
+        # local copies them itself, as one; host memory across processes goes write by write (in parallel)
+        combined = after.writes_combined - before.writes_combined
+        assert combined == (parts if transport_name == "local" else 0)
+        notified = set()
+        for _ in range(parts):
+            reply = await remote.call(op="wait_notify", name="many", fragments=[[0, 1]])
+            notified.add(bytes.fromhex(reply["notify"]))
+        assert notified == {f"part-{k}".encode() for k in range(parts)}
+        landed = await remote.call(op="digest", name="many", fragments=[[int(p) * page, page] for p in perm])
+        assert landed["sha"] == await asha(src.numpy())
+        # the bad writes wrote nothing: the page after the good ones is still zero
+        untouched = await remote.call(op="digest", name="many", fragments=[[size, page]])
+        assert untouched["sha"] == sha(bytes(page))
+        # an empty call does nothing
+        assert await transport.write_many(peer, []) == []
+
+
 # --- control channel -----------------------------------------------------------------------------------
 
 

@@ -241,6 +241,10 @@ class SendSession:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def report(self, writer: int, chunk: int) -> ChunkResult | None:
+        """How ``writer``'s ``chunk`` ended (None: not posted or not ended yet)."""
+        return self._reports.get((writer, chunk))
+
     @property
     def finished(self) -> bool:
         """Every chunk of every writer has a report and nothing is in flight (the source may be freed)."""
@@ -754,7 +758,9 @@ async def send(
     max_in_flight: int = 4,
 ) -> None:
     """Push every writer's chunks of ``session`` (writers concurrently, each with up to ``max_in_flight``
-    chunks posted at once, in order of posting).
+    chunks posted at once, in order of posting). The first chunks of the writers that write directly (not
+    packed) are posted first, in one :meth:`~kvferry.transports.Transport.write_many` (one copy where the
+    transport can), then the rest.
 
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
@@ -808,7 +814,42 @@ async def send(
         for cancelled in session.unposted(w):
             await report(cancelled)
 
+    async def first_chunks_together() -> None:
+        # the first chunk of every writer that writes its pages directly (a direct writer's only chunk, by
+        # default), posted in one call: the transport may move them as one copy (one launch, one wait)
+        batch: list[tuple[int, int, Chunk]] = []
+        for w in session.writers:
+            chunks = session.plan[w]
+            if chunks and chunks[0].staged is None:
+                batch.append((w, 0, chunks[0]))
+        if len(batch) < 2 or session.cancelled:
+            return
+        for w, _, _ in batch:
+            session.next_post(w)
+        oks = [session.result(w, index, ChunkStatus.OK) for w, index, _ in batch]
+        outcomes = await transport.write_many(
+            peer,
+            [
+                (chunk.src, chunk.dst, encode_control(ok))
+                for (_, _, chunk), ok in zip(batch, oks, strict=True)
+            ],
+            stall_timeout=stall_timeout,
+        )
+        for (w, index, _), ok, outcome in zip(batch, oks, outcomes, strict=True):
+            if outcome is None:
+                session.finish_post(w, index, ok)
+            elif isinstance(outcome, PeerDisconnected | ClosedResourceError):
+                session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(outcome)))
+                lost.append(outcome)
+            elif isinstance(outcome, TransportError | TransferError | ConfigError | ValueError):
+                failed = session.result(w, index, ChunkStatus.FAILED, f"{type(outcome).__name__}: {outcome}")
+                session.finish_post(w, index, failed)
+                await report(failed)
+            else:
+                raise outcome
+
     try:
+        await first_chunks_together()
         async with anyio.create_task_group() as tg:
             for w in session.writers:
                 for _ in range(max(1, max_in_flight)):

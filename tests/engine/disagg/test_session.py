@@ -139,6 +139,10 @@ class GatedTransport:
         await self.gate.wait()
         await self.inner.write(peer, src, dst, None if self.drop_notify else notify, **kw)
 
+    async def write_many(self, peer: Peer, writes: Any, **kw: Any) -> list[Exception | None]:
+        # each through the gate (Transport's default: the writes one by one, concurrently)
+        return await Transport.write_many(self, peer, writes, **kw)  # type: ignore[arg-type]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
@@ -167,9 +171,14 @@ def writers(ctx: Side, gen: Side) -> tuple[int, ...]:
     )
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096, None])
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
 @pytest.mark.asyncio
-async def test_transfer_is_bit_exact_and_ignores_poison(ctx_tp: int, gen_tp: int) -> None:
+async def test_transfer_is_bit_exact_and_ignores_poison(
+    ctx_tp: int, gen_tp: int, chunk_bytes: int | None
+) -> None:
+    """Many chunks per writer, or one (the default for direct writers); the writers' first chunks move as one
+    write (``write_many``, combined by the local transport) when there are several writers."""
     spec = tiny_spec()
     ctx, gen = make_side(spec, ctx_tp), make_side(spec, gen_tp)
     ctx.fake_prefill("c", PROMPT, seed=11)
@@ -183,8 +192,12 @@ async def test_transfer_is_bit_exact_and_ignores_poison(ctx_tp: int, gen_tp: int
             m_arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
             m_arena.fill_garbage("mamba2", [m.slot_id("g")], seed=97)
         session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
-        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=4096)
-        assert sum(len(v) for v in plan.values()) > 2 * gen_tp
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+        if chunk_bytes is None:
+            assert all(len(v) <= 1 for v in plan.values())
+        else:
+            assert sum(len(v) for v in plan.values()) > 2 * gen_tp
+        combined_before = ctx.transport.statistics().writes_combined
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
             stats_box = []
@@ -202,9 +215,44 @@ async def test_transfer_is_bit_exact_and_ignores_poison(ctx_tp: int, gen_tp: int
         assert not (src[key] == -12345).all(-1).any(), key  # every element assembled from some rank
         assert torch.equal(src[key], dst[key]), key
     assert stats.nbytes > 0 and stats.writers == len(writers(ctx, gen))
+    with_bytes = sum(1 for v in plan.values() if v)
+    assert ctx.transport.statistics().writes_combined - combined_before == (
+        with_bytes if with_bytes > 1 else 0
+    )
     assert receiver.statistics()["sessions"] == 0
     ManagerHold(gen.managers, "g").free()
     assert gen.free_counts() == before
+
+
+@pytest.mark.asyncio
+async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
+    """One writer's chunk points outside what the receiver registered: it is refused (nothing written) and reported
+    FAILED; the other writer's chunk, posted in the same ``write_many``, lands and is reported OK."""
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 2), make_side(spec, 2)
+    ctx.fake_prefill("c", PROMPT, seed=4)
+    async with connected(ctx, gen) as (to_gen, to_ctx):
+        assert gen.transport is not None and ctx.transport is not None
+        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        gen.create("g", PROMPT)
+        session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=None)  # type: ignore[arg-type]
+        good_writer, bad_writer = sorted(plan)
+        bad = plan[bad_writer][0]
+        outside = bad.dst.copy()
+        outside[:, 0] += np.uint64(1 << 44)
+        plan = {**plan, bad_writer: [Chunk(bad.dst_rank, bad.src, outside)]}
+        sending = SendSession(session.session_id, plan)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump, gen.transport, to_ctx, receiver)
+            tg.start_soon(send, ctx.transport, to_gen, sending)
+            with pytest.raises(TransferError, match=rf"writer {bad_writer} .*RegionError"):
+                await receiver.receive(session, request)
+            tg.cancel_scope.cancel()
+    good, failed = sending.report(good_writer, 0), sending.report(bad_writer, 0)
+    assert good is not None and good.status is ChunkStatus.OK
+    assert failed is not None and failed.status is ChunkStatus.FAILED
+    assert ctx.transport.statistics().writes_failed == 0  # refused before anything was written
 
 
 async def run_pair(ctx: Side, gen: Side, body: Any, *, gated: bool = False, stall: float = 10.0) -> Any:

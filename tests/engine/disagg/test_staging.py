@@ -119,6 +119,10 @@ async def transfer(
         if tx_capacity is not None:
             tx_pool = StagingPool.allocate(tx_capacity)
             await ctx.transport.register(tx_pool.buffer)
+        # the plan goes to the sender directly, not over the channel: a message after the registration makes
+        # sure the sender has seen the receiver's staging regions (the channel is ordered)
+        await gen.transport.send_message(to_ctx, b"registered")
+        assert await ctx.transport.receive_message(to_gen) == b"registered"
         tables = [a.page_table() for a in gen.arenas]
         peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
         receiver = Receiver(gen.transport, to_ctx, expected_writers(peer_map), stall_timeout=10)
