@@ -444,6 +444,35 @@ async def test_local_peer_closed_mid_write() -> None:
         assert a.statistics().peers == 0
 
 
+async def test_local_peer_closed_mid_write_many() -> None:
+    """The peer goes away while combined writes run: the writes end with PeerDisconnected (none hangs; one
+    whose notification went out before is reported landed), nothing stays in flight."""
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(64 * MiB), torch.zeros(64 * MiB, dtype=torch.uint8)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        half = 32 * MiB
+        writes = [
+            ([[src.data_ptr(), half]], [[dst.data_ptr() + half, half]], b"1"),
+            ([[src.data_ptr() + half, half]], [[dst.data_ptr(), half]], b"2"),
+        ]
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.aclose)
+                while True:
+                    outcomes = await a.write_many(pa, writes)
+                    if any(o is not None for o in outcomes):
+                        break
+        # the copy or a notification failed: every write it reached ends with the peer's error
+        failed = [o for o in outcomes if o is not None]
+        assert failed and all(isinstance(o, PeerDisconnected) for o in failed), outcomes
+        assert a.statistics().writes_in_flight == 0 and a.statistics().peers == 0
+
+
 async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None:
     """Rows contiguous on both sides whose merge would span two adjacent registered ranges are each inside one
     range: the write goes through, unmerged, and rows outside every range are still refused by index."""
@@ -550,6 +579,11 @@ async def test_use_after_aclose(transport_name: str, remote: Remote) -> None:
             await transport.send_message(peer, b"x")
         with pytest.raises(ClosedResourceError):
             await transport.write(peer, [[src.data_ptr(), 16]], [[src.data_ptr(), 16]])
+        # write_many reports the error for every write (it raises nothing of its own)
+        outcomes = await transport.write_many(
+            peer, [([[src.data_ptr(), 16]], [[src.data_ptr(), 16]], None)] * 2
+        )
+        assert len(outcomes) == 2 and all(isinstance(o, ClosedResourceError) for o in outcomes)
         peer = await transport.connect(remote.address)
     assert not registration.active
     for call in (
