@@ -19,6 +19,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
@@ -52,6 +53,7 @@ from kvferry.transports.base import (
     TransportStatistics,
     WriteRows,
     as_fragments,
+    outcomes_of,
     total_bytes,
     write_rows,
 )
@@ -729,16 +731,11 @@ class ChannelTransport(Transport):
                 outcomes[i] = exc
         if len(parts) > 1 and await self._write_together(p, parts, stall, outcomes):
             return outcomes
-
-        async def one(i: int, checked: _Checked, notify: bytes | None) -> None:
-            try:
-                await self._write_checked(p, checked, notify, stall)
-            except Exception as exc:  # reported to the caller, per write
-                outcomes[i] = exc
-
-        async with anyio.create_task_group() as tg:
-            for i, checked, notify in parts:
-                tg.start_soon(one, i, checked, notify)
+        alone = await outcomes_of(
+            [partial(self._write_checked, p, checked, notify, stall) for _, checked, notify in parts]
+        )
+        for (i, _, _), outcome in zip(parts, alone, strict=True):
+            outcomes[i] = outcome
         return outcomes
 
     def _stall(self, stall_timeout: float | None) -> float:
@@ -748,18 +745,21 @@ class ChannelTransport(Transport):
         """Writes to ``p`` are copies in this process (not through the backend)."""
         return p.same_process and (self._same_process_copy or not self.capabilities.cross_process)
 
+    async def _copy_here(self, p: ChannelPeer, checked: _Checked, stall: float) -> None:
+        """Copy checked rows in this process (a same-process peer), under the stall guard."""
+        src_f, dst_f, src_index, dst_index = checked
+        async with self.guard(p, stall):
+            plan = CopyPlan(src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index)
+            await plan.run(poll=self.writes_in_flight == 1)
+
     async def _write_checked(
         self, p: ChannelPeer, checked: _Checked, notify: bytes | None, stall: float
     ) -> None:
-        src_f, dst_f, src_index, dst_index = checked
+        src_f, dst_f, src_index, _ = checked
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
-                async with self.guard(p, stall):
-                    plan = CopyPlan(
-                        src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index
-                    )
-                    await plan.run(poll=self.writes_in_flight == 1)
+                await self._copy_here(p, checked, stall)
                 if notify is not None:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
@@ -784,14 +784,11 @@ class ChannelTransport(Transport):
         src_f, dst_f, src_index, dst_index = (
             np.concatenate([checked[k] for _, checked, _ in parts]) for k in range(4)
         )
+        combined: _Checked = (src_f, dst_f, src_index, dst_index)
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
-                async with self.guard(p, stall):
-                    plan = CopyPlan(
-                        src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index
-                    )
-                    await plan.run(poll=self.writes_in_flight == 1)
+                await self._copy_here(p, combined, stall)
             elif not await self._backend_write_together(p, src_f, dst_f, stall, src_index=src_index):
                 return False
         except Exception as exc:  # the writes failed together

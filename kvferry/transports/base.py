@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABCMeta, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -46,6 +47,7 @@ __all__ = [
     "TransportStatistics",
     "as_fragments",
     "coalesce",
+    "outcomes_of",
     "page_fragments",
     "tensor_fragments",
     "total_bytes",
@@ -362,6 +364,23 @@ class TransportStatistics(NamedTuple):
     writes_combined: int = 0
 
 
+async def outcomes_of(calls: Sequence[Callable[[], Awaitable[object]]]) -> list[Exception | None]:
+    """Run ``calls`` concurrently; per call, in order, None (it returned) or the exception it raised. A cancel
+    cancels every call still running."""
+    outcomes: list[Exception | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        try:
+            await calls[i]()
+        except Exception as exc:  # reported to the caller, per call
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return outcomes
+
+
 class Transport(TypedAttributeProvider, metaclass=ABCMeta):
     """An abstract async resource that moves bytes between registered memory of peers.
 
@@ -515,19 +534,12 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         notifications undelivered; nothing is written after the cancel returns except what was posted.
         This default runs the writes concurrently, each on its own.
         """
-        outcomes: list[Exception | None] = [None] * len(writes)
-
-        async def one(i: int) -> None:
-            src, dst, notify = writes[i]
-            try:
-                await self.write(peer, src, dst, notify, stall_timeout=stall_timeout)
-            except Exception as exc:  # reported to the caller, per write
-                outcomes[i] = exc
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(writes)):
-                tg.start_soon(one, i)
-        return outcomes
+        return await outcomes_of(
+            [
+                partial(self.write, peer, src, dst, notify, stall_timeout=stall_timeout)
+                for src, dst, notify in writes
+            ]
+        )
 
     @abstractmethod
     async def receive_notification(self, peer: Peer) -> bytes:

@@ -426,15 +426,25 @@ async def test_peer_killed_mid_write_then_restarted(transport_name: str) -> None
     assert not {t for t in leftover if not t.name.startswith(("AnyIO worker", "asyncio_"))}, leftover
 
 
-async def test_local_peer_closed_mid_write() -> None:
+@asynccontextmanager
+async def local_pair(
+    size: int,
+) -> AsyncIterator[tuple[Transport, Peer, Transport, torch.Tensor, torch.Tensor]]:
+    """Two local transports, ``a`` connected to ``b``; ``size`` random bytes registered on ``a`` and zeros on
+    ``b``, which ``a`` knows of. Yields (a, a's peer, b, source, destination)."""
     async with get_transport("local")() as a, get_transport("local")() as b:
         pa = await a.connect(b.address)
         pb = await b.accept()
-        src, dst = random_tensor(64 * MiB), torch.zeros(64 * MiB, dtype=torch.uint8)
+        src, dst = random_tensor(size), torch.zeros(size, dtype=torch.uint8)
         await a.register(src)
         await b.register(dst)
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
+        yield a, pa, b, src, dst
+
+
+async def test_local_peer_closed_mid_write() -> None:
+    async with local_pair(64 * MiB) as (a, pa, b, src, dst):
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(b.aclose)
@@ -447,14 +457,7 @@ async def test_local_peer_closed_mid_write() -> None:
 async def test_local_peer_closed_mid_write_many() -> None:
     """The peer goes away while combined writes run: the writes end with PeerDisconnected (none hangs; one
     whose notification went out before is reported landed), nothing stays in flight."""
-    async with get_transport("local")() as a, get_transport("local")() as b:
-        pa = await a.connect(b.address)
-        pb = await b.accept()
-        src, dst = random_tensor(64 * MiB), torch.zeros(64 * MiB, dtype=torch.uint8)
-        await a.register(src)
-        await b.register(dst)
-        await b.send_message(pb, b"registered")
-        await a.receive_message(pa)
+    async with local_pair(64 * MiB) as (a, pa, b, src, dst):
         half = 32 * MiB
         writes = [
             ([[src.data_ptr(), half]], [[dst.data_ptr() + half, half]], b"1"),
