@@ -281,7 +281,6 @@ def copy_spans(
     table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
     if not len(table):
         return 0
-    device_table = _upload(table, device)
     programs = len(table)
     if programs_per_sm > 0:
         programs = min(programs, programs_per_sm * _multiprocessors(device))
@@ -294,8 +293,8 @@ def copy_spans(
         "num_warps": num_warps,
     }
     try:
-        _launcher.launch(device, programs, device_table, base, constants)
-    except Exception as exc:  # a compiler or driver problem only costs the fast path
+        _launcher.launch(device, programs, _upload(table, device), base, constants)
+    except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched span copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
         return None

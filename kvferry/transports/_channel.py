@@ -802,15 +802,17 @@ class ChannelTransport(Transport):
         finally:
             self._writes_in_flight -= 1
         # every byte of every part landed: now the notifications
-        for i, _, notify in parts:
+        for i, checked, notify in parts:
             if notify is not None:
                 try:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
                 except Exception as exc:  # the peer is lost: this and the later ones are not delivered
                     outcomes[i] = exc
-        self._writes_completed += len(parts)
-        self._writes_combined += len(parts)
-        self._bytes_written += total_bytes(src_f)
+                    self._writes_failed += 1
+                    continue
+            self._writes_completed += 1
+            self._writes_combined += 1
+            self._bytes_written += total_bytes(checked[0])
         return True
 
     def _checked(self, p: ChannelPeer, rows: WriteRows) -> _Checked:

@@ -758,9 +758,9 @@ async def send(
     max_in_flight: int = 4,
 ) -> None:
     """Push every writer's chunks of ``session`` (writers concurrently, each with up to ``max_in_flight``
-    chunks posted at once, in order of posting). The first chunks of the writers that write directly (not
-    packed) are posted first, in one :meth:`~kvferry.transports.Transport.write_many` (one copy where the
-    transport can), then the rest.
+    chunks posted at once, in order of posting). The writers that write directly (not packed) in one chunk
+    (the default for direct writers) post it first, together, in one
+    :meth:`~kvferry.transports.Transport.write_many` (one copy where the transport can); then the rest.
 
     Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
@@ -814,13 +814,13 @@ async def send(
         for cancelled in session.unposted(w):
             await report(cancelled)
 
-    async def first_chunks_together() -> None:
-        # the first chunk of every writer that writes its pages directly (a direct writer's only chunk, by
+    async def only_chunks_together() -> None:
+        # the only chunk of every writer that writes its pages directly in one chunk (a direct writer's, by
         # default), posted in one call: the transport may move them as one copy (one launch, one wait)
         batch: list[tuple[int, int, Chunk]] = []
         for w in session.writers:
             chunks = session.plan[w]
-            if chunks and chunks[0].staged is None:
+            if len(chunks) == 1 and chunks[0].staged is None:
                 batch.append((w, 0, chunks[0]))
         if len(batch) < 2 or session.cancelled:
             return
@@ -849,7 +849,7 @@ async def send(
                 raise outcome
 
     try:
-        await first_chunks_together()
+        await only_chunks_together()
         async with anyio.create_task_group() as tg:
             for w in session.writers:
                 for _ in range(max(1, max_in_flight)):
