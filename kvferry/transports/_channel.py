@@ -715,8 +715,8 @@ class ChannelTransport(Transport):
     ) -> list[Exception | None]:
         """As :meth:`Transport.write_many`: every write is checked on its own (a refused one is left out); the
         rest move together, as one write and then their notifications in order, when this transport copies
-        them itself (same process) or the backend can (:meth:`_backend_write_together`: a CUDA IPC mapping or
-        ``process_vm_writev``); else each is written on its own, concurrently."""
+        them itself (same process) or the backend can (:meth:`_backend_write_together`: nixl's CUDA IPC
+        mapping); else each is written on its own, concurrently."""
         outcomes: list[Exception | None] = [None] * len(writes)
         try:
             p = self._live_peer(peer)
