@@ -50,8 +50,11 @@ async def connected(name: str, remote: Remote, **options: object) -> AsyncIterat
         assert transport.statistics().writes_in_flight == 0
 
 
-async def remote_buffer(transport: Transport, peer: Peer, remote: Remote, name: str, size: int) -> int:
-    address: int = (await remote.call(op="alloc", name=name, size=size))["address"]
+async def remote_buffer(
+    transport: Transport, peer: Peer, remote: Remote, name: str, size: int, guard: int = 0
+) -> int:
+    """A zeroed buffer of the peer, registered (``guard`` unregistered bytes on each side), and its address."""
+    address: int = (await remote.call(op="alloc", name=name, size=size, guard=guard))["address"]
     # The peer announces the region on the control channel after registering it: ordered with its regions.
     assert b"registered" in await transport.receive_message(peer)
     return address
@@ -157,7 +160,7 @@ async def test_write_many_lands_each_write_and_refuses_only_the_bad_ones(
     size = page * per_part * parts
     rng = np.random.default_rng(7)
     async with connected(transport_name, remote) as (transport, peer):
-        dst = await remote_buffer(transport, peer, remote, "many", size + page)
+        dst = await remote_buffer(transport, peer, remote, "many", size + page, guard=page)
         src = await arandom(size, seed=9)
         await transport.register(src)
         unregistered = random_tensor(64)
@@ -264,7 +267,8 @@ async def test_connect_to_nobody(transport_name: str) -> None:
 
 async def test_write_outside_registered_memory(transport_name: str, remote: Remote) -> None:
     async with connected(transport_name, remote) as (transport, peer):
-        dst = await remote_buffer(transport, peer, remote, "guarded", 4096)
+        # the peer's other buffers (of earlier tests) must not lie next to this one
+        dst = await remote_buffer(transport, peer, remote, "guarded", 4096, guard=8192)
         src = random_tensor(8192)
         await transport.register(src)
         unregistered = random_tensor(4096)
@@ -287,7 +291,7 @@ async def test_write_outside_registered_memory(transport_name: str, remote: Remo
 async def test_receiver_refuses_what_it_did_not_register(transport_name: str, remote: Remote) -> None:
     """The writer's own check is bypassed: the receiver (ucx) or NIXL must refuse, and write nothing."""
     async with connected(transport_name, remote) as (transport, peer):
-        dst = await remote_buffer(transport, peer, remote, "victim", 4096)
+        dst = await remote_buffer(transport, peer, remote, "victim", 4096, guard=8192)
         src = random_tensor(4096)
         await transport.register(src)
         from kvferry.transports._memory import RegionTable

@@ -60,11 +60,14 @@ class PeerServer:
         op = cmd["op"]
         if op == "alloc":
             generator = torch.Generator().manual_seed(cmd.get("seed", 0))
+            # ``guard`` bytes on each side stay unregistered: no other buffer of this peer lies next to it
+            guard = cmd.get("guard", 0)
+            size = cmd["size"] + 2 * guard
             if cmd.get("fill") == "random":
-                t = torch.randint(0, 256, (cmd["size"],), dtype=torch.uint8, generator=generator)
+                t = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
             else:
-                t = torch.zeros(cmd["size"], dtype=torch.uint8)
-            t = t.to(self.device)
+                t = torch.zeros(size, dtype=torch.uint8)
+            t = t.to(self.device)[guard : guard + cmd["size"]]
             self.buffers[cmd["name"]] = t
             return await self.register(cmd["name"])
         if op == "deregister":
