@@ -126,18 +126,10 @@ def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> d
         torch.cuda.synchronize()
         return statistics.median(times) * 1e6
 
+    from span_copy import timed  # benchmarks/span_copy.py: wall and device (CUDA events) medians
+
     def med_device(fn: Any) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(min(args.repeat, 50)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times)
+        return timed(fn, min(args.repeat, 50))[1] * 1e6
 
     def spans(dst: int) -> Any:
         s_addr = buffer.data_ptr() + np.arange(args.fragments, dtype=np.int64) * fragment

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from span_copy import timed
 
 
 @triton.jit  # type: ignore[untyped-decorator,misc]
@@ -52,21 +56,6 @@ def copy_stride(src, dst, n_blocks, BLOCK: tl.constexpr):  # type: ignore[no-unt
     for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(dst + offs, tl.load(src + offs))
-
-
-def device_seconds(fn: Callable[[], Any], repeat: int) -> float:
-    """Median device seconds (CUDA events) after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -117,7 +106,7 @@ def main() -> int:
     rows = []
     ceiling = 0.0
     for kind, config, fn in runs:
-        seconds = device_seconds(fn, args.repeat)
+        seconds = timed(fn, args.repeat)[1]  # device time
         ceiling = ceiling or seconds
         rows.append({"kind": kind, "config": config, "seconds": seconds, "gbps": n / seconds / 1e9})
         rows[-1]["ratio"] = ceiling / seconds

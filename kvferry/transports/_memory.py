@@ -130,6 +130,12 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self.regions)
 
+    def devices(self, index: npt.NDArray[np.int64]) -> set[str]:
+        """The devices of the ranges ``index`` names (as :meth:`locate` returns them)."""
+        if self.device is not None and len(index):
+            return {self.device}
+        return {self.regions[int(i)].device for i in np.unique(index)}
+
     def view(self, index: int) -> Any:
         """:func:`byte_view` of range ``index``, made once per table (the table is replaced when its ranges
         change; the owner keeps the ranges registered while the table is in use)."""

@@ -500,7 +500,7 @@ class NixlTransport(ChannelTransport):
         name = peer.backend
         if name is None:
             raise peer.error
-        src_devices = {self.own_regions.regions[int(i)].device for i in np.unique(src_index)}
+        src_devices = self.own_regions.devices(src_index)
         route = self._ipc_route(peer, src_index, src_devices, dst)
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
@@ -620,9 +620,8 @@ class NixlTransport(ChannelTransport):
                     )
                     self._cma_refused.add(peer)
                     return False
-                await (
-                    anyio.lowlevel.checkpoint()
-                )  # a slice that outlasted the stall deadline ends the write here
+                # a slice that outlasted the stall deadline ends the write here
+                await anyio.lowlevel.checkpoint()
                 guard.progress()
         self.cma_writes += 1
         if notify is not None:
@@ -643,7 +642,7 @@ class NixlTransport(ChannelTransport):
         go on their own) and NIXL's own path write each on its own."""
         if peer.backend is None:
             raise peer.error
-        src_devices = {self.own_regions.regions[int(i)].device for i in np.unique(src_index)}
+        src_devices = self.own_regions.devices(src_index)
         route = self._ipc_route(peer, src_index, src_devices, dst)
         if route is None:
             return False

@@ -369,7 +369,7 @@ class UcxTransport(ChannelTransport):
             raise peer.error
         plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
         views = _Views(self.own_regions, src, "source", index=src_index)
-        if any(views.table.regions[int(i)].device != "cpu" for i in np.unique(views.index)):
+        if views.table.devices(views.index) - {"cpu"}:
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
             await synchronize_cuda()
         write_id = self.new_write_id()

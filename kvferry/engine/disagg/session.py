@@ -749,6 +749,17 @@ class _suppress_transport:
 # --- the sender's async edge --------------------------------------------------------------------------------
 
 
+#: what a chunk's write or pack may fail with (the chunk is reported FAILED; the others go on)
+_CHUNK_ERRORS = (
+    PeerDisconnected,
+    ClosedResourceError,
+    TransportError,
+    TransferError,
+    ConfigError,
+    ValueError,
+)
+
+
 async def send(
     transport: Transport,
     peer: Peer,
@@ -785,6 +796,21 @@ async def send(
         except (PeerDisconnected, ClosedResourceError) as exc:
             lost.append(exc)
 
+    async def ended(w: int, index: int, ok: ChunkResult, error: Exception | None) -> None:
+        # how a posted chunk ended: OK (its report travelled as the write's notification), FAILED and reported,
+        # or FAILED with the peer gone (nothing more can be reported); anything else is not a chunk's failure
+        if error is None:
+            session.finish_post(w, index, ok)
+        elif isinstance(error, PeerDisconnected | ClosedResourceError):
+            session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(error)))
+            lost.append(error)
+        elif isinstance(error, _CHUNK_ERRORS):
+            failed = session.result(w, index, ChunkStatus.FAILED, f"{type(error).__name__}: {error}")
+            session.finish_post(w, index, failed)
+            await report(failed)
+        else:
+            raise error
+
     async def writer(w: int) -> None:
         while not lost and (item := session.next_post(w)) is not None:
             index, chunk = item
@@ -799,15 +825,10 @@ async def send(
                 await transport.write(
                     peer, chunk.src, chunk.dst, encode_control(ok), stall_timeout=stall_timeout
                 )
-            except (PeerDisconnected, ClosedResourceError) as exc:
-                session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(exc)))
-                lost.append(exc)
-            except (TransportError, TransferError, ConfigError, ValueError) as exc:
-                failed = session.result(w, index, ChunkStatus.FAILED, f"{type(exc).__name__}: {exc}")
-                session.finish_post(w, index, failed)
-                await report(failed)
+            except _CHUNK_ERRORS as exc:
+                await ended(w, index, ok, exc)
             else:
-                session.finish_post(w, index, ok)
+                await ended(w, index, ok, None)
         if lost:
             session.unposted(w)
             return
@@ -817,36 +838,24 @@ async def send(
     async def only_chunks_together() -> None:
         # the only chunk of every writer that writes its pages directly in one chunk (a direct writer's, by
         # default), posted in one call: the transport may move them as one copy (one launch, one wait)
-        batch: list[tuple[int, int, Chunk]] = []
-        for w in session.writers:
-            chunks = session.plan[w]
-            if len(chunks) == 1 and chunks[0].staged is None:
-                batch.append((w, 0, chunks[0]))
+        batch = [
+            w for w in session.writers if len(session.plan[w]) == 1 and session.plan[w][0].staged is None
+        ]
         if len(batch) < 2 or session.cancelled:
             return
-        for w, _, _ in batch:
-            session.next_post(w)
-        oks = [session.result(w, index, ChunkStatus.OK) for w, index, _ in batch]
+        for w in batch:
+            session.next_post(w)  # chunk 0
+        oks = [session.result(w, 0, ChunkStatus.OK) for w in batch]
         outcomes = await transport.write_many(
             peer,
             [
-                (chunk.src, chunk.dst, encode_control(ok))
-                for (_, _, chunk), ok in zip(batch, oks, strict=True)
+                (session.plan[w][0].src, session.plan[w][0].dst, encode_control(ok))
+                for w, ok in zip(batch, oks, strict=True)
             ],
             stall_timeout=stall_timeout,
         )
-        for (w, index, _), ok, outcome in zip(batch, oks, outcomes, strict=True):
-            if outcome is None:
-                session.finish_post(w, index, ok)
-            elif isinstance(outcome, PeerDisconnected | ClosedResourceError):
-                session.finish_post(w, index, session.result(w, index, ChunkStatus.FAILED, str(outcome)))
-                lost.append(outcome)
-            elif isinstance(outcome, TransportError | TransferError | ConfigError | ValueError):
-                failed = session.result(w, index, ChunkStatus.FAILED, f"{type(outcome).__name__}: {outcome}")
-                session.finish_post(w, index, failed)
-                await report(failed)
-            else:
-                raise outcome
+        for w, ok, outcome in zip(batch, oks, outcomes, strict=True):
+            await ended(w, 0, ok, outcome)
 
     try:
         await only_chunks_together()
