@@ -5,11 +5,15 @@ Shared by :mod:`kvferry.kernels.copy` (the bounce path's gather and scatter) and
 process, so spans may join any allocations of one device (a pool and a staging buffer, or our pool and the
 peer's mapped one) in a single launch.
 
-The spans are cut on the host (numpy) into pieces of at most :data:`PIECE_BYTES`; one Triton program copies one
-piece in words of the widest size (8, 4, 2 or 1 bytes) that divides every address and length. When every
-address and length is a multiple of 16 bytes the kernel is told so, and it moves 16 bytes per load and store.
-Defaults from ``benchmarks/span_copy.py`` on one H200 (``benchmarks/results/span_copy_h200.json``): 4 MiB
-pieces reach 0.81-0.86 of one ``copy_`` of the same bytes for fragments of 256 KiB and up (0.65 at 64 KiB).
+The spans are cut on the host (numpy) into pieces of at most :data:`PIECE_BYTES` (fewer bytes when that gives
+about :data:`TARGET_PIECES` pieces); one Triton program copies one piece in words of the widest size (8, 4, 2 or
+1 bytes) that divides every address and length. When every address and length is a multiple of 16 bytes the
+kernel is told so, and it moves 16 bytes per load and store. The table is read by the kernel straight from
+pinned host memory when the caller holds it until the copy ran (a transport write), else uploaded.
+
+On one H200 (Nsight Compute, ``benchmarks/ncu_probe.py``; ``benchmarks/results/span_copy_ncu_h200.json``) the
+kernel moves 1 GiB in fragments of 1-16 MiB in 556-571 us (``copy_`` of one run: 515 us), whatever the piece
+size; pieces of 256 KiB move a disaggregated writer's page mix in 74-92 us where 4 MiB pieces take 103-134 us.
 
 Nothing here validates: callers check every span against what they own or registered first. An address outside
 an allocation is a device fault that kills the process. Triton is imported lazily.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,18 +33,24 @@ log = logging.getLogger("kvferry.span_copy")
 
 __all__ = [
     "BLOCK_WORDS",
+    "MIN_PIECE_BYTES",
     "NUM_WARPS",
     "PIECE_BYTES",
     "PROGRAMS_PER_SM",
     "ROTATE",
     "STREAMING",
+    "TARGET_PIECES",
     "available",
     "copy_spans",
     "piece_table",
 ]
 
-#: Largest number of bytes one program copies; spans are cut into pieces of at most this size.
+#: Largest number of bytes one program copies; spans are cut into pieces of at most this size ...
 PIECE_BYTES = 4 << 20
+#: ... or less, down to this, so that a copy has about :data:`TARGET_PIECES` pieces: a few long spans among many
+#: short ones (a state run among pages) would otherwise keep a few programs busy long after the rest finished
+MIN_PIECE_BYTES = 256 << 10
+TARGET_PIECES = 1024
 #: Words one loop iteration of a program loads and stores.
 BLOCK_WORDS = 2048
 #: Warps per program.
@@ -122,16 +133,16 @@ def available(device: Any) -> bool:
     return getattr(device, "type", None) == "cuda" and _triton_imports()
 
 
-class _Base:
-    """What Triton takes for a pointer argument: an address and an element type."""
+class _Pointer:
+    """What Triton takes for a pointer argument: an address and an element type (bytes by default)."""
 
     __slots__ = ("address", "dtype")
 
-    def __init__(self, address: int) -> None:
+    def __init__(self, address: int, dtype: Any = None) -> None:
         import torch
 
         self.address = address
-        self.dtype = torch.uint8
+        self.dtype = torch.uint8 if dtype is None else dtype
 
     def data_ptr(self) -> int:
         return self.address
@@ -149,12 +160,20 @@ def piece_table(
     dst: npt.NDArray[Any],
     lengths: npt.NDArray[Any],
     piece_bytes: int = PIECE_BYTES,
+    *,
+    table_of: Callable[[int], npt.NDArray[np.int64]] | None = None,
 ) -> tuple[npt.NDArray[np.int64], int, int, int]:
     """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
-    with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped."""
-    src = np.asarray(src).astype(np.int64, copy=False)
-    dst = np.asarray(dst).astype(np.int64, copy=False)
-    lengths = np.asarray(lengths).astype(np.int64, copy=False)
+    with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped.
+
+    ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
+    kernel reads directly); by default a new numpy array."""
+    table_of = _new_table if table_of is None else table_of
+    # addresses and lengths as given (fragments are uint64): every value is below 2**63, so the unsigned
+    # arithmetic below fills the int64 table with the same numbers, without a converted copy of each input
+    src, dst, lengths = (np.asarray(a) for a in (src, dst, lengths))
+    if src.dtype != np.uint64 or dst.dtype != np.uint64 or lengths.dtype != np.uint64:
+        src, dst, lengths = (a.astype(np.int64, copy=False) for a in (src, dst, lengths))
     if not lengths.size:
         return np.zeros((0, 3), dtype=np.int64), 0, 1, 1
     if int(lengths.min()) <= 0:
@@ -167,25 +186,45 @@ def piece_table(
         int(np.bitwise_or.reduce(src)) | int(np.bitwise_or.reduce(dst)) | int(np.bitwise_or.reduce(lengths))
     )
     word, align = _word_and_align(combined | base)
+    longest = int(lengths.max())
+    if longest > MIN_PIECE_BYTES and piece_bytes > MIN_PIECE_BYTES:
+        # the power of two near total / TARGET_PIECES, within [MIN_PIECE_BYTES, piece_bytes]
+        share = int(lengths.sum()) // TARGET_PIECES
+        piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
     per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
     table: npt.NDArray[np.int64]
-    if int(lengths.max()) <= per_piece:  # one piece per span
-        table = np.empty((lengths.size, 3), dtype=np.int64)
-        np.subtract(src, base, out=table[:, 0])
-        np.subtract(dst, base, out=table[:, 1])
-        table[:, 2] = lengths
+    if longest <= per_piece:  # one piece per span
+        table = table_of(lengths.size)
+        into = table.view(src.dtype)
+        np.subtract(src, src.dtype.type(base), out=into[:, 0])
+        np.subtract(dst, src.dtype.type(base), out=into[:, 1])
+        into[:, 2] = lengths
         if word > 1:
-            table //= word
+            np.right_shift(into, src.dtype.type(word.bit_length() - 1), out=into)
         return table, base, word, align
+    src, dst, lengths = (a.astype(np.int64, copy=False) for a in (src, dst, lengths))
     pieces = (lengths + per_piece - 1) // per_piece
     span_of_piece = np.repeat(np.arange(lengths.size), pieces)
     first = np.cumsum(pieces) - pieces
     within = (np.arange(span_of_piece.size) - first[span_of_piece]) * per_piece
-    table = np.empty((span_of_piece.size, 3), dtype=np.int64)
+    table = table_of(span_of_piece.size)
     table[:, 0] = (src[span_of_piece] + within - base) // word
     table[:, 1] = (dst[span_of_piece] + within - base) // word
     table[:, 2] = np.minimum(lengths[span_of_piece] - within, per_piece) // word
     return table, base, word, align
+
+
+def _new_table(pieces: int) -> npt.NDArray[np.int64]:
+    return np.empty((pieces, 3), dtype=np.int64)
+
+
+def _pinned_table(pieces: int) -> npt.NDArray[np.int64]:
+    """An empty table in pinned host memory (torch's caching host allocator), which the kernel reads directly:
+    under unified addressing a pinned block's host address is also its device address. The array holds its
+    tensor, so the block is not handed out again while the array lives."""
+    import torch
+
+    return torch.empty((pieces, 3), dtype=torch.int64, pin_memory=True).numpy()
 
 
 class _Launcher:
@@ -194,7 +233,8 @@ class _Launcher:
     JIT's argument binding and cache lookup (about 0.1 ms of host time per launch on the H200's host).
 
     The compiled kernel was specialised on the alignment of its pointer arguments; every launch passes a base
-    aligned to 256 bytes and a table from torch's allocator (aligned to 512), as the first did.
+    aligned to 256 bytes and a table from torch's device or pinned host allocator (aligned to 512), as the
+    first did.
     """
 
     __slots__ = ("_compiled", "direct_launches", "jit_launches")
@@ -204,7 +244,10 @@ class _Launcher:
         self.direct_launches = 0
         self.jit_launches = 0
 
-    def launch(self, device: Any, programs: int, table: Any, base: int, constants: dict[str, Any]) -> None:
+    def launch(
+        self, device: Any, programs: int, table: int, pieces: int, base: int, constants: dict[str, Any]
+    ) -> None:
+        """Launch ``programs`` programs over the ``pieces`` rows of the table at device address ``table``."""
         import torch
 
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
@@ -216,7 +259,7 @@ class _Launcher:
                 from triton import knobs
 
                 stream = torch.cuda.current_stream(ordinal).cuda_stream
-                args = (_Base(base), table, len(table), *kernel_constants.values())
+                args = (_Pointer(base), _Pointer(table, torch.int64), pieces, *kernel_constants.values())
                 grid = (programs, 1, 1)
                 with _on_device(ordinal):
                     compiled.run(
@@ -237,7 +280,7 @@ class _Launcher:
                 log.info("direct launch of the span copy unavailable (%s); using Triton's JIT launch", exc)
                 self._compiled[key] = None
         with _on_device(ordinal):
-            kernel = _kernel()[(programs,)](_Base(base), table, len(table), **constants)
+            kernel = _kernel()[(programs,)](_Pointer(base), _Pointer(table, torch.int64), pieces, **constants)
         self.jit_launches += 1
         if key not in self._compiled and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
             self._compiled[key] = kernel
@@ -262,6 +305,7 @@ def copy_spans(
     dst: npt.NDArray[Any],
     lengths: npt.NDArray[Any],
     *,
+    keep: list[Any] | None = None,
     piece_bytes: int = PIECE_BYTES,
     block_words: int = BLOCK_WORDS,
     num_warps: int = NUM_WARPS,
@@ -273,12 +317,23 @@ def copy_spans(
     stream of ``device`` (a CUDA torch device); returns the number of pieces launched (0: nothing to copy), or
     None when Triton could not build or launch the kernel (logged; nothing was queued: copy another way).
 
+    ``keep``: a list the caller holds until the stream has passed this launch (it synchronises before it lets
+    go, cancelled or not). The kernel then reads its table straight from pinned host memory, which is appended
+    to ``keep``: no upload, one allocation and one copy fewer before the launch. Without ``keep`` the table is
+    uploaded on the stream (nothing to hold; for copies that are not waited for).
+
     The caller has checked that every span lies in memory of ``device`` this process may touch, and that no
     destination overlaps another span. Returns without synchronising: the copy is done once the stream has
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
     """
-
-    table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
+    try:
+        table, base, word, align = piece_table(
+            src, dst, lengths, piece_bytes, table_of=None if keep is None else _pinned_table
+        )
+    except RuntimeError as exc:  # no pinned memory to be had: the device table
+        log.warning("no pinned memory for the span copy's table (%s); uploading it", exc)
+        table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
+        keep = None
     if not len(table):
         return 0
     programs = len(table)
@@ -293,11 +348,19 @@ def copy_spans(
         "num_warps": num_warps,
     }
     try:
-        _launcher.launch(device, programs, _upload(table, device), base, constants)
+        if keep is None:
+            on_device = _upload(table, device)
+            address = on_device.data_ptr()
+        else:  # pinned: its host address is its device address
+            on_device = table
+            address = table.ctypes.data
+        _launcher.launch(device, programs, address, len(table), base, constants)
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched span copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
         return None
+    if keep is not None:
+        keep.append(on_device)
     return len(table)
 
 

@@ -153,19 +153,32 @@ class RegionTable:
             return np.empty(0, dtype=np.int64)
         if not self.regions:
             raise RegionError(f"{what}: no memory is registered")
-        addresses = fragments[:, 0]
-        ends = addresses + fragments[:, 1]
-        pos = np.searchsorted(self._starts, addresses, side="right").astype(np.int64) - 1
-        ok = pos >= 0
-        clipped = np.maximum(pos, 0)
-        ok &= self._best_end[clipped] >= ends
-        if not bool(ok.all()):
-            bad = int(np.flatnonzero(~ok)[0])
+        index = self.holding(fragments)
+        if int(index.min()) < 0:
+            bad = int(np.flatnonzero(index < 0)[0])
             raise RegionError(
-                f"{what}: fragment {bad} [{int(addresses[bad]):#x}, +{int(fragments[bad, 1])}) "
+                f"{what}: fragment {bad} [{int(fragments[bad, 0]):#x}, +{int(fragments[bad, 1])}) "
                 "is outside every registered region"
             )
-        return self._best[clipped]
+        return index
+
+    def holding(self, fragments: Fragments) -> npt.NDArray[np.int64]:
+        """As :meth:`locate`, with -1 for a fragment outside every range (no error)."""
+        if len(fragments) == 0 or not self.regions:
+            return np.full(len(fragments), -1, dtype=np.int64)
+        addresses = fragments[:, 0]
+        ends = addresses + fragments[:, 1]
+        if len(fragments) > 1:
+            # every row inside the range that holds the lowest address (one buffer, the common case): a
+            # read-only broadcast of that range's index, without a search per row
+            lowest, highest = int(addresses.min()), int(ends.max())
+            first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
+            if first >= 0 and int(self._best_end[first]) >= highest and lowest <= highest:
+                return np.broadcast_to(self._best[first], len(fragments))
+        pos = np.searchsorted(self._starts, addresses, side="right").astype(np.int64) - 1
+        clipped = np.maximum(pos, 0)
+        inside = (pos >= 0) & (self._best_end[clipped] >= ends)
+        return np.where(inside, self._best[clipped], -1)
 
 
 class _CudaArray:
@@ -228,13 +241,17 @@ class CopyPlan:
         with other copies in flight pass False (several pollers only slow each other down).
 
         A cancel while the copy runs waits (shielded) for what was queued on the device: nothing lands after
-        the cancel returns.
+        the cancel returns, and the kernel's tables (read from pinned host memory) outlive it.
         """
+        # what the device copies still read (the span copy's pinned tables), held until the stream passed them
+        keep: list[Any] = []
         device = self.src_regions.device
         if device is not None and device != "cpu" and device == self.dst_regions.device:
             # every row between CUDA ranges of one device (the common case): no per-row sorting
-            self._device_rows(np.arange(len(self.src)))
-            await synchronize_cuda(total_bytes(self.src), poll=poll)
+            try:
+                self._device_rows(np.arange(len(self.src)), keep)
+            finally:
+                await synchronize_cuda(total_bytes(self.src), poll=poll)
             return
         codes: dict[str, int] = {"cpu": -1}
         s_code = np.array(
@@ -249,39 +266,42 @@ class CopyPlan:
         else:
             same_cuda = np.zeros(0, dtype=bool)
         uses_cuda = False
-        if same_cuda.any():
-            uses_cuda = True
-            for code in np.unique(s_dev[same_cuda]):
-                rows = np.flatnonzero(same_cuda & (s_dev == code))
-                self._device_rows(rows)
-                await anyio.lowlevel.checkpoint()
-        since_yield = 0
-        for row in np.flatnonzero(~same_cuda):
-            s_index, d_index = int(self.src_index[row]), int(self.dst_index[row])
-            s_info = self.src_regions.regions[s_index]
-            d_info = self.dst_regions.regions[d_index]
-            s_view = self.src_regions.view(s_index)
-            d_view = self.dst_regions.view(d_index)
-            s_off = int(self.src[row, 0]) - s_info.address
-            d_off = int(self.dst[row, 0]) - d_info.address
-            length = int(self.src[row, 1])
-            if s_info.device != "cpu" or d_info.device != "cpu":
+        try:
+            if same_cuda.any():
                 uses_cuda = True
-                _torch_copy(d_view, d_off, s_view, s_off, length)
-                await anyio.lowlevel.checkpoint()
-                continue
-            done = 0
-            while done < length:
-                n = min(COPY_SLICE_BYTES, length - done)
-                a, b = s_off + done, d_off + done
-                d_view[b : b + n] = s_view[a : a + n]
-                done += n
-                since_yield += n + 4096
-                if since_yield >= COPY_SLICE_BYTES:
-                    since_yield = 0
+                for code in np.unique(s_dev[same_cuda]):
+                    rows = np.flatnonzero(same_cuda & (s_dev == code))
+                    self._device_rows(rows, keep)
                     await anyio.lowlevel.checkpoint()
-        if uses_cuda:
-            await synchronize_cuda(total_bytes(self.src), poll=poll)
+            since_yield = 0
+            for row in np.flatnonzero(~same_cuda):
+                s_index, d_index = int(self.src_index[row]), int(self.dst_index[row])
+                s_info = self.src_regions.regions[s_index]
+                d_info = self.dst_regions.regions[d_index]
+                s_view = self.src_regions.view(s_index)
+                d_view = self.dst_regions.view(d_index)
+                s_off = int(self.src[row, 0]) - s_info.address
+                d_off = int(self.dst[row, 0]) - d_info.address
+                length = int(self.src[row, 1])
+                if s_info.device != "cpu" or d_info.device != "cpu":
+                    uses_cuda = True
+                    _torch_copy(d_view, d_off, s_view, s_off, length)
+                    await anyio.lowlevel.checkpoint()
+                    continue
+                done = 0
+                while done < length:
+                    n = min(COPY_SLICE_BYTES, length - done)
+                    a, b = s_off + done, d_off + done
+                    d_view[b : b + n] = s_view[a : a + n]
+                    done += n
+                    since_yield += n + 4096
+                    if since_yield >= COPY_SLICE_BYTES:
+                        since_yield = 0
+                        await anyio.lowlevel.checkpoint()
+        finally:
+            # also when cancelled at a checkpoint above: what was queued has run before we return
+            if uses_cuda:
+                await synchronize_cuda(total_bytes(self.src), poll=poll)
 
     def _copy_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """Queue one ``copy_`` per row."""
@@ -295,10 +315,11 @@ class CopyPlan:
                 int(self.src[row, 1]),
             )
 
-    def _device_rows(self, rows: npt.NDArray[np.int64]) -> None:
+    def _device_rows(self, rows: npt.NDArray[np.int64], keep: list[Any]) -> None:
         """Queue the copy of ``rows`` (all between CUDA ranges of one device): a ``copy_`` each when they are
         few, else the device's own copy for the few longest and one batched launch for the rest when Triton
-        imports and builds the kernel, else indexed copies per pair of regions."""
+        imports and builds the kernel, else indexed copies per pair of regions. ``keep`` gets what the queued
+        copies read from host memory (hold it until the stream has passed them)."""
         import torch
 
         if len(rows) <= FEW_DEVICE_COPIES:
@@ -308,17 +329,19 @@ class CopyPlan:
         if span_copy.available(device):
             # the device's own copy for the few largest spans (it beats any kernel on long runs), one batched
             # launch for the rest
-            copied = np.zeros(len(rows), dtype=bool)
-            copied[np.flatnonzero(self.src[rows, 1] >= DEVICE_COPY_BYTES)[:MAX_DEVICE_COPIES]] = True
-            if copied.any():
+            # rows are ascending: as many as the plan has rows means all of them (views, no gathers)
+            src, dst = (
+                (self.src, self.dst) if len(rows) == len(self.src) else (self.src[rows], self.dst[rows])
+            )
+            longest = np.flatnonzero(src[:, 1] >= DEVICE_COPY_BYTES)[:MAX_DEVICE_COPIES]
+            if len(longest):
+                copied = np.zeros(len(rows), dtype=bool)
+                copied[longest] = True
                 self._copy_rows(rows[copied])
-                rows = rows[~copied]
+                rows, src, dst = rows[~copied], src[~copied], dst[~copied]
                 if not len(rows):
                     return
-            if (
-                span_copy.copy_spans(device, self.src[rows, 0], self.dst[rows, 0], self.src[rows, 1])
-                is not None
-            ):
+            if span_copy.copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep) is not None:
                 return
         pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
         for key in np.unique(pairs):

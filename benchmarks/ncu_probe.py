@@ -1,0 +1,52 @@
+"""Launches of the span copy for Nsight Compute (``ncu``) to read counters from, one per case and piece size.
+
+Each case (a fragment size in KiB or a mix of ``benchmarks/span_copy.py``, in ``kvferry bench transfer``'s
+layout over ``--total-mib``) is launched once per ``--pieces-kib`` with its table read from pinned host memory,
+as a transport write does; spans the write would hand to ``copy_`` (``_memory.DEVICE_COPY_BYTES`` and up) are
+left out. The launches are printed in order (ncu's report lists the kernels in the same order):
+
+    ncu --clock-control none -k regex:copy_pieces --section SpeedOfLight \\
+        python benchmarks/ncu_probe.py --cases 1024 16384 disagg11 --pieces-kib 1024 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from span_copy import spans_of  # benchmarks/span_copy.py
+
+from kvferry import span_copy
+from kvferry.transports import _memory
+
+MiB = 1 << 20
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--cases", nargs="*", default=["1024", "64"])
+    parser.add_argument("--pieces-kib", type=int, nargs="*", default=[span_copy.PIECE_BYTES >> 10])
+    args = parser.parse_args()
+    total = args.total_mib * MiB
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(2 * total, dtype=torch.uint8, device="cuda")
+    launch = 0
+    for case in args.cases:
+        s, d, lengths = spans_of(case, "transfer", src, dst, seed=1)
+        kernel = lengths < _memory.DEVICE_COPY_BYTES
+        s, d, lengths = s[kernel], d[kernel], lengths[kernel]
+        for piece_kib in args.pieces_kib:
+            keep: list[object] = []
+            torch.cuda.synchronize()
+            pieces = span_copy.copy_spans(src.device, s, d, lengths, keep=keep, piece_bytes=piece_kib << 10)
+            torch.cuda.synchronize()
+            print(
+                f"launch {launch}: case {case}, {int(lengths.sum())} bytes, pieces of {piece_kib} KiB: {pieces}"
+            )
+            launch += 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
