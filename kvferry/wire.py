@@ -49,6 +49,16 @@ def _structure_int(value: Any, _cls: type) -> int:
     return value
 
 
+def _check_ints(values: list[Any] | tuple[Any, ...]) -> None:
+    """What :func:`_structure_int` checks, for every item at once (the first bad item is named)."""
+    if not values:
+        return
+    if set(map(type, values)) != {int}:
+        _structure_int(next(v for v in values if type(v) is not int), int)
+    if min(values) < INT64_MIN or max(values) > INT64_MAX:
+        _structure_int(next(v for v in values if not INT64_MIN <= v <= INT64_MAX), int)
+
+
 def _structure_float(value: Any, _cls: type) -> float:
     if type(value) is float:
         return value
@@ -128,6 +138,9 @@ def make_converter() -> cattrs.Converter:
                 if len(value) != len(item_types):
                     raise ValueError(f"expected {len(item_types)} items, got {len(value)}")
                 return tuple(converter.structure(v, t) for v, t in zip(value, item_types, strict=True))
+            if item_type is int:  # page ids and the like: one pass over the types, not a hook call per item
+                _check_ints(value)
+                return tuple(value) if origin is tuple else list(value)
             items = [converter.structure(v, item_type) for v in value]
             return tuple(items) if origin is tuple else items
 

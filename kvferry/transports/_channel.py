@@ -138,7 +138,7 @@ class ChannelPeer(Peer):
         self._state = PeerState.CONNECTED
         self.error: TransportError = PeerDisconnected(f"peer {hello.address} disconnected")
         self.lost = anyio.Event()
-        self.send_lock = anyio.Lock()
+        self.send_lock = anyio.Lock(fast_acquire=True)  # an uncontended frame goes out without a loop turn
         self.messages_out: MemoryObjectSendStream[bytes | MessageTooLarge]
         self.messages_in: MemoryObjectReceiveStream[bytes | MessageTooLarge]
         self.messages_out, self.messages_in = anyio.create_memory_object_stream[bytes | MessageTooLarge](1024)
@@ -587,17 +587,27 @@ class ChannelTransport(Transport):
 
     async def send_frame(self, peer: ChannelPeer, kind: wire.FrameKind, body: bytes) -> None:
         """Send one frame; a frame cut midway (cancel, error) makes the peer LOST."""
+        await self.send_frames(peer, [(kind, body)])
+
+    async def send_frames(self, peer: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
+        """Send ``frames`` in order, back to back (small ones in one send); a frame cut midway (cancel, error)
+        makes the peer LOST, and which of the frames arrived is then unknown."""
         if peer.state is not PeerState.CONNECTED:
             raise peer.error
         async with peer.send_lock:
             try:
                 with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
-                    header = wire.FRAME_HEADER.pack(kind, len(body))
-                    if len(body) <= 1 << 16:  # one send (one segment, one wakeup) for the small frames
-                        await peer.stream.send(header + body)
-                    else:
-                        await peer.stream.send(header)
+                    pending = b""
+                    for kind, body in frames:
+                        header = wire.FRAME_HEADER.pack(kind, len(body))
+                        if len(body) <= 1 << 16:  # one send (one segment, one wakeup) for the small frames
+                            pending += header + body
+                            continue
+                        await peer.stream.send(pending + header)
                         await peer.stream.send(body)
+                        pending = b""
+                    if pending:
+                        await peer.stream.send(pending)
             except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
                 error = PeerDisconnected(f"sending to {peer.address} failed: {exc!r}")
                 await self._lose(peer, error)
@@ -755,7 +765,7 @@ class ChannelTransport(Transport):
     async def _write_checked(
         self, p: ChannelPeer, checked: _Checked, notify: bytes | None, stall: float
     ) -> None:
-        src_f, dst_f, src_index, _ = checked
+        src_f, dst_f, src_index, dst_index = checked
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
@@ -763,7 +773,9 @@ class ChannelTransport(Transport):
                 if notify is not None:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
-                await self._backend_write(p, src_f, dst_f, notify, stall, src_index=src_index)
+                await self._backend_write(
+                    p, src_f, dst_f, notify, stall, src_index=src_index, dst_index=dst_index
+                )
         except BaseException:
             self._writes_failed += 1
             raise
@@ -789,7 +801,9 @@ class ChannelTransport(Transport):
         try:
             if self._copies_itself(p):
                 await self._copy_here(p, combined, stall)
-            elif not await self._backend_write_together(p, src_f, dst_f, stall, src_index=src_index):
+            elif not await self._backend_write_together(
+                p, src_f, dst_f, stall, src_index=src_index, dst_index=dst_index
+            ):
                 return False
         except Exception as exc:  # the writes failed together
             self._writes_failed += len(parts)
@@ -801,15 +815,20 @@ class ChannelTransport(Transport):
             raise
         finally:
             self._writes_in_flight -= 1
-        # every byte of every part landed: now the notifications
+        # every byte of every part landed: now the notifications, in order, in one send
+        try:
+            await self.send_frames(
+                p, [(wire.FrameKind.NOTIFY, notify) for _, _, notify in parts if notify is not None]
+            )
+        except Exception as exc:  # the peer is lost: which notifications arrived is unknown
+            failed: Exception | None = exc
+        else:
+            failed = None
         for i, checked, notify in parts:
-            if notify is not None:
-                try:
-                    await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
-                except Exception as exc:  # the peer is lost: this and the later ones are not delivered
-                    outcomes[i] = exc
-                    self._writes_failed += 1
-                    continue
+            if failed is not None and notify is not None:
+                outcomes[i] = failed
+                self._writes_failed += 1
+                continue
             self._writes_completed += 1
             self._writes_combined += 1
             self._bytes_written += total_bytes(checked[0])
@@ -926,6 +945,7 @@ class ChannelTransport(Transport):
         stall: float,
         *,
         src_index: npt.NDArray[np.int64],
+        dst_index: npt.NDArray[np.int64],
     ) -> bool:
         """Write checked rows (several writes' together, no notification), if the backend can finish them as
         one copy whose end means every byte landed; False (nothing written) otherwise."""
@@ -940,8 +960,10 @@ class ChannelTransport(Transport):
         stall: float,
         *,
         src_index: npt.NDArray[np.int64],
+        dst_index: npt.NDArray[np.int64],
     ) -> None:
-        """Write ``src`` (rows of ours; ``src_index``: the registered range of each) to ``dst`` at ``peer``."""
+        """Write ``src`` (rows of ours; ``src_index``: the registered range of each) to ``dst`` at ``peer``
+        (``dst_index``: the range of the peer's :attr:`ChannelPeer.regions` each lies in)."""
         raise PeerIncompatible(f"{self.name} transport cannot write to another process")
 
     @asynccontextmanager

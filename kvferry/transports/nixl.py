@@ -102,6 +102,19 @@ class _IpcPeer:
     failed: bool = False
     #: exports changed since the last mapping
     dirty: bool = True
+    #: (the peer's regions, our mapping's table, which mapped region holds each of the peer's regions)
+    _exported: tuple[RegionTable, RegionTable, npt.NDArray[np.int64]] | None = None
+
+    def exported_of(self, regions: RegionTable) -> npt.NDArray[np.int64]:
+        """For each range of ``regions`` (the peer's registered regions), the index in :attr:`table` of the
+        mapped region that holds it, or -1; kept until the peer's regions or our mapping change."""
+        known = self._exported
+        if known is None or known[0] is not regions or known[1] is not self.table:
+            ranges = np.array([[r.address, r.length] for r in regions.regions], dtype=np.uint64).reshape(
+                -1, 2
+            )
+            known = self._exported = (regions, self.table, self.table.holding(ranges))
+        return known[2]
 
 
 @frozen
@@ -496,12 +509,13 @@ class NixlTransport(ChannelTransport):
         stall: float,
         *,
         src_index: npt.NDArray[np.int64],
+        dst_index: npt.NDArray[np.int64],
     ) -> None:
         name = peer.backend
         if name is None:
             raise peer.error
         src_devices = self.own_regions.devices(src_index)
-        route = self._ipc_route(peer, src_index, src_devices, dst)
+        route = self._ipc_route(peer, src_index, src_devices, dst, dst_index)
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
             return
@@ -636,6 +650,7 @@ class NixlTransport(ChannelTransport):
         stall: float,
         *,
         src_index: npt.NDArray[np.int64],
+        dst_index: npt.NDArray[np.int64],
     ) -> bool:
         """Through our mapping of the peer's CUDA memory: one launch and one wait, after which every byte is in
         place. Host memory (``process_vm_writev`` copies in worker threads, several at once when the writes
@@ -643,7 +658,7 @@ class NixlTransport(ChannelTransport):
         if peer.backend is None:
             raise peer.error
         src_devices = self.own_regions.devices(src_index)
-        route = self._ipc_route(peer, src_index, src_devices, dst)
+        route = self._ipc_route(peer, src_index, src_devices, dst, dst_index)
         if route is None:
             return False
         await self._ipc_write(peer, src, route, None, stall)
@@ -652,22 +667,27 @@ class NixlTransport(ChannelTransport):
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
     def _ipc_route(
-        self, peer: ChannelPeer, src_index: npt.NDArray[np.int64], src_devices: set[str], dst: Fragments
+        self,
+        peer: ChannelPeer,
+        src_index: npt.NDArray[np.int64],
+        src_devices: set[str],
+        dst: Fragments,
+        dst_index: npt.NDArray[np.int64],
     ) -> _IpcRoute | None:
         """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL).
-        ``src_index``/``src_devices``: our regions of the source rows and their devices."""
+        ``src_index``/``src_devices``: our regions of the source rows and their devices; ``dst_index``: the
+        peer's registered region (``peer.regions``) of each destination row."""
         ipc = self._ipc.get(peer)
         if ipc is None or ipc.failed or not ipc.exports or len(src_index) == 0 or "cpu" in src_devices:
             return None
         if not self._ipc_map(ipc):
             return None
-        try:
-            index = ipc.table.locate(dst, "destination")
-        except RegionError:
+        exported = ipc.exported_of(peer.regions)[dst_index]
+        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
             return None
         translated = dst.copy()
-        translated[:, 0] = dst[:, 0] - ipc.starts[index] + ipc.local[index]
-        return _IpcRoute(translated, ipc.local_table, src_index, index)
+        translated[:, 0] += ipc.local[exported] - ipc.starts[exported]
+        return _IpcRoute(translated, ipc.local_table, src_index, exported)
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
         """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""

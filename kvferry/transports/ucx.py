@@ -363,6 +363,7 @@ class UcxTransport(ChannelTransport):
         stall: float,
         *,
         src_index: npt.NDArray[np.int64],
+        dst_index: npt.NDArray[np.int64],
     ) -> None:
         endpoint = peer.backend
         if endpoint is None:

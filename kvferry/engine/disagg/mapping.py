@@ -110,6 +110,13 @@ def _intersect(src: HeadShard, dst: HeadShard) -> tuple[int, int]:
 
 
 def _ids_array(value: Any) -> Int64Array:
+    if type(value) in (list, tuple) and value and set(map(type, value)) == {int}:  # a block table's ints
+        try:
+            out = np.fromiter(value, dtype=np.int64, count=len(value))
+        except OverflowError as exc:
+            raise ConfigError(f"page ids must be integers: {exc}") from None
+        out.flags.writeable = False
+        return out
     try:
         array = np.asarray(value)
         if array.size == 0:
@@ -589,8 +596,11 @@ def _pages(
     used = blocks[first : last + 1]
     if int(used.min()) < 0 or int(used.max()) >= num_slots:
         raise ConfigError(f"group {group!r}: page ids must lie in [0, {num_slots})")
-    if unique and len(np.unique(used)) != len(used):
-        raise ConfigError(f"group {group!r}: destination page ids repeat")
+    if unique:  # ids lie in [0, num_slots): one mark per pool page, no sort
+        seen = np.zeros(num_slots, dtype=np.bool_)
+        seen[used] = True
+        if int(np.count_nonzero(seen)) != len(used):
+            raise ConfigError(f"group {group!r}: destination page ids repeat")
     cache._checked[key] = blocks
     return blocks
 

@@ -211,6 +211,10 @@ class SendSession:
         chunks = self.plan[writer]
         return index, (chunks[index] if chunks else None)
 
+    def unposted_count(self, writer: int) -> int:
+        """How many of ``writer``'s chunks have been neither posted nor reported unposted."""
+        return self.num_chunks(writer) - self._next.get(writer, 0)
+
     def finish_post(self, writer: int, chunk: int, report: ChunkResult) -> None:
         """Record how a posted chunk ended (the report was, or is about to be, sent)."""
         self._in_flight.discard((writer, chunk))
@@ -572,8 +576,8 @@ class Receiver:
             if self._lost is not None:
                 session.peer_lost(self._lost)
             else:
-                # a cancel that comes before anything is sent frees the pages (ALLOCATED)
-                await anyio.lowlevel.checkpoint()
+                # a cancel that comes before anything is sent frees the pages (ALLOCATED); no turn of the loop
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 # REQUESTED before the send: every writer may report before send_message returns (a fast
                 # context side), and a report must find the session waiting for it. A failed send then takes
                 # the cancel path below (quarantine until the writers report or the peer is gone: the request
@@ -859,9 +863,16 @@ async def send(
 
     try:
         await only_chunks_together()
-        async with anyio.create_task_group() as tg:
-            for w in session.writers:
-                for _ in range(max(1, max_in_flight)):
+        # as many posting tasks per writer as it has chunks left, up to max_in_flight (each posts, or after a
+        # cancel reports unposted, that writer's chunks in order); writers done together above need none
+        tasks = [
+            w for w in session.writers for _ in range(min(max(1, max_in_flight), session.unposted_count(w)))
+        ]
+        if len(tasks) == 1:  # one writer with one chunk left, say: no task group to set up
+            await writer(tasks[0])
+        elif tasks:
+            async with anyio.create_task_group() as tg:
+                for w in tasks:
                     tg.start_soon(writer, w)
     finally:
         # every posted write has ended (a write returns only then, cancel included): nothing reads the leases
