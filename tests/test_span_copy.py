@@ -77,6 +77,71 @@ def test_piece_table_word_and_alignment() -> None:
     assert table.shape == (0, 3)
 
 
+def test_piece_table_takes_fragment_columns_as_they_come() -> None:
+    """Fragments are uint64 (their columns are strided views): the table is the same as from int64 arrays."""
+    rng = np.random.default_rng(5)
+    src, dst, lengths, _ = _spans(rng, 300, 16, 70_000, 1 << 40)
+    fragments = np.stack([src, lengths], axis=1).astype(np.uint64)
+    into = np.stack([dst, lengths], axis=1).astype(np.uint64)
+    for piece in (4096, span_copy.PIECE_BYTES):
+        expected = span_copy.piece_table(src, dst, lengths, piece)
+        got = span_copy.piece_table(fragments[:, 0], into[:, 0], fragments[:, 1], piece)
+        assert np.array_equal(got[0], expected[0]) and got[0].dtype == np.int64
+        assert got[1:] == expected[1:]
+
+
+def test_long_spans_are_cut_toward_the_target_number_of_pieces() -> None:
+    """A few long spans among many short ones are cut finer (down to MIN_PIECE_BYTES) so that no program is
+    left copying alone; a copy that has enough pieces keeps its spans whole up to PIECE_BYTES."""
+    mib = 1 << 20
+
+    def pieces(lengths: list[int], piece_bytes: int = span_copy.PIECE_BYTES) -> tuple[int, int]:
+        n = np.asarray(lengths, dtype=np.int64)
+        src = (1 << 40) + np.cumsum(n) - n
+        table, _, word, _ = span_copy.piece_table(src, src + (1 << 41), n, piece_bytes)
+        assert table[:, 2].sum() * word == n.sum()
+        return len(table), int(table[:, 2].max()) * word
+
+    # a disaggregated writer's mix (mismatched TP): 2 MiB runs among 32 KiB pages
+    mix = [2 << 10] * 48 + [16 << 10] * 24 + [32 << 10] * 2048 + [64 << 10] * 256 + [2 * mib] * 24
+    assert pieces(mix) == (2568, span_copy.MIN_PIECE_BYTES)
+    assert pieces([mib] * 1024) == (1024, mib)  # 1 GiB in 1 MiB fragments: one piece each
+    assert pieces([16 * mib] * 64) == (1024, mib)  # cut to about TARGET_PIECES
+    assert pieces([64 * mib] * 64) == (1024, span_copy.PIECE_BYTES)  # never longer than PIECE_BYTES
+    assert pieces([4096] * 10) == (10, 4096)
+    assert pieces([mib] * 4, piece_bytes=64 << 10) == (64, 64 << 10)  # a smaller piece_bytes is kept
+
+
+@cuda
+@pytest.mark.gpu
+def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
+    """With ``keep``, the kernel reads its table from pinned host memory, which the caller holds until the
+    copy ran; the bytes are the same as with an uploaded table."""
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 40_000, 500) // 16 * 16 + 16
+    src = torch.randint(0, 256, (int(lengths.sum()),), dtype=torch.uint8, device="cuda")
+    src_offsets = np.cumsum(lengths) - lengths
+    order = rng.permutation(len(lengths))
+    dst_offsets = np.empty_like(src_offsets)
+    dst_offsets[order] = np.cumsum(lengths[order]) - lengths[order]
+    results = []
+    for keep in (None, []):
+        dst = torch.zeros_like(src)
+        pieces = span_copy.copy_spans(
+            src.device, src.data_ptr() + src_offsets, dst.data_ptr() + dst_offsets, lengths, keep=keep
+        )
+        assert pieces is not None and pieces >= len(lengths)
+        torch.cuda.synchronize()
+        results.append(dst)
+        if keep is not None:
+            assert len(keep) == 1 and keep[0].shape == (pieces, 3)
+            assert torch.from_numpy(keep[0]).is_pinned()
+    expected = torch.empty_like(src)
+    for s, d, n in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
+    assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("alignment", [1, 2, 4, 8, 16, 64])

@@ -27,6 +27,12 @@ class Inner:
 
 
 @frozen
+class Ids:
+    ids: tuple[int, ...]
+    more: list[int]
+
+
+@frozen
 class Message:
     name: str
     color: Color
@@ -94,6 +100,24 @@ def test_strict_types(path: tuple[object, ...], value: object) -> None:
     target[path[-1]] = value  # type: ignore[index]
     with pytest.raises(WireFormatError):
         wire.decode(msgpack.packb(raw), Message)
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "7", None, 1 << 63, (1 << 64) - 1])
+def test_int_sequences_are_checked_item_by_item(bad: object) -> None:
+    """Sequences of ints (page ids) decode in one pass; a bad item anywhere (a bool, a float, a str, None,
+    outside int64) is refused, naming the field."""
+    ids = list(range(1, 600))
+    assert wire.decode(wire.encode(Ids(tuple(ids), ids)), Ids) == Ids(tuple(ids), ids)
+    assert wire.decode(wire.encode(Ids((), [])), Ids) == Ids((), [])
+    for field in ("ids", "more"):
+        for where in (0, 300, len(ids) - 1):
+            raw = {"ids": list(ids), "more": list(ids)}
+            raw[field][where] = bad
+            with pytest.raises(WireFormatError, match=rf"\$\.{field}"):
+                wire.decode(msgpack.packb(raw), Ids)
+    decoded = wire.decode(wire.encode(Ids((wire.INT64_MIN, wire.INT64_MAX), [0])), Ids)
+    assert decoded.ids == (wire.INT64_MIN, wire.INT64_MAX) and type(decoded.ids) is tuple
+    assert type(decoded.more) is list
 
 
 def test_optional_and_default() -> None:

@@ -121,6 +121,26 @@ def test_region_table_with_overlaps() -> None:
         RegionTable([]).locate(as_fragments([[1, 1]]), "x")
 
 
+def test_region_table_answers_rows_in_one_range_at_once() -> None:
+    """Rows that all lie in one range get its index without a search per row; any other mix is searched row by
+    row, and the answers are what a search of each row alone gives."""
+    table = RegionTable(
+        [RegionInfo(1000, 100, "cpu"), RegionInfo(5000, 1000, "cpu"), RegionInfo(5200, 50, "cpu")]
+    )
+    one = as_fragments([[5900, 100], [5000, 8], [5210, 20], [5500, 1]])
+    located = table.locate(one, "x")
+    assert located.tolist() == [1, 1, 1, 1]
+    assert located.tolist() == [int(table.locate(one[i : i + 1], "x")[0]) for i in range(len(one))]
+    mixed = as_fragments([[1000, 10], [5000, 10], [1090, 10]])
+    assert table.locate(mixed, "x").tolist() == [0, 1, 0]
+    # the lowest row's range does not reach the highest end: searched row by row, the bad row named
+    with pytest.raises(RegionError, match="fragment 2"):
+        table.locate(as_fragments([[5000, 10], [5100, 10], [5990, 11]]), "x")
+    assert table.holding(as_fragments([[5000, 10], [999, 2], [1099, 1]])).tolist() == [1, -1, 0]
+    assert table.holding(as_fragments([[1, 1]])).tolist() == [-1]
+    assert RegionTable([]).holding(as_fragments([[1, 1], [2, 1]])).tolist() == [-1, -1]
+
+
 @given(st.binary(max_size=64), st.binary(max_size=256), st.integers(0, 2**64 - 1))
 def test_handshake_round_trip(compat: bytes, body: bytes, version: int) -> None:
     converter = wire.make_converter()
@@ -280,3 +300,24 @@ async def test_a_cancelled_device_wait_returns_only_after_the_event() -> None:
         await wait_event(event, 1 << 30)
     assert event.synchronized
     assert scope.cancel_called
+
+
+def test_ipc_route_maps_the_peers_ranges_to_its_mapped_regions() -> None:
+    """A CUDA IPC write finds the mapped region of each destination row from the range the write check found
+    it in (the peer's registered ranges, in any order; host ranges map to none), and notices a new mapping."""
+    nixl = pytest.importorskip("kvferry.transports.nixl")
+    peer_regions = RegionTable(
+        [
+            RegionInfo(9000, 100, "cuda:0"),
+            RegionInfo(1000, 500, "cpu"),
+            RegionInfo(5000, 1000, "cuda:0"),
+            RegionInfo(5100, 100, "cuda:0"),  # inside the one above
+        ]
+    )
+    ipc = nixl._IpcPeer()
+    ipc.table = RegionTable([RegionInfo(5000, 1000, "cuda:0"), RegionInfo(9000, 100, "cuda:0")])
+    assert ipc.exported_of(peer_regions).tolist() == [1, -1, 0, 0]
+    assert ipc.exported_of(peer_regions) is ipc.exported_of(peer_regions)  # kept while nothing changed
+    ipc.table = RegionTable([RegionInfo(9000, 100, "cuda:0")])  # remapped: the peer exports less now
+    assert ipc.exported_of(peer_regions).tolist() == [0, -1, -1, -1]
+    assert nixl._IpcPeer().exported_of(RegionTable([])).tolist() == []
