@@ -98,6 +98,8 @@ class _IpcPeer:
     table: RegionTable = field(factory=lambda: RegionTable(()))
     local: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
     starts: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
+    #: ``local - starts`` (mod 2**64): what turns the peer's address into ours, per mapped region
+    shift: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
     local_table: RegionTable = field(factory=lambda: RegionTable(()))
     failed: bool = False
     #: exports changed since the last mapping
@@ -682,11 +684,18 @@ class NixlTransport(ChannelTransport):
             return None
         if not self._ipc_map(ipc):
             return None
-        exported = ipc.exported_of(peer.regions)[dst_index]
-        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
-            return None
+        of_range = ipc.exported_of(peer.regions)
         translated = dst.copy()
-        translated[:, 0] += ipc.local[exported] - ipc.starts[exported]
+        if dst_index.strides == (0,):  # every row in one of the peer's ranges (RegionTable.holding)
+            mapped = int(of_range[int(dst_index[0])])
+            if mapped < 0:  # memory the peer did not export (host memory, say)
+                return None
+            translated[:, 0] += ipc.shift[mapped]
+            return _IpcRoute(translated, ipc.local_table, src_index, np.broadcast_to(mapped, len(dst)))
+        exported = of_range[dst_index]
+        if int(exported.min()) < 0:
+            return None
+        translated[:, 0] += ipc.shift[exported]
         return _IpcRoute(translated, ipc.local_table, src_index, exported)
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
@@ -718,6 +727,7 @@ class NixlTransport(ChannelTransport):
         ipc.table = RegionTable([wire.RegionInfo(k[0], k[1], ipc.mapped[k][2]) for k in keys_in_order])
         ipc.local = np.array([ipc.mapped[k][1] for k in keys_in_order], dtype=np.uint64)
         ipc.starts = np.array([k[0] for k in keys_in_order], dtype=np.uint64)
+        ipc.shift = ipc.local - ipc.starts
         ipc.dirty = False
         ipc.local_table = RegionTable(
             [wire.RegionInfo(ipc.mapped[k][1], k[1], ipc.mapped[k][2]) for k in keys_in_order]
