@@ -212,7 +212,7 @@ class ContextWorker:
     built: BuiltEngine
     transport: Transport
     hold_timeout: float = 60.0
-    #: bytes per chunk (None: one write per direct writer, DEFAULT_CHUNK_BYTES per bounced chunk)
+    #: bytes per chunk (None: one write per direct writer, default_chunk_bytes(memory) per bounced chunk)
     max_chunk_bytes: int | None = None
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
     write_delay: float = 0.0

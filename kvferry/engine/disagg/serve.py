@@ -24,7 +24,7 @@ from attrs import define
 from kvferry.engine.disagg.mapping import BouncePolicy
 from kvferry.engine.disagg.roles import DEFAULT_STAGING_BYTES, ContextWorker, GenerationWorker
 from kvferry.engine.disagg.router import Router
-from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES
+from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
 from kvferry.errors import PeerDisconnected
 from kvferry.transports import get_transport
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="bytes per transfer chunk (0: one write per direct writer, "
-        f"{DEFAULT_CHUNK_BYTES} bytes per bounced chunk)",
+        f"{DEFAULT_CHUNK_BYTES} bytes per bounced chunk of host memory, {DEFAULT_DEVICE_CHUNK_BYTES} of device memory)",
     )
     parser.add_argument("--write-delay", type=float, default=0.0, help="seconds before each chunk (tests)")
     parser.add_argument(

@@ -388,3 +388,49 @@ def test_a_plan_that_fails_midway_keeps_no_staging_reserved() -> None:
     assert tx_pool.used == 0 and tx_pool.statistics()["leases"] == 1  # the first writer's lease came back
     staging.release()
     assert rx_pool.used == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_bounced_chunks_by_default_are_small_on_host_memory_and_whole_on_a_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packing on the host overlaps writing, chunk by chunk; a device packs a whole writer at once, so a chunk
+    would only add a launch, a thread hop and a device wait per side (a "meta" staging stands in for one)."""
+    from kvferry.engine.disagg import transfer as transfer_module
+
+    assert transfer_module.default_chunk_bytes("cpu") == transfer_module.DEFAULT_CHUNK_BYTES
+    assert transfer_module.default_chunk_bytes("cuda") == transfer_module.DEFAULT_DEVICE_CHUNK_BYTES
+    monkeypatch.setattr(transfer_module, "DEFAULT_CHUNK_BYTES", 512)
+    spec = tiny_spec()
+    ctx, gen = make_side(spec, 1), make_side(spec, 1)
+    ctx.fake_prefill("c", PROMPT, seed=3)
+    gen.create("g", PROMPT)
+    tables = [a.page_table() for a in gen.arenas]
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
+    rx_pool = StagingPool.allocate(1 << 20)
+    tx_pool = StagingPool(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    request, staging = offer_staging(
+        peer_map,
+        gen.receive_request(1, "r", "g", len(PROMPT)),
+        [a.pool_tensors() for a in gen.arenas],
+        rx_pool,
+        policy=BouncePolicy.always(),
+    )
+    plan = plan_transfer(
+        peer_map,
+        range(1),
+        ctx.blocks("c"),
+        ctx.slot("c"),
+        request,
+        tables,
+        policy=BouncePolicy.always(),
+        src_pools=[a.pool_tensors() for a in ctx.arenas],
+        staging=tx_pool,
+    )
+    (chunks,) = plan.values()
+    nbytes = sum(c.nbytes for c in chunks)
+    assert nbytes > 512 and all(c.staged is not None for c in chunks)
+    assert len(chunks) == (-(-nbytes // 512) if device == "cpu" else 1)
+    SendSession(0, plan).release_staging()
+    staging.release()
+    assert tx_pool.used == 0 and rx_pool.used == 0
