@@ -17,11 +17,18 @@ import torch
 
 from kvferry.engine.disagg.link import pump
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
-from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus
+from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus, ReceiveRequest
 from kvferry.engine.disagg.session import Receiver, ReceiveSession, SendSession, send
-from kvferry.engine.disagg.staging import StagingPool
-from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, offer_staging, plan_transfer
+from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
+from kvferry.engine.disagg.transfer import (
+    ManagerHold,
+    WriterPlan,
+    expected_writers,
+    offer_staging,
+    plan_transfer,
+)
 from kvferry.errors import ConfigError, WireFormatError
+from kvferry.pools.pagetable import PageTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Side, connected, make_side, tiny_spec, whole_cache
@@ -99,6 +106,31 @@ def test_receive_session_refuses_staged_reports_it_did_not_offer() -> None:
 # --- whole transfers over the local transport ------------------------------------------------------------
 
 
+def sender_plan(
+    ctx: Side,
+    peer_map: PeerMap,
+    request: ReceiveRequest,
+    tables: list[PageTable],
+    tx_pool: StagingPool | None,
+    *,
+    policy: BouncePolicy,
+    chunk: int | None = None,
+) -> WriterPlan:
+    """The context side's plan of request "c" for ``request`` (every context rank; its pools and staging)."""
+    return plan_transfer(
+        peer_map,
+        range(ctx.tp),
+        ctx.blocks("c"),
+        ctx.slot("c"),
+        request,
+        tables,
+        max_chunk_bytes=chunk,
+        policy=policy,
+        src_pools=[a.pool_tensors() for a in ctx.arenas],
+        staging=tx_pool,
+    )
+
+
 async def transfer(
     ctx: Side,
     gen: Side,
@@ -142,18 +174,7 @@ async def transfer(
             session.session_id,
             *[getattr(request, f) for f in ("key", "token_start", "token_end", "blocks", "slot", "staging")],
         )
-        plan = plan_transfer(
-            peer_map,
-            range(ctx.tp),
-            ctx.blocks("c"),
-            ctx.slot("c"),
-            request,
-            tables,
-            max_chunk_bytes=chunk,
-            policy=policy,
-            src_pools=[a.pool_tensors() for a in ctx.arenas],
-            staging=tx_pool,
-        )
+        plan = sender_plan(ctx, peer_map, request, tables, tx_pool, policy=policy, chunk=chunk)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
             tg.start_soon(send, ctx.transport, to_gen, SendSession(session.session_id, plan))
@@ -267,18 +288,7 @@ async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer
             session.session_id,
             *[getattr(request, f) for f in ("key", "token_start", "token_end", "blocks", "slot", "staging")],
         )
-        plan = plan_transfer(
-            peer_map,
-            range(1),
-            ctx.blocks("c"),
-            ctx.slot("c"),
-            request,
-            tables,
-            max_chunk_bytes=1024,
-            policy=BouncePolicy.always(),
-            src_pools=[a.pool_tensors() for a in ctx.arenas],
-            staging=tx_pool,
-        )
+        plan = sender_plan(ctx, peer_map, request, tables, tx_pool, policy=BouncePolicy.always(), chunk=1024)
         assert len(plan[0]) > 3 and all(c.staged is not None for c in plan[0])
         send_session = SendSession(session.session_id, plan)
         area = rx_pool.used
@@ -355,14 +365,17 @@ def test_bounce_across_processes_over_nixl_is_bit_exact(tmp_path: Path) -> None:
         assert r["bounce_posted_fragments"] < r["direct_posted_fragments"]
 
 
-def test_a_plan_that_fails_midway_keeps_no_staging_reserved() -> None:
+def offered(
+    ctx_tp: int, gen_tp: int, rx_pool: StagingPool
+) -> tuple[Side, list[PageTable], PeerMap, ReceiveRequest, ReceiveStaging]:
+    """A context side that prefilled "c", and the receive request of a generation side's "g" that offers every
+    writer a staging area of ``rx_pool`` (with the receiver's page tables, the peer map and the offer)."""
     spec = tiny_spec()
-    ctx, gen = make_side(spec, 2), make_side(spec, 1)
+    ctx, gen = make_side(spec, ctx_tp), make_side(spec, gen_tp)
     ctx.fake_prefill("c", PROMPT, seed=3)
     gen.create("g", PROMPT)
     tables = [a.page_table() for a in gen.arenas]
     peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
-    rx_pool, tx_pool = StagingPool.allocate(1 << 20), StagingPool.allocate(1 << 20)
     request, staging = offer_staging(
         peer_map,
         gen.receive_request(1, "r", "g", len(PROMPT)),
@@ -370,20 +383,23 @@ def test_a_plan_that_fails_midway_keeps_no_staging_reserved() -> None:
         rx_pool,
         policy=BouncePolicy.always(),
     )
+    return ctx, tables, peer_map, request, staging
+
+
+def test_a_plan_that_fails_midway_keeps_no_staging_reserved() -> None:
+    rx_pool, tx_pool = StagingPool.allocate(1 << 20), StagingPool.allocate(1 << 20)
+    ctx, tables, peer_map, request, staging = offered(2, 1, rx_pool)
     assert len(request.staging) == 2 and rx_pool.used > 0
     areas = list(request.staging)
     areas[-1] = attrs.evolve(areas[-1], nbytes=8)  # the last writer's area is too small: a peer's bad request
     with pytest.raises(WireFormatError):
-        plan_transfer(
+        sender_plan(
+            ctx,
             peer_map,
-            range(2),
-            ctx.blocks("c"),
-            ctx.slot("c"),
             attrs.evolve(request, staging=tuple(areas)),
             tables,
+            tx_pool,
             policy=BouncePolicy.always(),
-            src_pools=[a.pool_tensors() for a in ctx.arenas],
-            staging=tx_pool,
         )
     assert tx_pool.used == 0 and tx_pool.statistics()["leases"] == 1  # the first writer's lease came back
     staging.release()
@@ -401,32 +417,10 @@ def test_bounced_chunks_by_default_are_small_on_host_memory_and_whole_on_a_devic
     assert transfer_module.default_chunk_bytes("cpu") == transfer_module.DEFAULT_CHUNK_BYTES
     assert transfer_module.default_chunk_bytes("cuda") == transfer_module.DEFAULT_DEVICE_CHUNK_BYTES
     monkeypatch.setattr(transfer_module, "DEFAULT_CHUNK_BYTES", 512)
-    spec = tiny_spec()
-    ctx, gen = make_side(spec, 1), make_side(spec, 1)
-    ctx.fake_prefill("c", PROMPT, seed=3)
-    gen.create("g", PROMPT)
-    tables = [a.page_table() for a in gen.arenas]
-    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
     rx_pool = StagingPool.allocate(1 << 20)
     tx_pool = StagingPool(torch.empty(1 << 20, dtype=torch.uint8, device=device))
-    request, staging = offer_staging(
-        peer_map,
-        gen.receive_request(1, "r", "g", len(PROMPT)),
-        [a.pool_tensors() for a in gen.arenas],
-        rx_pool,
-        policy=BouncePolicy.always(),
-    )
-    plan = plan_transfer(
-        peer_map,
-        range(1),
-        ctx.blocks("c"),
-        ctx.slot("c"),
-        request,
-        tables,
-        policy=BouncePolicy.always(),
-        src_pools=[a.pool_tensors() for a in ctx.arenas],
-        staging=tx_pool,
-    )
+    ctx, tables, peer_map, request, staging = offered(1, 1, rx_pool)
+    plan = sender_plan(ctx, peer_map, request, tables, tx_pool, policy=BouncePolicy.always())
     (chunks,) = plan.values()
     nbytes = sum(c.nbytes for c in chunks)
     assert nbytes > 512 and all(c.staged is not None for c in chunks)
