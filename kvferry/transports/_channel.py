@@ -20,7 +20,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import anyio
 import numpy as np
@@ -53,6 +53,7 @@ from kvferry.transports.base import (
     TransportStatistics,
     WriteRows,
     as_fragments,
+    joined_rows,
     outcomes_of,
     total_bytes,
     write_rows,
@@ -733,20 +734,41 @@ class ChannelTransport(Transport):
         except Exception as exc:  # the same error for every write
             return [exc] * len(writes)
         stall = self._stall(stall_timeout)
-        parts: list[tuple[int, _Checked, bytes | None]] = []
+        together = len(writes) > 1 and self._may_write_together(p)
+        if together:
+            # all of them checked as one write first (one pass over the rows, not one per write): when every
+            # row is fine, so is every write on its own
+            try:
+                rows, sizes = joined_rows(writes, merge=self._coalesce)
+                joined = self._checked(p, rows)
+            except (RegionError, ValueError):
+                pass  # one of them is refused: each is checked on its own below
+            else:
+                parts = [(i, sizes[i], notify) for i, (_, _, notify) in enumerate(writes)]
+                if await self._write_together(p, joined, parts, stall, outcomes):
+                    return outcomes
+                together = False  # the backend cannot move these together
+        checked: list[tuple[int, _Checked, bytes | None]] = []
         for i, (src, dst, notify) in enumerate(writes):
             try:
-                parts.append((i, self._checked(p, write_rows(src, dst, merge=self._coalesce)), notify))
+                checked.append((i, self._checked(p, write_rows(src, dst, merge=self._coalesce)), notify))
             except (RegionError, ValueError) as exc:
                 outcomes[i] = exc
-        if len(parts) > 1 and await self._write_together(p, parts, stall, outcomes):
-            return outcomes
+        if together and len(checked) > 1:
+            joined = cast(_Checked, tuple(np.concatenate([c[k] for _, c, _ in checked]) for k in range(4)))
+            parts = [(i, total_bytes(c[0]), notify) for i, c, notify in checked]
+            if await self._write_together(p, joined, parts, stall, outcomes):
+                return outcomes
         alone = await outcomes_of(
-            [partial(self._write_checked, p, checked, notify, stall) for _, checked, notify in parts]
+            [partial(self._write_checked, p, c, notify, stall) for _, c, notify in checked]
         )
-        for (i, _, _), outcome in zip(parts, alone, strict=True):
+        for (i, _, _), outcome in zip(checked, alone, strict=True):
             outcomes[i] = outcome
         return outcomes
+
+    def _may_write_together(self, p: ChannelPeer) -> bool:
+        """Several writes to ``p`` may move as one (:meth:`_write_together` may still decline)."""
+        return self._copies_itself(p) or self._backend_may_write_together(p)
 
     def _stall(self, stall_timeout: float | None) -> float:
         return self._stall_timeout if stall_timeout is None else stall_timeout
@@ -787,16 +809,15 @@ class ChannelTransport(Transport):
     async def _write_together(
         self,
         p: ChannelPeer,
-        parts: Sequence[tuple[int, _Checked, bytes | None]],
+        combined: _Checked,
+        parts: Sequence[tuple[int, int, bytes | None]],
         stall: float,
         outcomes: list[Exception | None],
     ) -> bool:
-        """Write the checked ``parts`` as one write, then send their notifications in order, filling
-        ``outcomes``; False (nothing written) when the backend cannot write them together."""
-        src_f, dst_f, src_index, dst_index = (
-            np.concatenate([checked[k] for _, checked, _ in parts]) for k in range(4)
-        )
-        combined: _Checked = (src_f, dst_f, src_index, dst_index)
+        """Write the checked rows of several writes (``parts``: each one's index, bytes and notification) as one
+        write, then send their notifications in order, filling ``outcomes``; False (nothing written) when the
+        backend cannot write them together."""
+        src_f, dst_f, src_index, dst_index = combined
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
@@ -824,14 +845,14 @@ class ChannelTransport(Transport):
             failed: Exception | None = exc
         else:
             failed = None
-        for i, checked, notify in parts:
+        for i, nbytes, notify in parts:
             if failed is not None and notify is not None:
                 outcomes[i] = failed
                 self._writes_failed += 1
                 continue
             self._writes_completed += 1
             self._writes_combined += 1
-            self._bytes_written += total_bytes(checked[0])
+            self._bytes_written += nbytes
         return True
 
     def _checked(self, p: ChannelPeer, rows: WriteRows) -> _Checked:
@@ -936,6 +957,10 @@ class ChannelTransport(Transport):
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
+
+    def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
+        """The backend may write several writes to ``peer`` as one (:meth:`_backend_write_together`)."""
+        return False
 
     async def _backend_write_together(
         self,

@@ -47,6 +47,7 @@ __all__ = [
     "TransportStatistics",
     "as_fragments",
     "coalesce",
+    "joined_rows",
     "outcomes_of",
     "page_fragments",
     "tensor_fragments",
@@ -183,6 +184,20 @@ def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) ->
     if bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any()):
         raise ValueError("a fragment wraps around the address space")
     return WriteRows(s, d, *(merged or (None, None)))
+
+
+def joined_rows(
+    writes: Sequence[tuple[npt.ArrayLike, npt.ArrayLike, Any]], *, merge: bool = True
+) -> tuple[WriteRows, list[int]]:
+    """:func:`write_rows` of several writes' ``(src, dst, ...)`` rows as one write (in order; rows of two writes
+    may merge), and the bytes of each write.
+
+    :raises ValueError: as :func:`write_rows` for any of them (which one is not said: check each on its own).
+    """
+    src = [_rows(s) for s, _, _ in writes]
+    dst = [_rows(d) for _, d, _ in writes]
+    sizes = [int(s[:, 1].sum()) for s in src]
+    return write_rows(np.concatenate(src), np.concatenate(dst), merge=merge), sizes
 
 
 def _rows(fragments: npt.ArrayLike) -> Fragments:

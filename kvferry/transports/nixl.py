@@ -644,6 +644,10 @@ class NixlTransport(ChannelTransport):
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
         return True
 
+    def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
+        ipc = self._ipc.get(peer)
+        return ipc is not None and not ipc.failed and bool(ipc.exports)
+
     async def _backend_write_together(
         self,
         peer: ChannelPeer,

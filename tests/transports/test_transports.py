@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import numpy as np
@@ -478,6 +479,44 @@ async def test_local_peer_closed_mid_write_many() -> None:
         failed = [o for o in outcomes if o is not None]
         assert failed and all(isinstance(o, PeerDisconnected) for o in failed), outcomes
         assert a.statistics().writes_in_flight == 0 and a.statistics().peers == 0
+
+
+async def test_write_many_checks_good_writes_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes that may move together are checked as one write first (one pass over all their rows); only when
+    that refuses something is each checked on its own, and then only the bad one is refused."""
+    async with local_pair(4 * MiB) as (a, pa, _, src, dst):
+        checks: list[int] = []
+        checked = type(a)._checked
+
+        def counting(self: Any, p: Any, rows: Any) -> Any:
+            checks.append(len(rows.src))
+            return checked(self, p, rows)
+
+        monkeypatch.setattr(type(a), "_checked", counting)
+        quarter = MiB
+        writes = [
+            (
+                [[src.data_ptr() + k * quarter, quarter]],
+                [[dst.data_ptr() + (3 - k) * quarter, quarter]],
+                b"%d" % k,
+            )
+            for k in range(4)
+        ]
+        before = a.statistics()
+        assert await a.write_many(pa, writes) == [None] * 4
+        assert checks == [4]  # one check of the four writes' rows
+        for k in range(4):
+            assert torch.equal(
+                dst[(3 - k) * quarter : (4 - k) * quarter], src[k * quarter : (k + 1) * quarter]
+            )
+        after = a.statistics()
+        assert after.writes_combined - before.writes_combined == 4
+        assert after.bytes_written - before.bytes_written == 4 * quarter
+        checks.clear()
+        bad = ([[src.data_ptr(), 64]], [[dst.data_ptr() + 4 * MiB - 32, 64]], b"never")  # past the end
+        outcomes = await a.write_many(pa, [writes[0], bad, writes[1]])
+        assert outcomes[0] is None and isinstance(outcomes[1], RegionError) and outcomes[2] is None
+        assert checks == [3, 1, 1, 1]  # the joined check refused: each on its own
 
 
 async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None:
