@@ -20,7 +20,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import anyio
 import numpy as np
@@ -62,13 +62,26 @@ from kvferry.transports.base import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChannelPeer", "ChannelTransport", "Guard"]
+__all__ = ["ChannelPeer", "ChannelTransport", "CheckedRows", "Guard"]
 
 log = logging.getLogger("kvferry.transports")
 
-#: a write's rows once checked: source and destination rows and the registered ranges (ours, the peer's) holding
-#: each
-_Checked = tuple[Fragments, Fragments, npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+class CheckedRows(NamedTuple):
+    """A write's rows once checked: every row lies in registered memory (``src_index``: the range of ours
+    holding each source row; ``dst_index``: the range of the peer's :attr:`ChannelPeer.regions` holding each
+    destination row)."""
+
+    src: Fragments
+    dst: Fragments
+    src_index: npt.NDArray[np.int64]
+    dst_index: npt.NDArray[np.int64]
+
+    @classmethod
+    def joined(cls, parts: Sequence[CheckedRows]) -> CheckedRows:
+        """Several writes' checked rows as one write's, in order."""
+        return cls(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+
 
 #: internal frames (handshake, regions, write requests) larger than this are a protocol violation
 _MAX_CONTROL_FRAME = 80 << 20
@@ -748,15 +761,15 @@ class ChannelTransport(Transport):
                 if await self._write_together(p, joined, parts, stall, outcomes):
                     return outcomes
                 together = False  # the backend cannot move these together
-        checked: list[tuple[int, _Checked, bytes | None]] = []
+        checked: list[tuple[int, CheckedRows, bytes | None]] = []
         for i, (src, dst, notify) in enumerate(writes):
             try:
                 checked.append((i, self._checked(p, write_rows(src, dst, merge=self._coalesce)), notify))
             except (RegionError, ValueError) as exc:
                 outcomes[i] = exc
         if together and len(checked) > 1:
-            joined = cast(_Checked, tuple(np.concatenate([c[k] for _, c, _ in checked]) for k in range(4)))
-            parts = [(i, total_bytes(c[0]), notify) for i, c, notify in checked]
+            joined = CheckedRows.joined([c for _, c, _ in checked])
+            parts = [(i, total_bytes(c.src), notify) for i, c, notify in checked]
             if await self._write_together(p, joined, parts, stall, outcomes):
                 return outcomes
         alone = await outcomes_of(
@@ -777,39 +790,37 @@ class ChannelTransport(Transport):
         """Writes to ``p`` are copies in this process (not through the backend)."""
         return p.same_process and (self._same_process_copy or not self.capabilities.cross_process)
 
-    async def _copy_here(self, p: ChannelPeer, checked: _Checked, stall: float) -> None:
+    async def _copy_here(self, p: ChannelPeer, rows: CheckedRows, stall: float) -> None:
         """Copy checked rows in this process (a same-process peer), under the stall guard."""
-        src_f, dst_f, src_index, dst_index = checked
         async with self.guard(p, stall):
-            plan = CopyPlan(src_f, self._own, dst_f, p.regions, src_index=src_index, dst_index=dst_index)
+            plan = CopyPlan(
+                rows.src, self._own, rows.dst, p.regions, src_index=rows.src_index, dst_index=rows.dst_index
+            )
             await plan.run(poll=self.writes_in_flight == 1)
 
     async def _write_checked(
-        self, p: ChannelPeer, checked: _Checked, notify: bytes | None, stall: float
+        self, p: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
     ) -> None:
-        src_f, dst_f, src_index, dst_index = checked
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
-                await self._copy_here(p, checked, stall)
+                await self._copy_here(p, rows, stall)
                 if notify is not None:
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
-                await self._backend_write(
-                    p, src_f, dst_f, notify, stall, src_index=src_index, dst_index=dst_index
-                )
+                await self._backend_write(p, rows, notify, stall)
         except BaseException:
             self._writes_failed += 1
             raise
         finally:
             self._writes_in_flight -= 1
         self._writes_completed += 1
-        self._bytes_written += total_bytes(src_f)
+        self._bytes_written += total_bytes(rows.src)
 
     async def _write_together(
         self,
         p: ChannelPeer,
-        combined: _Checked,
+        combined: CheckedRows,
         parts: Sequence[tuple[int, int, bytes | None]],
         stall: float,
         outcomes: list[Exception | None],
@@ -817,14 +828,11 @@ class ChannelTransport(Transport):
         """Write the checked rows of several writes (``parts``: each one's index, bytes and notification) as one
         write, then send their notifications in order, filling ``outcomes``; False (nothing written) when the
         backend cannot write them together."""
-        src_f, dst_f, src_index, dst_index = combined
         self._writes_in_flight += 1
         try:
             if self._copies_itself(p):
                 await self._copy_here(p, combined, stall)
-            elif not await self._backend_write_together(
-                p, src_f, dst_f, stall, src_index=src_index, dst_index=dst_index
-            ):
+            elif not await self._backend_write_together(p, combined, stall):
                 return False
         except Exception as exc:  # the writes failed together
             self._writes_failed += len(parts)
@@ -855,7 +863,7 @@ class ChannelTransport(Transport):
             self._bytes_written += nbytes
         return True
 
-    def _checked(self, p: ChannelPeer, rows: WriteRows) -> _Checked:
+    def _checked(self, p: ChannelPeer, rows: WriteRows) -> CheckedRows:
         """The rows to write (merged if they merge) and the registered ranges (of ours, of the peer's) that hold
         each, once every row is known to lie in registered memory.
 
@@ -871,12 +879,12 @@ class ChannelTransport(Transport):
             except RegionError:
                 pass
             else:
-                return rows.merged_src, rows.merged_dst, src_index, dst_index
+                return CheckedRows(rows.merged_src, rows.merged_dst, src_index, dst_index)
             # the wrap-around check ran on the merged rows: the rows as given get it row by row now
             src, dst = as_fragments(src), as_fragments(dst)
         src_index = self._own.locate(src, "source")
         dst_index = p.regions.locate(dst, f"destination at {p.address}")
-        return src, dst, src_index, dst_index
+        return CheckedRows(src, dst, src_index, dst_index)
 
     @property
     def writes_in_flight(self) -> int:
@@ -962,33 +970,15 @@ class ChannelTransport(Transport):
         """The backend may write several writes to ``peer`` as one (:meth:`_backend_write_together`)."""
         return False
 
-    async def _backend_write_together(
-        self,
-        peer: ChannelPeer,
-        src: Fragments,
-        dst: Fragments,
-        stall: float,
-        *,
-        src_index: npt.NDArray[np.int64],
-        dst_index: npt.NDArray[np.int64],
-    ) -> bool:
+    async def _backend_write_together(self, peer: ChannelPeer, rows: CheckedRows, stall: float) -> bool:
         """Write checked rows (several writes' together, no notification), if the backend can finish them as
         one copy whose end means every byte landed; False (nothing written) otherwise."""
         return False
 
     async def _backend_write(
-        self,
-        peer: ChannelPeer,
-        src: Fragments,
-        dst: Fragments,
-        notify: bytes | None,
-        stall: float,
-        *,
-        src_index: npt.NDArray[np.int64],
-        dst_index: npt.NDArray[np.int64],
+        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
     ) -> None:
-        """Write ``src`` (rows of ours; ``src_index``: the registered range of each) to ``dst`` at ``peer``
-        (``dst_index``: the range of the peer's :attr:`ChannelPeer.regions` each lies in)."""
+        """Write checked ``rows`` (ours to the peer's) to ``peer``, then deliver ``notify``."""
         raise PeerIncompatible(f"{self.name} transport cannot write to another process")
 
     @asynccontextmanager

@@ -61,7 +61,7 @@ from attrs import define, field, frozen
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
 from kvferry.transports import _cma, wire
-from kvferry.transports._channel import ChannelPeer, ChannelTransport
+from kvferry.transports._channel import ChannelPeer, ChannelTransport, CheckedRows
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute, total_bytes
 
@@ -503,21 +503,14 @@ class NixlTransport(ChannelTransport):
     # --- writes --------------------------------------------------------------------------------------
 
     async def _backend_write(
-        self,
-        peer: ChannelPeer,
-        src: Fragments,
-        dst: Fragments,
-        notify: bytes | None,
-        stall: float,
-        *,
-        src_index: npt.NDArray[np.int64],
-        dst_index: npt.NDArray[np.int64],
+        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
     ) -> None:
         name = peer.backend
         if name is None:
             raise peer.error
-        src_devices = self.own_regions.devices(src_index)
-        route = self._ipc_route(peer, src_index, src_devices, dst, dst_index)
+        src, dst = rows.src, rows.dst
+        src_devices = self.own_regions.devices(rows.src_index)
+        route = self._ipc_route(peer, rows, src_devices)
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
             return
@@ -648,59 +641,34 @@ class NixlTransport(ChannelTransport):
         ipc = self._ipc.get(peer)
         return ipc is not None and not ipc.failed and bool(ipc.exports)
 
-    async def _backend_write_together(
-        self,
-        peer: ChannelPeer,
-        src: Fragments,
-        dst: Fragments,
-        stall: float,
-        *,
-        src_index: npt.NDArray[np.int64],
-        dst_index: npt.NDArray[np.int64],
-    ) -> bool:
+    async def _backend_write_together(self, peer: ChannelPeer, rows: CheckedRows, stall: float) -> bool:
         """Through our mapping of the peer's CUDA memory: one launch and one wait, after which every byte is in
         place. Host memory (``process_vm_writev`` copies in worker threads, several at once when the writes
         go on their own) and NIXL's own path write each on its own."""
         if peer.backend is None:
             raise peer.error
-        src_devices = self.own_regions.devices(src_index)
-        route = self._ipc_route(peer, src_index, src_devices, dst, dst_index)
+        route = self._ipc_route(peer, rows, self.own_regions.devices(rows.src_index))
         if route is None:
             return False
-        await self._ipc_write(peer, src, route, None, stall)
+        await self._ipc_write(peer, rows.src, route, None, stall)
         return True
 
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
-    def _ipc_route(
-        self,
-        peer: ChannelPeer,
-        src_index: npt.NDArray[np.int64],
-        src_devices: set[str],
-        dst: Fragments,
-        dst_index: npt.NDArray[np.int64],
-    ) -> _IpcRoute | None:
-        """``dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through NIXL).
-        ``src_index``/``src_devices``: our regions of the source rows and their devices; ``dst_index``: the
-        peer's registered region (``peer.regions``) of each destination row."""
+    def _ipc_route(self, peer: ChannelPeer, rows: CheckedRows, src_devices: set[str]) -> _IpcRoute | None:
+        """``rows.dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through
+        NIXL). ``src_devices``: the devices of our source ranges."""
         ipc = self._ipc.get(peer)
-        if ipc is None or ipc.failed or not ipc.exports or len(src_index) == 0 or "cpu" in src_devices:
+        if ipc is None or ipc.failed or not ipc.exports or len(rows.src) == 0 or "cpu" in src_devices:
             return None
         if not self._ipc_map(ipc):
             return None
-        of_range = ipc.exported_of(peer.regions)
-        translated = dst.copy()
-        if dst_index.strides == (0,):  # every row in one of the peer's ranges (RegionTable.holding)
-            mapped = int(of_range[int(dst_index[0])])
-            if mapped < 0:  # memory the peer did not export (host memory, say)
-                return None
-            translated[:, 0] += ipc.shift[mapped]
-            return _IpcRoute(translated, ipc.local_table, src_index, np.broadcast_to(mapped, len(dst)))
-        exported = of_range[dst_index]
-        if int(exported.min()) < 0:
+        exported = ipc.exported_of(peer.regions)[rows.dst_index]
+        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
             return None
+        translated = rows.dst.copy()
         translated[:, 0] += ipc.shift[exported]
-        return _IpcRoute(translated, ipc.local_table, src_index, exported)
+        return _IpcRoute(translated, ipc.local_table, rows.src_index, exported)
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
         """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""

@@ -36,7 +36,13 @@ import ucxx.exceptions as ucx_errors
 
 from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
 from kvferry.transports import wire
-from kvferry.transports._channel import ChannelPeer, ChannelTransport, fragments_bytes, fragments_from_bytes
+from kvferry.transports._channel import (
+    ChannelPeer,
+    ChannelTransport,
+    CheckedRows,
+    fragments_bytes,
+    fragments_from_bytes,
+)
 from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
 
@@ -355,21 +361,14 @@ class UcxTransport(ChannelTransport):
     # --- writer --------------------------------------------------------------------------------------
 
     async def _backend_write(
-        self,
-        peer: ChannelPeer,
-        src: Fragments,
-        dst: Fragments,
-        notify: bytes | None,
-        stall: float,
-        *,
-        src_index: npt.NDArray[np.int64],
-        dst_index: npt.NDArray[np.int64],
+        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
     ) -> None:
         endpoint = peer.backend
         if endpoint is None:
             raise peer.error
+        src, dst = rows.src, rows.dst
         plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
-        views = _Views(self.own_regions, src, "source", index=src_index)
+        views = _Views(self.own_regions, src, "source", index=rows.src_index)
         if views.table.devices(views.index) - {"cpu"}:
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
             await synchronize_cuda()

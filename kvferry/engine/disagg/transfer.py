@@ -119,6 +119,16 @@ def _tokens(request: ReceiveRequest) -> TokenRange:
     )
 
 
+def _memory_type(staging: StagingPool | None, src_pools: Sequence[Mapping[str, torch.Tensor]] | None) -> str:
+    """Where a bounced writer's bytes are: the staging it packs into, else the context's pools."""
+    if staging is not None:
+        return staging.buffer.device.type
+    for pools in src_pools or ():
+        for tensor in pools.values():
+            return tensor.device.type
+    return "cpu"
+
+
 def _dst_cache(request: ReceiveRequest) -> RequestCache:
     return RequestCache(
         {b.group: b.block_ids for b in request.blocks}, request.slot if request.slot > 0 else None
@@ -176,6 +186,7 @@ def plan_transfer(
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
     policy = BouncePolicy() if policy is None else policy
     can_pack = staging is not None and src_pools is not None
+    default_chunk = default_chunk_bytes(_memory_type(staging, src_pools))
     lease = None
     plan: WriterPlan = {}
     try:
@@ -204,13 +215,7 @@ def plan_transfer(
                 lease = None
                 if rank_plan.gather is not None and staging is not None and src_pools is not None:
                     lease = staging.try_reserve(nbytes)  # the sender's side is fragmented: pack it
-                if max_chunk_bytes is not None:
-                    chunk_bytes = max_chunk_bytes
-                elif staging is not None:
-                    chunk_bytes = default_chunk_bytes(staging.buffer.device.type)
-                else:
-                    memory = next(iter(src_pools[s].values()), None) if src_pools is not None else None
-                    chunk_bytes = default_chunk_bytes("cpu" if memory is None else memory.device.type)
+                chunk_bytes = default_chunk if max_chunk_bytes is None else max_chunk_bytes
                 if lease is not None and rank_plan.gather is not None and src_pools is not None:
                     packed = StagedWrite(rank_plan.gather, src_pools[s], lease)
                     if into_area:  # a bounce: packed bytes into the area, the receiver unpacks
