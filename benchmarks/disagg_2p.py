@@ -39,6 +39,7 @@ import anyio
 import attrs
 import numpy as np
 import torch
+from timeline import Timeline, format_rows, summarise, wrap_transfer_path  # benchmarks/timeline.py
 
 from kvferry import wire
 from kvferry.engine.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
@@ -141,6 +142,7 @@ async def sender(args: Any) -> None:
         peer = await transport.connect(args.address)
         state: dict[str, Any] = {}
         stages = _stages_of(transport) if args.stages else None
+        timeline = _timeline_of(transport) if args.timeline else None
         # every write's own seconds (a write_many counts as one; the rest of ``send`` is the session's
         # bookkeeping and reports)
         writes: list[float] = []
@@ -200,6 +202,8 @@ async def sender(args: Any) -> None:
                             "fragments": stats["fragments"],
                             "packed": packed,
                             "stages": {} if stages is None else stages.medians(),
+                            "timeline": [] if timeline is None else timeline.take(),
+                            "contiguous_timeline": state.pop("contiguous_events", []),
                         }
                     ).encode(),
                 )
@@ -247,10 +251,14 @@ async def sender(args: Any) -> None:
                 await transport.send_message(
                     peer, json.dumps({"digests": digests, "flat": digest(flat)}).encode()
                 )
+                if timeline is not None:
+                    timeline.take()
             elif cmd["op"] == "contiguous":
                 one = np.array([[state["flat"].data_ptr(), cmd["nbytes"]]], dtype=np.uint64)
                 into = np.array([[cmd["address"], cmd["nbytes"]]], dtype=np.uint64)
                 await transport.write(peer, one, into, b"{}")
+                if timeline is not None:
+                    state["contiguous_events"] = timeline.take()
             elif cmd["op"] == "exit":
                 return
 
@@ -324,19 +332,33 @@ async def run_case(
                 ok &= digest(rx.gather(pools[d], buf)) == sums["digests"][w]
         return ok
 
+    timeline = _timeline_of(transport) if args.timeline else None
+    # per mode (and "contiguous"): the receiver's events and origin of each timed run (--timeline)
+    traced: dict[str, list[tuple[list[Any], float]]] = {}
+
+    def traced_run(mode: str, began: float) -> None:
+        if timeline is not None:
+            traced.setdefault(mode, []).append((timeline.take(), began))
+
     async def contiguous() -> float:
         notes.contiguous = anyio.Event()
+        if timeline is not None:
+            timeline.take()
         began = time.perf_counter()
         await transport.send_message(
             peer,
             json.dumps({"op": "contiguous", "address": flat.data_ptr(), "nbytes": request_bytes}).encode(),
         )
         await notes.contiguous.wait()
-        return time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        traced_run("contiguous", began)
+        return seconds
 
     async def transfer(mode: str) -> tuple[float, Any, dict[str, Any]]:
         session_staging = None
         request = attrs.evolve(base, key=mode)
+        if timeline is not None:
+            timeline.take()
         began = time.perf_counter()
         if mode != "direct":
             request, session_staging = offer_staging(
@@ -346,6 +368,7 @@ async def run_case(
         request = attrs.evolve(request, session_id=session.session_id)
         stats = await receiver.receive(session, request)
         seconds = time.perf_counter() - began
+        traced_run(mode, began)
         assert staging.used == 0, staging
         return seconds, stats, await inbox.receive()
 
@@ -359,6 +382,7 @@ async def run_case(
         await transfer(mode)
         row[f"{mode}_identical"] = check()
     # then the timed runs, the modes interleaved so that a noisy neighbour hits all of them alike
+    traced.clear()
     times: dict[str, list[float]] = {"contiguous": [], **{m: [] for m in modes}}
     sender: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     last: dict[str, Any] = {}
@@ -393,6 +417,17 @@ async def run_case(
             max(x["write_s"], default=0.0) for x in sender[mode]
         )
         row[f"{mode}_sender_writes_ms"] = 1e3 * statistics.median(sum(x["write_s"]) for x in sender[mode])
+        if timeline is not None:
+            # the contiguous write's sender events come with the note of the transfer after it
+            row[f"{mode}_timeline"] = _merged(traced[mode], [x["timeline"] for x in sender[mode]])
+            if mode == modes[0]:
+                row["contiguous_timeline"] = _merged(
+                    traced["contiguous"], [x["contiguous_timeline"] for x in sender[mode]]
+                )
+                print(f"tp {src_tp}->{dst_tp} contiguous (us from the request; start end took):", flush=True)
+                print(format_rows(row["contiguous_timeline"]), flush=True)
+            print(f"tp {src_tp}->{dst_tp} {mode} (us from the request; start end took):", flush=True)
+            print(format_rows(row[f"{mode}_timeline"]), flush=True)
         if sender[mode][-1]["stages"]:
             # the sender's stages (medians over this case's writes so far, microseconds; --stages)
             row[f"{mode}_sender_stages_us"] = sender[mode][-1]["stages"]
@@ -416,6 +451,21 @@ async def run_case(
         if peer_map.writes(s, d)
     )
     return row
+
+
+def _timeline_of(transport: Any) -> Timeline:
+    timeline = Timeline()
+    wrap_transfer_path(timeline, transport)
+    return timeline
+
+
+def _merged(receiver: list[tuple[list[Any], float]], sender: list[list[Any]]) -> list[dict[str, Any]]:
+    """One timeline per run from both processes' events (one clock), summarised over the runs."""
+    runs = [
+        [("R " + e[0], e[1], e[2]) for e in r_events] + [("S " + e[0], e[1], e[2]) for e in s_events]
+        for (r_events, _), s_events in zip(receiver, sender, strict=True)
+    ]
+    return summarise(runs, [origin for _, origin in receiver])
 
 
 def _stages_of(transport: Any) -> Any:
@@ -623,6 +673,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--stages", action="store_true", help="time the sender's write stages (see latency_probe.py)"
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="record both processes' calls on one clock and print each mode's median timeline",
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)

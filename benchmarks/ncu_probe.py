@@ -1,11 +1,11 @@
 """Launches of the span copy for Nsight Compute (``ncu``) to read counters from, one per case and piece size.
 
 Each case (a fragment size in KiB or a mix of ``benchmarks/span_copy.py``, in ``kvferry bench transfer``'s
-layout over ``--total-mib``) is launched once per ``--pieces-kib`` with its table read from pinned host memory,
-as a transport write does; spans the write would hand to ``copy_`` (``_memory.DEVICE_COPY_BYTES`` and up) are
-left out. The launches are printed in order (ncu's report lists the kernels in the same order):
+layout over ``--total-mib``) is launched once per ``--pieces-kib`` x shape... with its table read
+from pinned host memory, as a transport write does. The launches are printed in order (ncu's report lists the
+kernels in the same order):
 
-    ncu --clock-control none -k regex:copy_pieces --section SpeedOfLight \\
+    ncu --clock-control none -k regex:copy_ --section SpeedOfLight \\
         python benchmarks/ncu_probe.py --cases 1024 16384 disagg11 --pieces-kib 1024 4096
 """
 
@@ -18,7 +18,6 @@ import torch
 from span_copy import spans_of  # benchmarks/span_copy.py
 
 from kvferry import span_copy
-from kvferry.transports import _memory
 
 MiB = 1 << 20
 
@@ -38,8 +37,6 @@ def main() -> int:
     launch = 0
     for case in args.cases:
         s, d, lengths = spans_of(case, "transfer", src, dst, seed=1)
-        kernel = lengths < _memory.DEVICE_COPY_BYTES
-        s, d, lengths = s[kernel], d[kernel], lengths[kernel]
         for piece_kib, shape, rotate, streaming in itertools.product(
             args.pieces_kib, args.shapes, args.rotate, args.streaming
         ):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -227,41 +228,153 @@ def _pinned_table(pieces: int) -> npt.NDArray[np.int64]:
     return torch.empty((pieces, 3), dtype=torch.int64, pin_memory=True).numpy()
 
 
+class _DriverLaunch:
+    """``cuLaunchKernel`` of one compiled kernel whose arguments are two pointers and an int32, through ctypes:
+    a few microseconds of host time, where Triton's launcher first builds its launch metadata and binds every
+    argument in Python (0.1-0.2 ms on the H200's host right after a wait).
+
+    Made only for a kernel whose parameters are exactly those three plus Triton's scratch pointers (which must be
+    unused: no scratch memory, one CTA per program, no cooperative or programmatic launch), as the driver
+    reports them (``cuFuncGetParamInfo``); anything else launches through Triton.
+    """
+
+    __slots__ = ("_block", "_function", "_launch", "_lock", "_params", "_shared", "_values")
+
+    def __init__(self, launch: Any, function: int, block: int, shared: int, num_params: int) -> None:
+        import ctypes
+
+        self._launch, self._function, self._block, self._shared = launch, function, block, shared
+        # the argument values, and the array of their addresses cuLaunchKernel reads (scratch pointers: NULL)
+        scratch = [ctypes.c_uint64(0) for _ in range(num_params - 3)]
+        self._values = (ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int32(), *scratch)
+        self._params = (ctypes.c_void_p * num_params)(*(ctypes.addressof(v) for v in self._values))
+        # ctypes lets go of the GIL during the call: one launch at a time reads the shared argument values
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, compiled: Any) -> _DriverLaunch | None:
+        """The driver launch of a kernel Triton compiled and loaded, or None when it does not qualify."""
+        metadata = getattr(compiled, "metadata", None)
+        function = getattr(compiled, "function", None)
+        if metadata is None or not isinstance(function, int) or not function:
+            return None
+        if (
+            getattr(metadata, "num_ctas", 1) != 1
+            or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False)
+            or getattr(metadata, "global_scratch_size", 0)
+            or getattr(metadata, "profile_scratch_size", 0)
+        ):
+            return None
+        driver = _cuda_driver()
+        if driver is None:
+            return None
+        sizes = _param_sizes(driver, function)
+        if sizes is None or sizes[:3] != [8, 8, 4] or len(sizes) > 5 or any(n != 8 for n in sizes[3:]):
+            return None
+        return cls(
+            driver.cuLaunchKernel, function, 32 * int(metadata.num_warps), int(metadata.shared), len(sizes)
+        )
+
+    def __call__(self, programs: int, stream: int, base: int, table: int, count: int) -> bool:
+        """Queue the kernel on ``stream``; False when the driver refused (nothing was queued)."""
+        with self._lock:
+            self._values[0].value, self._values[1].value, self._values[2].value = base, table, count
+            status = self._launch(
+                self._function, programs, 1, 1, self._block, 1, 1, self._shared, stream, self._params, None
+            )
+        return int(status) == 0
+
+
+@functools.cache
+def _cuda_driver() -> Any:
+    """libcuda through ctypes, with the signatures used here; None where it does not load."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        launch = driver.cuLaunchKernel
+        info = driver.cuFuncGetParamInfo
+    except (OSError, AttributeError):
+        return None
+    launch.restype = ctypes.c_int
+    launch.argtypes = [
+        ctypes.c_void_p,
+        *(ctypes.c_uint,) * 7,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+    ]
+    info.restype = ctypes.c_int
+    info.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
+    return driver
+
+
+def _param_sizes(driver: Any, function: int) -> list[int] | None:
+    """The byte size of each parameter of a loaded kernel, as the driver reports them."""
+    import ctypes
+
+    sizes: list[int] = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    for index in range(16):
+        if driver.cuFuncGetParamInfo(function, index, ctypes.byref(offset), ctypes.byref(size)) != 0:
+            return sizes if sizes else None
+        sizes.append(int(size.value))
+    return None
+
+
 class _Launcher:
-    """Launches of the kernel, compiled once per configuration: the first launch of a configuration goes through
-    Triton's JIT (which compiles and caches), later ones call the compiled kernel directly, which saves the
-    JIT's argument binding and cache lookup (about 0.1 ms of host time per launch on the H200's host).
+    """Launches of the kernels, compiled once per configuration: the first launch of a configuration goes through
+    Triton's JIT (which compiles and caches); later ones go straight to the driver (:class:`_DriverLaunch`), or
+    where that does not qualify, call the compiled kernel directly, which saves the JIT's argument binding and
+    cache lookup (about 0.1 ms of host time per launch on the H200's host).
 
     The compiled kernel was specialised on the alignment of its pointer arguments; every launch passes a base
     aligned to 256 bytes and a table from torch's device or pinned host allocator (aligned to 512), as the
     first did.
     """
 
-    __slots__ = ("_compiled", "direct_launches", "jit_launches")
+    __slots__ = ("_compiled", "direct_launches", "driver_launches", "jit_launches")
 
     def __init__(self) -> None:
-        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._compiled: dict[tuple[Any, ...], tuple[Any, _DriverLaunch | None] | None] = {}
         self.direct_launches = 0
+        self.driver_launches = 0
         self.jit_launches = 0
 
     def launch(
-        self, device: Any, programs: int, table: int, pieces: int, base: int, constants: dict[str, Any]
+        self,
+        device: Any,
+        programs: int,
+        table: int,
+        count: int,
+        base: int,
+        constants: dict[str, Any],
     ) -> None:
-        """Launch ``programs`` programs over the ``pieces`` rows of the table at device address ``table``."""
+        """Launch ``programs`` programs over the ``count`` rows of the table at device address ``table``."""
         import torch
 
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         key = (ordinal, *sorted(constants.items()))
-        compiled = self._compiled.get(key)
+        entry = self._compiled.get(key)
         kernel_constants = {k: v for k, v in constants.items() if k != "num_warps"}
-        if compiled is not None:
-            try:
-                from triton import knobs
+        if entry is not None:
+            compiled, driver = entry
+            stream = torch.cuda.current_stream(ordinal).cuda_stream
+            with _on_device(ordinal):
+                if driver is not None and driver(programs, stream, base, table, count):
+                    self.driver_launches += 1
+                    return
+                try:
+                    from triton import knobs
 
-                stream = torch.cuda.current_stream(ordinal).cuda_stream
-                args = (_Pointer(base), _Pointer(table, torch.int64), pieces, *kernel_constants.values())
-                grid = (programs, 1, 1)
-                with _on_device(ordinal):
+                    args = (_Pointer(base), _Pointer(table, torch.int64), count, *kernel_constants.values())
+                    grid = (programs, 1, 1)
                     compiled.run(
                         programs,
                         1,
@@ -274,16 +387,24 @@ class _Launcher:
                         knobs.runtime.launch_exit_hook,
                         *args,
                     )
-                self.direct_launches += 1
-                return
-            except (ImportError, AttributeError, TypeError) as exc:  # another Triton: launch through its JIT
-                log.info("direct launch of the span copy unavailable (%s); using Triton's JIT launch", exc)
-                self._compiled[key] = None
+                    self.direct_launches += 1
+                    return
+                except (
+                    ImportError,
+                    AttributeError,
+                    TypeError,
+                ) as exc:  # another Triton: launch through its JIT
+                    log.info(
+                        "direct launch of the span copy unavailable (%s); using Triton's JIT launch", exc
+                    )
+                    self._compiled[key] = None
         with _on_device(ordinal):
-            kernel = _kernel()[(programs,)](_Pointer(base), _Pointer(table, torch.int64), pieces, **constants)
+            launched = _kernel()[(programs,)](
+                _Pointer(base), _Pointer(table, torch.int64), count, **constants
+            )
         self.jit_launches += 1
-        if key not in self._compiled and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
-            self._compiled[key] = kernel
+        if key not in self._compiled and hasattr(launched, "run") and hasattr(launched, "packed_metadata"):
+            self._compiled[key] = (launched, _DriverLaunch.of(launched))
 
 
 #: the compiled kernels of this process (Triton's JIT cache is per process too)
