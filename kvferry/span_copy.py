@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -193,39 +194,105 @@ def piece_table(
         share = int(lengths.sum()) // TARGET_PIECES
         piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
     per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
-    table: npt.NDArray[np.int64]
     if longest <= per_piece:  # one piece per span
         table = table_of(lengths.size)
-        into = table.view(src.dtype)
-        np.subtract(src, src.dtype.type(base), out=into[:, 0])
-        np.subtract(dst, src.dtype.type(base), out=into[:, 1])
-        into[:, 2] = lengths
-        if word > 1:
-            np.right_shift(into, src.dtype.type(word.bit_length() - 1), out=into)
+        _whole(src, dst, lengths, base, word, table)
         return table, base, word, align
-    src, dst, lengths = (a.astype(np.int64, copy=False) for a in (src, dst, lengths))
-    pieces = (lengths + per_piece - 1) // per_piece
-    span_of_piece = np.repeat(np.arange(lengths.size), pieces)
-    first = np.cumsum(pieces) - pieces
-    within = (np.arange(span_of_piece.size) - first[span_of_piece]) * per_piece
-    table = table_of(span_of_piece.size)
-    table[:, 0] = (src[span_of_piece] + within - base) // word
-    table[:, 1] = (dst[span_of_piece] + within - base) // word
-    table[:, 2] = np.minimum(lengths[span_of_piece] - within, per_piece) // word
+    # the first piece of every span in its row, in order; the other pieces of the long spans after them
+    long = np.flatnonzero(lengths > per_piece)
+    # what follows the first piece of each long span
+    src_l = src[long].astype(np.int64) + per_piece
+    dst_l = dst[long].astype(np.int64) + per_piece
+    len_l = lengths[long].astype(np.int64) - per_piece
+    rest = (len_l + per_piece - 1) // per_piece
+    table = table_of(lengths.size + int(rest.sum()))
+    _whole(src, dst, np.minimum(lengths, lengths.dtype.type(per_piece)), base, word, table[: lengths.size])
+    span_of_piece = np.repeat(np.arange(long.size), rest)
+    within = (np.arange(span_of_piece.size) - (np.cumsum(rest) - rest)[span_of_piece]) * per_piece
+    tail = table[lengths.size :]
+    tail[:, 0] = (src_l[span_of_piece] + within - base) // word
+    tail[:, 1] = (dst_l[span_of_piece] + within - base) // word
+    tail[:, 2] = np.minimum(len_l[span_of_piece] - within, per_piece) // word
     return table, base, word, align
+
+
+def _whole(
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    lengths: npt.NDArray[Any],
+    base: int,
+    word: int,
+    table: npt.NDArray[np.int64],
+) -> None:
+    """Fill ``table`` with one piece per span (of one dtype, int64 or uint64: the table's bits are the same)."""
+    into = table.view(src.dtype)
+    np.subtract(src, src.dtype.type(base), out=into[:, 0])
+    np.subtract(dst, src.dtype.type(base), out=into[:, 1])
+    into[:, 2] = lengths
+    if word > 1:
+        np.right_shift(into, src.dtype.type(word.bit_length() - 1), out=into)
 
 
 def _new_table(pieces: int) -> npt.NDArray[np.int64]:
     return np.empty((pieces, 3), dtype=np.int64)
 
 
-def _pinned_table(pieces: int) -> npt.NDArray[np.int64]:
-    """An empty table in pinned host memory (torch's caching host allocator), which the kernel reads directly:
-    under unified addressing a pinned block's host address is also its device address. The array holds its
-    tensor, so the block is not handed out again while the array lives."""
-    import torch
+class _PinnedTables:
+    """Tables in pinned host memory, which the kernel reads directly (under unified addressing a pinned block's
+    host address is also its device address), kept for reuse: a table is a view of a block of the next power of
+    two rows, and the block goes back to the free blocks when the last view of the table is gone (so not before
+    the caller let go of ``keep``, after the copy ran). Taking a free block costs a few microseconds where
+    torch's pinned allocation costs 50-75 us of host time on the H200's host right after a wait.
 
-    return torch.empty((pieces, 3), dtype=torch.int64, pin_memory=True).numpy()
+    Blocks of more than :data:`_POOLED_ROWS` rows are not kept (torch's caching host allocator has them)."""
+
+    __slots__ = ("_free", "_lock", "allocated")
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
+        #: blocks allocated (each kept for reuse once free)
+        self.allocated = 0
+
+    def take(self, rows: int) -> npt.NDArray[np.int64]:
+        import torch
+
+        capacity = 1 << max(rows - 1, 63).bit_length()
+        if capacity > _POOLED_ROWS:
+            return torch.empty((rows, 3), dtype=torch.int64, pin_memory=True).numpy()
+        with self._lock:
+            free = self._free.get(capacity)
+            block = free.pop() if free else None
+        if block is None:
+            block = torch.empty((capacity, 3), dtype=torch.int64, pin_memory=True)
+            self.allocated += 1
+        # a new array over the block for each table: the base of the table and of every view made of it (numpy
+        # refers a view to the array that holds the memory), so it dies with the last of them
+        owner = block.numpy()
+        weakref.finalize(owner, self._give_back, capacity, block)
+        table: npt.NDArray[np.int64] = owner[:rows]
+        return table
+
+    def _give_back(self, capacity: int, block: Any) -> None:
+        with self._lock:
+            self._free.setdefault(capacity, []).append(block)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            free = sum(len(blocks) for blocks in self._free.values())
+        return f"<_PinnedTables allocated={self.allocated} free={free}>"
+
+
+#: the largest table block kept for reuse (1.5 MiB)
+_POOLED_ROWS = 1 << 16
+#: this process's pinned tables (pinned memory, like the compiled kernels, is per process)
+_pinned_tables = _PinnedTables()
+
+
+def _pinned_table(pieces: int) -> npt.NDArray[np.int64]:
+    """An empty table in pinned host memory, which the kernel reads directly; not handed out again while the
+    returned array (or a view of it) lives."""
+    return _pinned_tables.take(pieces)
 
 
 class _DriverLaunch:
@@ -365,7 +432,7 @@ class _Launcher:
         kernel_constants = {k: v for k, v in constants.items() if k != "num_warps"}
         if entry is not None:
             compiled, driver = entry
-            stream = torch.cuda.current_stream(ordinal).cuda_stream
+            stream = _current_stream(ordinal)
             with _on_device(ordinal):
                 if driver is not None and driver(programs, stream, base, table, count):
                     self.driver_launches += 1
@@ -405,6 +472,17 @@ class _Launcher:
         self.jit_launches += 1
         if key not in self._compiled and hasattr(launched, "run") and hasattr(launched, "packed_metadata"):
             self._compiled[key] = (launched, _DriverLaunch.of(launched))
+
+
+def _current_stream(ordinal: int) -> int:
+    """The handle of device ``ordinal``'s current stream (torch's raw query where it has one: no Stream object
+    is made)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(ordinal))
+    return int(torch.cuda.current_stream(ordinal).cuda_stream)
 
 
 #: the compiled kernels of this process (Triton's JIT cache is per process too)

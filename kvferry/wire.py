@@ -85,13 +85,6 @@ def _structure_bytes(value: Any, _cls: type) -> bytes:
     return value
 
 
-def _structure_enum(value: Any, cls: type[enum.Enum]) -> enum.Enum:
-    for member in cls:
-        if type(member.value) is type(value) and member.value == value:
-            return member
-    raise ValueError(f"{value!r} is not a {cls.__name__}")
-
-
 def _is_container(cls: Any) -> bool:
     return get_origin(cls) in (tuple, list, dict)
 
@@ -106,8 +99,20 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _structure_str)
     converter.register_structure_hook(bool, _structure_bool)
     converter.register_structure_hook(bytes, _structure_bytes)
+    # per enum class: its members by (type, value) of their values (an exact type: 1 is not True)
+    members: dict[type[enum.Enum], dict[tuple[type, Any], enum.Enum]] = {}
+
+    def structure_enum(value: Any, cls: type[enum.Enum]) -> enum.Enum:
+        by_value = members.get(cls)
+        if by_value is None:
+            by_value = members[cls] = {(type(m.value), m.value): m for m in cls}
+        try:
+            return by_value[type(value), value]
+        except (KeyError, TypeError):  # TypeError: an unhashable value (a list, a map)
+            raise ValueError(f"{value!r} is not a {cls.__name__}") from None
+
     for base in (enum.Enum, enum.StrEnum, enum.IntEnum, enum.IntFlag):
-        converter.register_structure_hook(base, _structure_enum)
+        converter.register_structure_hook(base, structure_enum)
 
     def container_hook(cls: Any) -> Callable[[Any, type], Any]:
         origin, args = get_origin(cls), get_args(cls)

@@ -187,3 +187,23 @@ def test_repeated_launches_skip_the_jit_and_copy_the_same() -> None:
     assert launcher.driver_launches + launcher.direct_launches >= before + 2
     if span_copy._cuda_driver() is not None:  # libcuda with cuFuncGetParamInfo (CUDA 12.4 and later)
         assert launcher.driver_launches >= driver + 2
+
+
+def test_pinned_tables_are_reused_only_once_every_view_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table's block goes back for reuse when the table and every view of it are gone (the caller's ``keep``
+    holds it until the copy ran), never while one lives; rows round up to a power of two (64 at least)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    tables = span_copy._PinnedTables()
+    first = tables.take(100)
+    assert first.shape == (100, 3) and first.dtype == np.int64
+    view = first.view(np.uint64)[:10]
+    address = first.ctypes.data
+    del first
+    second = tables.take(100)  # the first block is still in use (the view lives): a new one
+    assert second.ctypes.data != address and tables.allocated == 2
+    del view
+    third = tables.take(128)  # same capacity (128 rows): the first block again
+    assert third.ctypes.data == address and tables.allocated == 2
+    assert tables.take(10).shape == (10, 3) and tables.allocated == 3  # 64 rows: another size
+    assert "allocated=3" in repr(tables)

@@ -655,11 +655,16 @@ class ChannelTransport(Transport):
     async def receive_notification(self, peer: Peer) -> bytes:
         self._check_open()
         p = self._peer(peer)
-        async with self._backend_waiting():
+        try:
             try:
+                # already here (several writes notified at once): no turn of the event loop, no backend wakeup
+                return p.notifications_in.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            async with self._backend_waiting():
                 return await p.notifications_in.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                raise p.error from None
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise p.error from None
 
     # --- registration --------------------------------------------------------------------------------
 

@@ -281,6 +281,8 @@ class NixlTransport(ChannelTransport):
         self._agent: Any = None
         self._busy = 0
         self._wake = anyio.Event()
+        #: how long the pump sleeps now (between polls)
+        self._pump_delay = poll_min
         self._by_agent: dict[str, ChannelPeer] = {}
         self._handles = 0
         #: xfer handles NIXL refused to release (still active); retried at aclose
@@ -470,14 +472,19 @@ class NixlTransport(ChannelTransport):
     @asynccontextmanager
     async def _backend_waiting(self) -> AsyncIterator[None]:
         self._busy += 1
-        self._wake.set()
+        if self._pump_delay > self._poll_busy:  # asleep for the idle delay: poll now, then at the busy pace
+            self._wake.set()
         try:
             yield
         finally:
             self._busy -= 1
 
     async def _pump(self) -> None:
-        """Collect notifications (and so progress the passive side) with a growing delay; never spins."""
+        """Collect notifications (and so progress the passive side) with a growing delay; never spins.
+
+        A waiter (a write in flight, someone waiting for a notification) wakes the pump only when it sleeps
+        for the idle delay; else the pump keeps its pace (a waiter that comes when the previous one got its
+        notification, the common case, would otherwise cost a poll and a turn of the event loop each time)."""
         delay = self._poll_min
         while True:
             async with self._lock:
@@ -496,6 +503,7 @@ class NixlTransport(ChannelTransport):
                 delay = min(delay * 2, self._poll_busy if self._busy else self._poll_idle)
             if self._wake.is_set():
                 self._wake = anyio.Event()
+            self._pump_delay = delay
             with anyio.move_on_after(delay):
                 await self._wake.wait()
                 delay = self._poll_min

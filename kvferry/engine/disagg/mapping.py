@@ -158,6 +158,11 @@ class RequestCache:
     _checked: dict[tuple[str, int, int, int, int, bool], Int64Array] = attrs.field(
         factory=dict, init=False, repr=False
     )
+    #: unit addresses as a sender's side, per (rank map, token range): worked out once per request, ahead of
+    #: its receive request when the sender prepares (:meth:`PeerMap.prepare_source`)
+    _source: dict[tuple[Any, tuple[int, int, int, bool]], Int64Array] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
 
 
 def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -963,7 +968,7 @@ class RankMap:
         """
         policy = BouncePolicy() if policy is None else policy
         layout = self._layout(tokens)
-        src_address = self._addresses(layout, src, src=True)
+        src_address = self.source_addresses(src, tokens)
         dst_address = self._addresses(layout, dst, src=False)
         length = layout.length
         src_frags, dst_frags = _coalesced(src_address, dst_address, length)
@@ -998,6 +1003,18 @@ class RankMap:
             src_runs=src_runs,
             dst_runs=dst_runs,
         )
+
+    def source_addresses(self, src: RequestCache, tokens: TokenRange) -> Int64Array:
+        """The sender's unit addresses of a transfer of ``tokens`` (kept in ``src`` for later plans of the same
+        range: a sender may work them out before the receive request comes).
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`plan`, for the sender's ids and slot.
+        """
+        key = (self, (tokens.start, tokens.end, tokens.draft_start, tokens.state))
+        address = src._source.get(key)
+        if address is None:
+            address = src._source[key] = _ro(self._addresses(self._layout(tokens), src, src=True))
+        return address
 
     def scatter_plan(self, dst: RequestCache, tokens: TokenRange) -> StagingPlan:
         """The receiver's staging layout of a bounced transfer from this sender rank (needs no sender page ids).
@@ -1104,6 +1121,18 @@ class PeerMap:
     def expected_writers(self, dst_rank: int) -> tuple[int, ...]:
         """Sender ranks receiver ``dst_rank`` waits for (every overlapping rank, elected out or not)."""
         return tuple(overlapping_ranks(self.dst_tp, dst_rank, self.src_tp))
+
+    def prepare_source(self, src_ranks: Sequence[int], src: RequestCache, tokens: TokenRange) -> None:
+        """Work out the sender ranks ``src_ranks``' side of a transfer of ``tokens`` ahead of its receive request
+        (kept in ``src``; a request for another token range works its own out when planned).
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`RankMap.plan`, for the sender's ids and slot.
+        """
+        for s in src_ranks:
+            for d in self.targets(s):
+                pair = self.pair(s, d)
+                if pair.writes:
+                    pair.source_addresses(src, tokens)
 
     def pair(self, src_rank: int, dst_rank: int) -> RankMap:
         """:raises ~kvferry.errors.ConfigError: unless both tables were given and the ranks overlap."""

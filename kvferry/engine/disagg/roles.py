@@ -40,7 +40,7 @@ import attrs
 from attrs import define
 
 from kvferry.engine.disagg.link import exchange_hello, pump
-from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
+from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap, RequestCache
 from kvferry.engine.disagg.protocol import (
     BlockIds,
     CancelAck,
@@ -63,6 +63,7 @@ from kvferry.engine.disagg.transfer import (
     expected_writers,
     offer_staging,
     plan_transfer,
+    prepare_source,
 )
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine, LockstepCache
@@ -355,6 +356,8 @@ class ContextWorker:
             )
             if not keep:
                 return
+            # the sender's side of the transfer, worked out while the receive request is on its way
+            source = self._source(peer_map, rid, len(req.prompt))
             with anyio.move_on_after(self.hold_timeout):
                 await held.ready.wait()
             if held.cancelled:
@@ -365,7 +368,7 @@ class ContextWorker:
                 return
             # no await from the check above until _push registers the session in _sending: a CancelTransfer
             # finds the session either here (cancelled before the push) or sending (cancelled during it)
-            await self._push(peer, peer_map, remote, rid, held.request)
+            await self._push(peer, peer_map, remote, rid, held.request, source)
         finally:
             self._held.pop(req.key, None)
             self.cache.release(rid)  # synchronous: no cancel can interrupt it
@@ -381,19 +384,46 @@ class ContextWorker:
                 )
         self._counts["failed"] += 1
 
-    async def _push(
-        self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, rid: int, request: ReceiveRequest
-    ) -> None:
-        # synchronous until the session is in _sending (see _prefill_and_push): keep it so
+    def _blocks(self, rid: int) -> dict[str, list[int]]:
         manager = self.cache.inner.primary
         blocks = {"attention": list(manager.block_table(rid))}
         if manager.config.has_draft:
             blocks["draft"] = list(manager.draft_block_table(rid))
+        return blocks
+
+    def _source(self, peer_map: PeerMap, rid: int, prompt_tokens: int) -> RequestCache | None:
+        """Request ``rid``'s cache with our side of a whole-prompt transfer mapped (None: it does not map; the
+        push plans it again and fails the request as any unplannable one)."""
+        manager = self.cache.inner.primary
+        try:
+            return prepare_source(
+                peer_map,
+                range(len(self.built.arenas)),
+                self._blocks(rid),
+                manager.slot_id(rid),
+                prompt_tokens,
+            )
+        except KvferryError as exc:
+            log.warning("cannot map request %d's side of its transfer ahead: %s", rid, exc)
+            return None
+
+    async def _push(
+        self,
+        peer: Peer,
+        peer_map: PeerMap,
+        remote: PeerInfo,
+        rid: int,
+        request: ReceiveRequest,
+        source: RequestCache | None = None,
+    ) -> None:
+        """Plan and push request ``rid``'s transfer (``source``: its cache from :meth:`_source`, or None)."""
+        # synchronous until the session is in _sending (see _prefill_and_push): keep it so
+        manager = self.cache.inner.primary
         try:
             plan = plan_transfer(
                 peer_map,
                 range(len(self.built.arenas)),
-                blocks,
+                self._blocks(rid) if source is None else source,
                 manager.slot_id(rid),
                 request,
                 list(remote.page_tables),

@@ -43,6 +43,7 @@ __all__ = [
     "default_chunk_bytes",
     "offer_staging",
     "plan_transfer",
+    "prepare_source",
     "token_blocks",
 ]
 
@@ -129,6 +130,27 @@ def _memory_type(staging: StagingPool | None, src_pools: Sequence[Mapping[str, t
     return "cpu"
 
 
+def prepare_source(
+    peer_map: PeerMap,
+    src_ranks: Sequence[int],
+    src_blocks: Mapping[str, Sequence[int]],
+    src_slot: int | None,
+    prompt_tokens: int,
+) -> RequestCache:
+    """The context request's cache, with the sender ranks' side of the transfer a receive request for the whole
+    prompt (draft KV included) will ask for worked out already: pass it to :func:`plan_transfer` as
+    ``src_blocks`` when that request comes, and the plan only maps the receiver's side. A request for another
+    range (the receiver reuses a prefix, or has no drafter) is planned in full, as without it.
+
+    :raises ~kvferry.errors.ConfigError: the ids or the slot do not cover the prompt.
+    """
+    src = RequestCache(src_blocks, src_slot)
+    draft_start = 0 if "draft" in src.blocks else prompt_tokens
+    tokens = TokenRange(0, prompt_tokens, draft_start=draft_start, state=True)
+    peer_map.prepare_source(src_ranks, src, tokens)
+    return src
+
+
 def _dst_cache(request: ReceiveRequest) -> RequestCache:
     return RequestCache(
         {b.group: b.block_ids for b in request.blocks}, request.slot if request.slot > 0 else None
@@ -138,7 +160,7 @@ def _dst_cache(request: ReceiveRequest) -> RequestCache:
 def plan_transfer(
     peer_map: PeerMap,
     src_ranks: Sequence[int],
-    src_blocks: Mapping[str, Sequence[int]],
+    src_blocks: Mapping[str, Sequence[int]] | RequestCache,
     src_slot: int | None,
     request: ReceiveRequest,
     dst_tables: Sequence[PageTable],
@@ -152,7 +174,9 @@ def plan_transfer(
     for ``request``; a writer with nothing to send (elected out) gets an empty list and reports an empty write.
 
     ``src_blocks``: the context request's block table per paged group (the same on every context rank);
-    ``src_slot``: its state slot. Draft groups move only when the request names draft blocks.
+    ``src_slot``: its state slot. Or ``src_blocks`` is the request's cache from :func:`prepare_source` (with its
+    slot; ``src_slot`` is not used), which saves the sender's side of the mapping here. Draft groups move only
+    when the request names draft blocks.
 
     Chunks (the unit of posting, reporting and cancellation): at most ``max_chunk_bytes`` each when given; by
     default a direct writer posts one write (its coalesced fragments; more writes only add per-write costs) and
@@ -182,7 +206,7 @@ def plan_transfer(
     check_request(request, dst_tables, groups)
     tokens = _tokens(request)
     dst = _dst_cache(request)
-    src = RequestCache(src_blocks, src_slot)
+    src = src_blocks if isinstance(src_blocks, RequestCache) else RequestCache(src_blocks, src_slot)
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
     policy = BouncePolicy() if policy is None else policy
     can_pack = staging is not None and src_pools is not None

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -25,7 +26,7 @@ from kvferry.engine.disagg.session import (
     send,
     split_chunks,
 )
-from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, plan_transfer
+from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, plan_transfer, prepare_source
 from kvferry.errors import (
     PeerDisconnected,
     TransferCancelled,
@@ -163,6 +164,34 @@ def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int = 1 << 20) -> 
         max_chunk_bytes=max_chunk_bytes,
     )
     return request, plan
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (1, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize("drafter", [True, False])
+def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: bool) -> None:
+    """The sender's side mapped ahead (prepare_source) gives the plan planning from the block table gives; the
+    whole-prompt request uses what was prepared (nothing more is worked out), and a request for less (a reused
+    prefix on the receiver) or without draft KV (a receiver without a drafter) is planned in full."""
+    ctx, gen = make_side(tiny_spec(), ctx_tp), make_side(tiny_spec(drafter=drafter), gen_tp)
+    ctx.fake_prefill("c", PROMPT, seed=11)
+    gen.create("g", PROMPT)
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    tables = [a.page_table() for a in gen.arenas]
+    whole = gen.receive_request(1, "r", "g", len(PROMPT))
+    for request in (whole, attrs.evolve(whole, token_start=9)):
+        source = prepare_source(peer_map, range(ctx_tp), ctx.blocks("c"), ctx.slot("c"), len(PROMPT))
+        prepared = len(source._source)
+        assert prepared == sum(peer_map.pair(s, d).writes for s in range(ctx_tp) for d in peer_map.targets(s))
+        got = plan_transfer(peer_map, range(ctx_tp), source, None, request, tables)
+        # the whole prompt of a peer with the same drafter: planned from what was prepared
+        expect_hit = request is whole and drafter
+        assert (len(source._source) == prepared) is expect_hit
+        expected = plan_transfer(peer_map, range(ctx_tp), ctx.blocks("c"), ctx.slot("c"), request, tables)
+        assert got.keys() == expected.keys()
+        for w, chunks in expected.items():
+            assert len(got[w]) == len(chunks)
+            for a, b in zip(got[w], chunks, strict=True):
+                assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
 
 
 def writers(ctx: Side, gen: Side) -> tuple[int, ...]:
