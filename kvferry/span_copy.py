@@ -35,6 +35,9 @@ log = logging.getLogger("kvferry.span_copy")
 
 __all__ = [
     "BLOCK_WORDS",
+    "LONG_BLOCK_WORDS",
+    "LONG_NUM_WARPS",
+    "LONG_PIECE_BYTES",
     "MIN_PIECE_BYTES",
     "NUM_WARPS",
     "PIECE_BYTES",
@@ -57,6 +60,10 @@ TARGET_PIECES = 1024
 BLOCK_WORDS = 2048
 #: Warps per program.
 NUM_WARPS = 8
+#: Copies whose pieces average at least this many bytes use blocks of LONG_BLOCK_WORDS and LONG_NUM_WARPS warps.
+LONG_PIECE_BYTES = 512 << 10
+LONG_BLOCK_WORDS = 512
+LONG_NUM_WARPS = 4
 #: Programs launched per multiprocessor, each looping over pieces; 0 launches one program per piece.
 PROGRAMS_PER_SM = 0
 #: Load with ``.cg`` and store with ``.cs`` (the bytes are not read again soon).
@@ -170,6 +177,24 @@ def piece_table(
 
     ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
     kernel reads directly); by default a new numpy array."""
+    return _piece_table(src, dst, lengths, piece_bytes, table_of=table_of)[:4]
+
+
+def _piece_table(
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    lengths: npt.NDArray[Any],
+    piece_bytes: int = PIECE_BYTES,
+    *,
+    table_of: Callable[[int], npt.NDArray[np.int64]] | None = None,
+) -> tuple[npt.NDArray[np.int64], int, int, int, int]:
+    """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
+    with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped.
+
+    ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
+    kernel reads directly); by default a new numpy array.
+
+    Also returns the total bytes when the spans were long enough to need it (else 0)."""
     table_of = _new_table if table_of is None else table_of
     # addresses and lengths as given (fragments are uint64): every value is below 2**63, so the unsigned
     # arithmetic below fills the int64 table with the same numbers, without a converted copy of each input
@@ -177,27 +202,29 @@ def piece_table(
     if src.dtype != np.uint64 or dst.dtype != np.uint64 or lengths.dtype != np.uint64:
         src, dst, lengths = (a.astype(np.int64, copy=False) for a in (src, dst, lengths))
     if not lengths.size:
-        return np.zeros((0, 3), dtype=np.int64), 0, 1, 1
+        return np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0
     if int(lengths.min()) <= 0:
         keep = lengths > 0
         src, dst, lengths = src[keep], dst[keep], lengths[keep]
         if not lengths.size:
-            return np.zeros((0, 3), dtype=np.int64), 0, 1, 1
+            return np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0
     base = min(int(src.min()), int(dst.min())) & ~255
     combined = (
         int(np.bitwise_or.reduce(src)) | int(np.bitwise_or.reduce(dst)) | int(np.bitwise_or.reduce(lengths))
     )
     word, align = _word_and_align(combined | base)
     longest = int(lengths.max())
+    total = 0
     if longest > MIN_PIECE_BYTES and piece_bytes > MIN_PIECE_BYTES:
         # the power of two near total / TARGET_PIECES, within [MIN_PIECE_BYTES, piece_bytes]
-        share = int(lengths.sum()) // TARGET_PIECES
+        total = int(lengths.sum())
+        share = total // TARGET_PIECES
         piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
     per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
     if longest <= per_piece:  # one piece per span
         table = table_of(lengths.size)
         _whole(src, dst, lengths, base, word, table)
-        return table, base, word, align
+        return table, base, word, align, total
     # the first piece of every span in its row, in order; the other pieces of the long spans after them
     long = np.flatnonzero(lengths > per_piece)
     # what follows the first piece of each long span
@@ -213,7 +240,7 @@ def piece_table(
     tail[:, 0] = (src_l[span_of_piece] + within - base) // word
     tail[:, 1] = (dst_l[span_of_piece] + within - base) // word
     tail[:, 2] = np.minimum(len_l[span_of_piece] - within, per_piece) // word
-    return table, base, word, align
+    return table, base, word, align, total
 
 
 def _whole(
@@ -506,8 +533,8 @@ def copy_spans(
     *,
     keep: list[Any] | None = None,
     piece_bytes: int = PIECE_BYTES,
-    block_words: int = BLOCK_WORDS,
-    num_warps: int = NUM_WARPS,
+    block_words: int | None = None,
+    num_warps: int | None = None,
     programs_per_sm: int = PROGRAMS_PER_SM,
     streaming: bool = STREAMING,
     rotate: int = ROTATE,
@@ -526,15 +553,23 @@ def copy_spans(
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
     """
     try:
-        table, base, word, align = piece_table(
+        table, base, word, align, total = _piece_table(
             src, dst, lengths, piece_bytes, table_of=None if keep is None else _pinned_table
         )
     except RuntimeError as exc:  # no pinned memory to be had: the device table
         log.warning("no pinned memory for the span copy's table (%s); uploading it", exc)
-        table, base, word, align = piece_table(src, dst, lengths, piece_bytes)
+        table, base, word, align, total = _piece_table(src, dst, lengths, piece_bytes)
         keep = None
     if not len(table):
         return 0
+    if block_words is None or num_warps is None:
+        # long pieces (1 GiB in 1-64 MiB spans): 546-549 us against 560-566 us with the default shape, which
+        # moves a disaggregated writer's page mix 5-15% faster (Nsight Compute on the H200)
+        long_pieces = total >= LONG_PIECE_BYTES * len(table)
+        block_words = (
+            (LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS) if block_words is None else block_words
+        )
+        num_warps = (LONG_NUM_WARPS if long_pieces else NUM_WARPS) if num_warps is None else num_warps
     programs = len(table)
     if programs_per_sm > 0:
         programs = min(programs, programs_per_sm * _multiprocessors(device))

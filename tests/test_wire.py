@@ -104,8 +104,8 @@ def test_strict_types(path: tuple[object, ...], value: object) -> None:
 
 @pytest.mark.parametrize("bad", [True, 1.0, "7", None, 1 << 63, (1 << 64) - 1])
 def test_int_sequences_are_checked_item_by_item(bad: object) -> None:
-    """Sequences of ints (page ids) decode in one pass; a bad item anywhere (a bool, a float, a str, None,
-    outside int64) is refused, naming the field."""
+    """Lists of ints decode in one pass; a bad item anywhere (a bool, a float, a str, None, outside int64) is
+    refused, naming the field. A tuple of ints (packed on the wire) refuses any array."""
     ids = list(range(1, 600))
     assert wire.decode(wire.encode(Ids(tuple(ids), ids)), Ids) == Ids(tuple(ids), ids)
     assert wire.decode(wire.encode(Ids((), [])), Ids) == Ids((), [])
@@ -118,6 +118,21 @@ def test_int_sequences_are_checked_item_by_item(bad: object) -> None:
     decoded = wire.decode(wire.encode(Ids((wire.INT64_MIN, wire.INT64_MAX), [0])), Ids)
     assert decoded.ids == (wire.INT64_MIN, wire.INT64_MAX) and type(decoded.ids) is tuple
     assert type(decoded.more) is list
+
+
+def test_int_tuples_travel_packed() -> None:
+    """A tuple of ints is one binary of little-endian int64 values on the wire (lists stay msgpack arrays); a
+    buffer that is not whole int64 values, or an array where the packed values belong, is refused."""
+    raw = msgpack.unpackb(wire.encode(Ids((1, -2, wire.INT64_MAX), [3])))
+    assert raw == {
+        "ids": (1).to_bytes(8, "little") + (-2).to_bytes(8, "little", signed=True) + bytes([255] * 7 + [127]),
+        "more": [3],
+    }
+    for bad in (b"\x01" * 7, b"\x01" * 17, [1, 2], "12345678", None):
+        with pytest.raises(WireFormatError, match=r"\$\.ids"):
+            wire.decode(msgpack.packb({"ids": bad, "more": []}), Ids)
+    with pytest.raises(WireFormatError):
+        wire.encode(Ids((1 << 63,), []))  # outside int64: not encodable
 
 
 def test_optional_and_default() -> None:

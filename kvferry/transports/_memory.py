@@ -37,6 +37,11 @@ __all__ = [
 COPY_SLICE_BYTES = 4 << 20
 #: a write of at most this many device rows is a ``copy_`` each (cheaper to launch than the batched kernel)
 FEW_DEVICE_COPIES = 8
+#: device rows at least this long, when they are at least half a write's rows (and at most MAX_DEVICE_COPIES),
+#: are a ``copy_`` each, queued first: the device's own copy is faster per byte than the kernel, and the device
+#: is busy with the first of them while the host queues the rest
+DEVICE_COPY_BYTES = 32 << 20
+MAX_DEVICE_COPIES = 64
 #: device waits are polled on the event loop for at most this long, then waited for in a worker thread
 POLL_SECONDS = 1e-3
 #: ... and for at most this long plus the time the copied bytes take at this rate
@@ -245,7 +250,7 @@ class CopyPlan:
         if device is not None and device != "cpu" and device == self.dst_regions.device:
             # every row between CUDA ranges of one device (the common case): no per-row sorting
             try:
-                self._device_rows(np.arange(len(self.src)), keep)
+                self._device_rows(None, keep)
             finally:
                 await synchronize_cuda(total_bytes(self.src), poll=poll)
             return
@@ -311,28 +316,43 @@ class CopyPlan:
                 int(self.src[row, 1]),
             )
 
-    def _device_rows(self, rows: npt.NDArray[np.int64], keep: list[Any]) -> None:
+    def _device_rows(self, rows: npt.NDArray[np.int64] | None, keep: list[Any]) -> None:
         """Queue the copy of ``rows`` (all between CUDA ranges of one device): a ``copy_`` each when they are
         few, else one batched launch when Triton imports and builds the kernel, else indexed copies per pair of
         regions. ``keep`` gets what the queued copies read from host memory (hold it until the stream has passed
         them).
 
-        Long rows go to the batched launch too: the kernel moves them within 10% of ``copy_``'s time (a few
-        microseconds for 100 MB on the H200), where each ``copy_`` from Python costs 0.1-0.2 ms of host time
-        before the copy starts (views, a launch) when it comes right after a wait."""
+        Long rows among many short ones go to the batched launch too: the kernel moves them within 10% of
+        ``copy_``'s time (a few microseconds for 100 MB on the H200), where each ``copy_`` from Python costs
+        0.05-0.2 ms of host time before the kernel's launch. Only writes of mostly long rows (the H200 moves
+        32 MiB in 16 us) are ``copy_`` calls (:data:`DEVICE_COPY_BYTES`)."""
         import torch
 
-        if len(rows) <= FEW_DEVICE_COPIES:
-            self._copy_rows(rows)
+        count = len(self.src) if rows is None else len(rows)  # rows None: every row of the plan
+        if count <= FEW_DEVICE_COPIES:
+            self._copy_rows(np.arange(count) if rows is None else rows)
             return
-        device = torch.device(self.src_regions.regions[int(self.src_index[rows[0]])].device)
-        if span_copy.available(device):
-            # rows are ascending: as many as the plan has rows means all of them (views, no gathers)
-            src, dst = (
-                (self.src, self.dst) if len(rows) == len(self.src) else (self.src[rows], self.dst[rows])
-            )
-            if span_copy.copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep) is not None:
-                return
+        # rows are ascending: as many as the plan has rows means all of them (views, no gathers)
+        every = rows is None or len(rows) == len(self.src)
+        src, dst = (self.src, self.dst) if every else (self.src[rows], self.dst[rows])
+        rows_of = 0 if rows is None else int(rows[0])
+        if int(src[:, 1].max()) >= DEVICE_COPY_BYTES:
+            long = src[:, 1] >= DEVICE_COPY_BYTES
+            count = int(np.count_nonzero(long))
+            if 2 * count >= len(src) and count <= MAX_DEVICE_COPIES:
+                every_row = np.arange(len(self.src)) if rows is None else rows
+                self._copy_rows(every_row[long])
+                if count == len(src):
+                    return
+                rows, src, dst = every_row[~long], src[~long], dst[~long]
+        device = torch.device(self.src_regions.regions[int(self.src_index[rows_of])].device)
+        if (
+            span_copy.available(device)
+            and span_copy.copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep) is not None
+        ):
+            return
+        if rows is None:
+            rows = np.arange(len(self.src))
         pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
         for key in np.unique(pairs):
             chosen = rows[pairs == key]

@@ -150,6 +150,7 @@ class WriteRows(NamedTuple):
 
 #: below this many rows a write's rows are checked row by row (:func:`as_fragments`): as fast, and simpler
 _FEW_ROWS = 64
+_MAX_ADDRESS = (1 << 64) - 1
 
 
 def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) -> WriteRows:
@@ -176,12 +177,18 @@ def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) ->
         raise ValueError("source and destination fragments differ in length row by row")
     if int(lengths.min()) == 0:
         raise ValueError("fragments hold a zero-length range")
-    if int(lengths.max()) >= (1 << 63) // len(s):
+    longest = int(lengths.max())
+    if longest >= (1 << 63) // len(s):
         # the merged lengths could overflow: check row by row
         return WriteRows(as_fragments(s), as_fragments(d), *(_merge(s, d) or (None, None)))
     merged = _merge(s, d, difference[:, 0])
     ms, md = (s, d) if merged is None else merged
-    if bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any()):
+    if merged is not None:
+        longest = int(ms[:, 1].max())
+    # no row wraps when the highest address plus the longest length does not (else look row by row)
+    if max(int(ms[:, 0].max()), int(md[:, 0].max())) > _MAX_ADDRESS - longest and (
+        bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any())
+    ):
         raise ValueError("a fragment wraps around the address space")
     return WriteRows(s, d, *(merged or (None, None)))
 

@@ -671,10 +671,18 @@ class NixlTransport(ChannelTransport):
             return None
         if not self._ipc_map(ipc):
             return None
-        exported = ipc.exported_of(peer.regions)[rows.dst_index]
-        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
-            return None
+        index = rows.dst_index
+        exported_of = ipc.exported_of(peer.regions)
         translated = rows.dst.copy()
+        if index.strides == (0,):  # every row in one region (locate's broadcast): one shift for all
+            region = int(exported_of[int(index[0])])
+            if region < 0:  # memory the peer did not export (host memory, say)
+                return None
+            translated[:, 0] += ipc.shift[region]
+            return _IpcRoute(translated, ipc.local_table, rows.src_index, np.broadcast_to(region, len(index)))
+        exported = exported_of[index]
+        if int(exported.min()) < 0:
+            return None
         translated[:, 0] += ipc.shift[exported]
         return _IpcRoute(translated, ipc.local_table, rows.src_index, exported)
 

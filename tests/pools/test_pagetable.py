@@ -141,7 +141,7 @@ def test_compat_hash_ignores_tp_block_size_name_and_drafter_but_not_shape_or_dty
     with pytest.raises(PeerIncompatible):
         check_compatible(a, attrs.evolve(a, compat_hash="0" * 32))
     with pytest.raises(PeerIncompatible):
-        check_compatible(a, attrs.evolve(a, wire_version=2))
+        check_compatible(a, attrs.evolve(a, wire_version=wire.WIRE_VERSION + 1))
 
 
 # --- corruptions -----------------------------------------------------------------------------------------
@@ -253,6 +253,11 @@ def _mutate(mutator: Any) -> bytes:
     return msgpack.packb(raw)
 
 
+def _packed(*ids: int) -> bytes:
+    """Layer ids as the wire carries a tuple of ints: little-endian int64 values."""
+    return b"".join(i.to_bytes(8, "little", signed=True) for i in ids)
+
+
 def _conv_pool(raw: Any) -> Any:
     return raw["pool_groups"][2]["pools"][0]
 
@@ -274,9 +279,9 @@ def _conv_pool(raw: Any) -> Any:
         (lambda r: _conv_pool(r)["entries"].pop(), "need"),
         (lambda r: _conv_pool(r).__setitem__("base", -1), "base"),
         (lambda r: _conv_pool(r).__setitem__("base", (1 << 63) - 10), "end"),
-        (lambda r: r["layer_groups"][0].__setitem__("layer_ids", [1, 1]), "twice"),
-        (lambda r: r["layer_groups"][0].__setitem__("layer_ids", [1, 2]), "twice"),
-        (lambda r: r["layer_groups"][1].__setitem__("layer_ids", [DRAFT_LAYER_SHIFT + 1]), "outside"),
+        (lambda r: r["layer_groups"][0].__setitem__("layer_ids", _packed(1, 1)), "twice"),
+        (lambda r: r["layer_groups"][0].__setitem__("layer_ids", _packed(1, 2)), "twice"),
+        (lambda r: r["layer_groups"][1].__setitem__("layer_ids", _packed(DRAFT_LAYER_SHIFT + 1)), "outside"),
         (lambda r: r["layer_groups"][0].__setitem__("tokens_per_block", 0), "tokens_per_block"),
         (lambda r: r["layer_groups"][0].__setitem__("kind", "state"), "roles"),
         (lambda r: r["layer_groups"][0].__setitem__("dtypes", ["float32", "int4"]), "dtype"),

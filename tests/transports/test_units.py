@@ -109,6 +109,10 @@ def test_write_rows_refuses_what_as_fragments_refuses(rows: int) -> None:
     refused(src.astype(np.float64), dst, "integer")
     huge = np.array([[2**62 * (1 + i % 3), 2**62] for i in range(rows)], dtype=np.uint64)  # 3 * 2**62 + 2**62
     refused(huge, huge, "wraps")  # lengths this large are checked row by row
+    # the highest address plus the longest length would wrap, but no row does: checked row by row, accepted
+    near = np.array([[(i * 2) << 40, 1 << 30] for i in range(rows)], dtype=np.uint64)
+    near[-1] = [2**64 - 8192, 4096]
+    assert write_rows(near, near).merged_src is None
 
 
 def test_region_table_with_overlaps() -> None:
