@@ -227,6 +227,23 @@ def _piece_table(
         return table, base, word, align, total
     # the first piece of every span in its row, in order; the other pieces of the long spans after them
     long = np.flatnonzero(lengths > per_piece)
+    if long.size <= _FEW_LONG_SPANS:  # a state run among pages, say: a few calls per long span
+        spans = [(int(src[i]), int(dst[i]), int(lengths[i])) for i in long.tolist()]
+        rests = [-(-(n - per_piece) // per_piece) for _, _, n in spans]
+        table = table_of(lengths.size + sum(rests))
+        _whole(
+            src, dst, np.minimum(lengths, lengths.dtype.type(per_piece)), base, word, table[: lengths.size]
+        )
+        at, step = lengths.size, per_piece // word
+        for (s, d, n), count in zip(spans, rests, strict=True):
+            rows = table[at : at + count]
+            at += count
+            rows[:, 2] = step
+            rows[-1, 2] = (n - count * per_piece) // word  # the last piece: what is left
+            offsets = np.arange(step, (count + 1) * step, step, dtype=np.int64)
+            np.add(offsets, (s - base) // word, out=rows[:, 0])
+            np.add(offsets, (d - base) // word, out=rows[:, 1])
+        return table, base, word, align, total
     # what follows the first piece of each long span
     src_l = src[long].astype(np.int64) + per_piece
     dst_l = dst[long].astype(np.int64) + per_piece
@@ -241,6 +258,10 @@ def _piece_table(
     tail[:, 1] = (dst_l[span_of_piece] + within - base) // word
     tail[:, 2] = np.minimum(len_l[span_of_piece] - within, per_piece) // word
     return table, base, word, align, total
+
+
+#: up to this many spans longer than a piece are cut one by one (a few calls each), more all at once
+_FEW_LONG_SPANS = 8
 
 
 def _whole(

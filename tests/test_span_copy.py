@@ -207,3 +207,23 @@ def test_pinned_tables_are_reused_only_once_every_view_is_gone(monkeypatch: pyte
     assert third.ctypes.data == address and tables.allocated == 2
     assert tables.take(10).shape == (10, 3) and tables.allocated == 3  # 64 rows: another size
     assert "allocated=3" in repr(tables)
+
+
+@pytest.mark.parametrize("long_spans", [1, 3, 20])
+def test_few_long_spans_are_cut_as_many_are(long_spans: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few spans longer than a piece (a state run among pages) are cut one by one; the pieces are the ones
+    cutting every long span at once gives (in another row order)."""
+    rng = np.random.default_rng(long_spans)
+    n = 300
+    lengths = (rng.integers(1, 4000, n) * 16).astype(np.int64)
+    lengths[rng.choice(n, long_spans, replace=False)] = rng.integers(1 << 20, 100 << 20, long_spans) // 16 * 16
+    src = (1 << 40) + np.cumsum(lengths) - lengths
+    dst = (1 << 41) + rng.permutation(n).astype(np.int64) * (101 << 20)
+    tables = []
+    for few in (span_copy._FEW_LONG_SPANS, 0):
+        monkeypatch.setattr(span_copy, "_FEW_LONG_SPANS", few)
+        table, *rest = span_copy.piece_table(src, dst, lengths)
+        tables.append((table[np.lexsort(table.T[::-1])], rest))
+    (one_by_one, rest_a), (at_once, rest_b) = tables
+    assert rest_a == rest_b and np.array_equal(one_by_one, at_once)
+    assert one_by_one[:, 2].sum() * rest_a[1] == lengths.sum() and len(one_by_one) > n

@@ -112,12 +112,15 @@ def _merge(
     if n <= 1:
         return None
     s_addr, lengths, d_addr = src[:, 0], src[:, 1], dst[:, 0]
-    s_end = s_addr + lengths
-    joins = s_end[:-1] == s_addr[1:]
-    # contiguous at the destination too iff the offset between the two sides stays the same
+    # contiguous at the destination too iff the offset between the two sides stays the same: where it never
+    # does (scattered destinations, or rows a planner merged already), nothing merges
     if delta is None:
         delta = d_addr - s_addr
-    joins &= delta[:-1] == delta[1:]
+    joins = delta[:-1] == delta[1:]
+    if not joins.any():
+        return None
+    s_end = s_addr + lengths
+    joins &= s_end[:-1] == s_addr[1:]
     breaks = np.flatnonzero(~joins)
     if len(breaks) == n - 1:
         return None
