@@ -171,22 +171,6 @@ def piece_table(
     piece_bytes: int = PIECE_BYTES,
     *,
     table_of: Callable[[int], npt.NDArray[np.int64]] | None = None,
-) -> tuple[npt.NDArray[np.int64], int, int, int]:
-    """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
-    with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped.
-
-    ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
-    kernel reads directly); by default a new numpy array."""
-    return _piece_table(src, dst, lengths, piece_bytes, table_of=table_of)[:4]
-
-
-def _piece_table(
-    src: npt.NDArray[Any],
-    dst: npt.NDArray[Any],
-    lengths: npt.NDArray[Any],
-    piece_bytes: int = PIECE_BYTES,
-    *,
-    table_of: Callable[[int], npt.NDArray[np.int64]] | None = None,
 ) -> tuple[npt.NDArray[np.int64], int, int, int, int]:
     """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
     with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped.
@@ -194,7 +178,7 @@ def _piece_table(
     ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
     kernel reads directly); by default a new numpy array.
 
-    Also returns the total bytes when the spans were long enough to need it (else 0)."""
+    Fifth: the total bytes, when the spans were long enough for it to set the piece size (else 0)."""
     table_of = _new_table if table_of is None else table_of
     # addresses and lengths as given (fragments are uint64): every value is below 2**63, so the unsigned
     # arithmetic below fills the int64 table with the same numbers, without a converted copy of each input
@@ -574,12 +558,12 @@ def copy_spans(
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
     """
     try:
-        table, base, word, align, total = _piece_table(
+        table, base, word, align, total = piece_table(
             src, dst, lengths, piece_bytes, table_of=None if keep is None else _pinned_table
         )
     except RuntimeError as exc:  # no pinned memory to be had: the device table
         log.warning("no pinned memory for the span copy's table (%s); uploading it", exc)
-        table, base, word, align, total = _piece_table(src, dst, lengths, piece_bytes)
+        table, base, word, align, total = piece_table(src, dst, lengths, piece_bytes)
         keep = None
     if not len(table):
         return 0

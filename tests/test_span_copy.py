@@ -52,7 +52,7 @@ def test_piece_table_moves_exactly_the_spans(
     expected = memory.copy()
     for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
         expected[d - base : d - base + n] = memory[s - base : s - base + n]
-    table, word_base, word, align = span_copy.piece_table(src, dst, lengths, piece)
+    table, word_base, word, align, _ = span_copy.piece_table(src, dst, lengths, piece)
     assert word_base % 256 == 0 and word_base <= base
     # the word divides every address and length; the alignment hint holds for every piece
     assert (table % align == 0).all()
@@ -65,7 +65,7 @@ def test_piece_table_moves_exactly_the_spans(
 def test_piece_table_word_and_alignment() -> None:
     def word_align(*values: int) -> tuple[int, int]:
         a = np.array(values, dtype=np.int64)
-        _, _, word, align = span_copy.piece_table(a + (1 << 20), a + (1 << 21), np.full(len(a), 32))
+        _, _, word, align, _ = span_copy.piece_table(a + (1 << 20), a + (1 << 21), np.full(len(a), 32))
         return word, align
 
     assert word_align(0, 16, 32) == (8, 2)
@@ -98,7 +98,7 @@ def test_long_spans_are_cut_toward_the_target_number_of_pieces() -> None:
     def pieces(lengths: list[int], piece_bytes: int = span_copy.PIECE_BYTES) -> tuple[int, int]:
         n = np.asarray(lengths, dtype=np.int64)
         src = (1 << 40) + np.cumsum(n) - n
-        table, _, word, _ = span_copy.piece_table(src, src + (1 << 41), n, piece_bytes)
+        table, _, word, _, _ = span_copy.piece_table(src, src + (1 << 41), n, piece_bytes)
         assert table[:, 2].sum() * word == n.sum()
         return len(table), int(table[:, 2].max()) * word
 
@@ -216,7 +216,9 @@ def test_few_long_spans_are_cut_as_many_are(long_spans: int, monkeypatch: pytest
     rng = np.random.default_rng(long_spans)
     n = 300
     lengths = (rng.integers(1, 4000, n) * 16).astype(np.int64)
-    lengths[rng.choice(n, long_spans, replace=False)] = rng.integers(1 << 20, 100 << 20, long_spans) // 16 * 16
+    lengths[rng.choice(n, long_spans, replace=False)] = (
+        rng.integers(1 << 20, 100 << 20, long_spans) // 16 * 16
+    )
     src = (1 << 40) + np.cumsum(lengths) - lengths
     dst = (1 << 41) + rng.permutation(n).astype(np.int64) * (101 << 20)
     tables = []
