@@ -33,7 +33,7 @@ import msgpack
 
 from kvferry.errors import WireFormatError
 
-__all__ = ["INT64_MAX", "INT64_MIN", "WIRE_VERSION", "decode", "encode", "make_converter"]
+__all__ = ["INT64_MAX", "INT64_MIN", "WIRE_VERSION", "PackedInts", "decode", "encode", "make_converter"]
 
 #: Bumped on every incompatible change of any message; peers compare it before decoding anything else.
 WIRE_VERSION = 2
@@ -66,8 +66,18 @@ def _check_ints(values: list[Any] | tuple[Any, ...]) -> None:
         _structure_int(next(v for v in values if not INT64_MIN <= v <= INT64_MAX), int)
 
 
+class PackedInts(tuple[int, ...]):
+    """A tuple of ints as decoded from the wire, which keeps the little-endian int64 bytes it came as in
+    :attr:`packed`: a reader that wants an array views them (``numpy.frombuffer``) instead of converting every
+    value again. Equal to, and usable as, the plain tuple."""
+
+    packed: bytes
+
+
 def _pack_ints(values: tuple[int, ...]) -> bytes:
     """``values`` as little-endian int64 bytes. :raises OverflowError, TypeError: a value is not one."""
+    if type(values) is PackedInts:
+        return values.packed
     packed = array("q", values)
     if sys.byteorder != "little":
         packed.byteswap()
@@ -83,7 +93,9 @@ def _unpack_ints(value: Any, _cls: type) -> tuple[int, ...]:
     unpacked.frombytes(value)
     if sys.byteorder != "little":
         unpacked.byteswap()
-    return tuple(unpacked)
+    ints = PackedInts(unpacked)
+    ints.packed = value
+    return ints
 
 
 def _is_int_tuple(cls: Any) -> bool:

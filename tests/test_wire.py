@@ -4,12 +4,14 @@ import contextlib
 import enum
 
 import msgpack
+import numpy as np
 import pytest
 from attrs import frozen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry import wire
+from kvferry.engine.disagg.mapping import RequestCache
 from kvferry.errors import WireFormatError
 
 
@@ -116,7 +118,7 @@ def test_int_sequences_are_checked_item_by_item(bad: object) -> None:
             with pytest.raises(WireFormatError, match=rf"\$\.{field}"):
                 wire.decode(msgpack.packb(raw), Ids)
     decoded = wire.decode(wire.encode(Ids((wire.INT64_MIN, wire.INT64_MAX), [0])), Ids)
-    assert decoded.ids == (wire.INT64_MIN, wire.INT64_MAX) and type(decoded.ids) is tuple
+    assert decoded.ids == (wire.INT64_MIN, wire.INT64_MAX) and isinstance(decoded.ids, tuple)
     assert type(decoded.more) is list
 
 
@@ -133,6 +135,23 @@ def test_int_tuples_travel_packed() -> None:
             wire.decode(msgpack.packb({"ids": bad, "more": []}), Ids)
     with pytest.raises(WireFormatError):
         wire.encode(Ids((1 << 63,), []))  # outside int64: not encodable
+
+
+def test_decoded_int_tuples_keep_their_bytes() -> None:
+    """A decoded tuple of ints is a PackedInts: equal to the plain tuple, its wire bytes kept (encoded again as
+    they came); a block table built from one views those bytes instead of converting each id."""
+    sent = Ids((5, 1, 9), [])
+    got = wire.decode(wire.encode(sent), Ids)
+    assert (
+        type(got.ids) is wire.PackedInts
+        and got == sent
+        and got.ids == (5, 1, 9)
+        and hash(got.ids) == hash((5, 1, 9))
+    )
+    assert wire.encode(got) == wire.encode(sent)
+    cache = RequestCache({"attention": got.ids}, slot=None)
+    ids = cache.blocks["attention"]
+    assert ids.tolist() == [5, 1, 9] and ids.dtype == np.int64 and not ids.flags.writeable
 
 
 def test_optional_and_default() -> None:

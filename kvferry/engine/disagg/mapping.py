@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ from kvferry.pools.layout import GroupKind, LayerGroup, Role
 from kvferry.pools.pagetable import PageTable, check_compatible
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT, HeadShard, dtype_from_name
 from kvferry.transports.base import Fragments
+from kvferry.wire import PackedInts
 
 __all__ = [
     "BouncePolicy",
@@ -110,6 +112,8 @@ def _intersect(src: HeadShard, dst: HeadShard) -> tuple[int, int]:
 
 
 def _ids_array(value: Any) -> Int64Array:
+    if type(value) is PackedInts and sys.byteorder == "little":  # ids off the wire: a view of their bytes
+        return np.frombuffer(value.packed, dtype=np.int64)
     if type(value) in (list, tuple) and value and set(map(type, value)) == {int}:  # a block table's ints
         try:
             out = np.fromiter(value, dtype=np.int64, count=len(value))
@@ -158,6 +162,9 @@ class RequestCache:
     _checked: dict[tuple[str, int, int, int, int, bool], Int64Array] = attrs.field(
         factory=dict, init=False, repr=False
     )
+    #: groups whose whole id list is known unique, positive and below a bound: group -> bound (the ids of a
+    #: receive request off the wire, which its decoding and :func:`~.transfer.check_request` checked)
+    _trusted: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
     #: unit addresses as a sender's side, per (rank map, token range): worked out once per request, ahead of
     #: its receive request when the sender prepares (:meth:`PeerMap.prepare_source`)
     _source: dict[tuple[Any, tuple[int, int, int, bool]], Int64Array] = attrs.field(
@@ -598,6 +605,10 @@ def _pages(
     first, last = lo // tokens_per_block, (hi - 1) // tokens_per_block
     if len(blocks) <= last:
         raise ConfigError(f"group {group!r}: {len(blocks)} page ids do not cover {hi} tokens")
+    bound = cache._trusted.get(group)
+    if bound is not None and bound <= num_slots:
+        cache._checked[key] = blocks  # every id unique, positive and below the pool's size: so are those used
+        return blocks
     used = blocks[first : last + 1]
     if int(used.min()) < 0 or int(used.max()) >= num_slots:
         raise ConfigError(f"group {group!r}: page ids must lie in [0, {num_slots})")

@@ -33,6 +33,7 @@ from kvferry.pools.layout import GroupKind
 from kvferry.pools.manager import CacheManager
 from kvferry.pools.pagetable import PageTable
 from kvferry.transports.base import Fragments
+from kvferry.wire import PackedInts
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -151,10 +152,18 @@ def prepare_source(
     return src
 
 
-def _dst_cache(request: ReceiveRequest) -> RequestCache:
-    return RequestCache(
+def _dst_cache(request: ReceiveRequest, table: PageTable | None = None) -> RequestCache:
+    """The receiver's cache of ``request``. With ``table`` (the request passed :func:`check_request` against
+    it): ids that came off the wire (:class:`~kvferry.wire.PackedInts`) were checked unique and positive when the
+    request was decoded, and below the pool size since, so the mapping does not check them again."""
+    cache = RequestCache(
         {b.group: b.block_ids for b in request.blocks}, request.slot if request.slot > 0 else None
     )
+    if table is not None:
+        for b in request.blocks:
+            if type(b.block_ids) is PackedInts:
+                cache._trusted[b.group] = table.pool_group(b.group).num_slots
+    return cache
 
 
 def plan_transfer(
@@ -205,7 +214,7 @@ def plan_transfer(
         groups = [g for g in groups if g != "draft"]
     check_request(request, dst_tables, groups)
     tokens = _tokens(request)
-    dst = _dst_cache(request)
+    dst = _dst_cache(request, dst_tables[0])
     src = src_blocks if isinstance(src_blocks, RequestCache) else RequestCache(src_blocks, src_slot)
     areas: dict[int, StagingArea] = {a.writer: a for a in request.staging}
     policy = BouncePolicy() if policy is None else policy

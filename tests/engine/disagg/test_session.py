@@ -16,7 +16,14 @@ import torch
 
 from kvferry.engine.disagg.link import pump
 from kvferry.engine.disagg.mapping import PeerMap
-from kvferry.engine.disagg.protocol import BlockIds, ChunkResult, ChunkStatus, ReceiveRequest
+from kvferry.engine.disagg.protocol import (
+    BlockIds,
+    ChunkResult,
+    ChunkStatus,
+    ReceiveRequest,
+    decode_control,
+    encode_control,
+)
 from kvferry.engine.disagg.session import (
     Chunk,
     Receiver,
@@ -26,8 +33,15 @@ from kvferry.engine.disagg.session import (
     send,
     split_chunks,
 )
-from kvferry.engine.disagg.transfer import ManagerHold, expected_writers, plan_transfer, prepare_source
+from kvferry.engine.disagg.transfer import (
+    ManagerHold,
+    _dst_cache,
+    expected_writers,
+    plan_transfer,
+    prepare_source,
+)
 from kvferry.errors import (
+    ConfigError,
     PeerDisconnected,
     TransferCancelled,
     TransferError,
@@ -35,6 +49,7 @@ from kvferry.errors import (
     WireFormatError,
 )
 from kvferry.transports import Peer, Transport
+from kvferry.wire import PackedInts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Side, connected, make_side, tiny_spec, whole_cache
@@ -192,6 +207,40 @@ def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: boo
             assert len(got[w]) == len(chunks)
             for a, b in zip(got[w], chunks, strict=True):
                 assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+
+
+def test_ids_off_the_wire_are_checked_once() -> None:
+    """A receive request's ids are checked when it is decoded (unique, positive) and against the receiver's
+    pools (check_request); the mapping takes them as they are, with the plan of the same request built in
+    process (whose ids the mapping checks itself: repeated ones are refused there)."""
+    ctx, gen = make_side(tiny_spec(), 1), make_side(tiny_spec(), 2)
+    ctx.fake_prefill("c", PROMPT, seed=11)
+    gen.create("g", PROMPT)
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    tables = [a.page_table() for a in gen.arenas]
+    request = gen.receive_request(1, "r", "g", len(PROMPT))
+    decoded = decode_control(encode_control(request))
+    assert isinstance(decoded, ReceiveRequest) and all(
+        type(b.block_ids) is PackedInts for b in decoded.blocks
+    )
+    assert set(_dst_cache(decoded, tables[0])._trusted) == {b.group for b in request.blocks}
+    assert not _dst_cache(request, tables[0])._trusted
+    plans = [
+        plan_transfer(peer_map, range(1), ctx.blocks("c"), ctx.slot("c"), r, tables)
+        for r in (request, decoded)
+    ]
+    assert plans[0].keys() == plans[1].keys()
+    for w, chunks in plans[0].items():
+        for a, b in zip(chunks, plans[1][w], strict=True):
+            assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+    ids = request.blocks[0].block_ids
+    repeated = attrs.evolve(
+        request, blocks=(attrs.evolve(request.blocks[0], block_ids=(ids[1], *ids[1:])), *request.blocks[1:])
+    )
+    with pytest.raises(ConfigError, match="repeat"):
+        plan_transfer(peer_map, range(1), ctx.blocks("c"), ctx.slot("c"), repeated, tables)
+    with pytest.raises(WireFormatError, match="repeat"):
+        decode_control(encode_control(repeated))
 
 
 def writers(ctx: Side, gen: Side) -> tuple[int, ...]:
