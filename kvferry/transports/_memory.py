@@ -117,11 +117,12 @@ class RegionTable:
         starts = np.array([r.address for r in self.regions], dtype=np.uint64)
         ends = np.array([r.address + r.length for r in self.regions], dtype=np.uint64)
         order = np.argsort(starts, kind="stable")
-        self._starts = starts[order]
-        best = np.empty(len(order), dtype=np.int64)
-        best_end = np.empty(len(order), dtype=np.uint64)
+        # entry 0 is a sentinel, an empty range at address 0 (index -1): a search never lands before it
+        self._starts = np.concatenate((np.zeros(1, dtype=np.uint64), starts[order]))
+        best = np.full(len(order) + 1, -1, dtype=np.int64)
+        best_end = np.zeros(len(order) + 1, dtype=np.uint64)
         current, current_end = -1, 0
-        for i, j in enumerate(order):
+        for i, j in enumerate(order, start=1):
             if current < 0 or int(ends[j]) > current_end:
                 current, current_end = int(j), int(ends[j])
             best[i], best_end[i] = current, current_end
@@ -174,12 +175,11 @@ class RegionTable:
             # read-only broadcast of that range's index, without a search per row
             lowest, highest = int(addresses.min()), int(ends.max())
             first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
-            if first >= 0 and int(self._best_end[first]) >= highest and lowest <= highest:
+            if int(self._best_end[first]) >= highest and lowest <= highest:
                 return np.broadcast_to(self._best[first], len(fragments))
-        pos = np.searchsorted(self._starts, addresses, side="right").astype(np.int64) - 1
-        clipped = np.maximum(pos, 0)
-        inside = (pos >= 0) & (self._best_end[clipped] >= ends)
-        return np.where(inside, self._best[clipped], -1)
+        pos = np.searchsorted(self._starts, addresses, side="right")
+        pos -= 1  # at least 0: the sentinel (whose end, 0, holds no fragment: -1)
+        return np.where(self._best_end[pos] >= ends, self._best[pos], -1)
 
 
 class _CudaArray:
