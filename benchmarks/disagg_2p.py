@@ -152,26 +152,19 @@ async def sender(args: Any) -> None:
         # every write's own seconds (a write_many counts as one; the rest of ``send`` is the session's
         # bookkeeping and reports)
         writes: list[float] = []
-        write = transport.write
 
-        async def timed_write(*a: Any, **k: Any) -> None:
-            began = time.perf_counter()
-            try:
-                await write(*a, **k)
-            finally:
-                writes.append(time.perf_counter() - began)
+        def timed(call: Any) -> Any:
+            async def run(*a: Any, **k: Any) -> Any:
+                began = time.perf_counter()
+                try:
+                    return await call(*a, **k)
+                finally:
+                    writes.append(time.perf_counter() - began)
 
-        write_many = transport.write_many
+            return run
 
-        async def timed_write_many(*a: Any, **k: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return await write_many(*a, **k)
-            finally:
-                writes.append(time.perf_counter() - began)
-
-        transport.write = timed_write  # type: ignore[method-assign]
-        transport.write_many = timed_write_many  # type: ignore[method-assign]
+        transport.write = timed(transport.write)  # type: ignore[method-assign]
+        transport.write_many = timed(transport.write_many)  # type: ignore[method-assign]
         while True:
             data = await transport.receive_message(peer)
             cmd = as_json(data)

@@ -211,16 +211,21 @@ def piece_table(
         return table, base, word, align, total
     # the first piece of every span in its row, in order; the other pieces of the long spans after them
     long = np.flatnonzero(lengths > per_piece)
-    if long.size <= _FEW_LONG_SPANS:  # a state run among pages, say: a few calls per long span
+    few = long.size <= _FEW_LONG_SPANS  # a state run among pages, say: a few calls per long span
+    if few:
         spans = [(int(src[i]), int(dst[i]), int(lengths[i])) for i in long.tolist()]
-        rests = [-(-(n - per_piece) // per_piece) for _, _, n in spans]
+        rests = [(n - 1) // per_piece for _, _, n in spans]  # pieces after the first
         table = table_of(lengths.size + sum(rests))
-        _whole(
-            src, dst, np.minimum(lengths, lengths.dtype.type(per_piece)), base, word, table[: lengths.size]
-        )
-        at, step = lengths.size, per_piece // word
+    else:
+        len_l = lengths[long].astype(np.int64)
+        rest = (len_l - 1) // per_piece
+        table = table_of(lengths.size + int(rest.sum()))
+    _whole(src, dst, np.minimum(lengths, lengths.dtype.type(per_piece)), base, word, table[: lengths.size])
+    tail = table[lengths.size :]
+    if few:
+        at, step = 0, per_piece // word
         for (s, d, n), count in zip(spans, rests, strict=True):
-            rows = table[at : at + count]
+            rows = tail[at : at + count]
             at += count
             rows[:, 2] = step
             rows[-1, 2] = (n - count * per_piece) // word  # the last piece: what is left
@@ -228,18 +233,11 @@ def piece_table(
             np.add(offsets, (s - base) // word, out=rows[:, 0])
             np.add(offsets, (d - base) // word, out=rows[:, 1])
         return table, base, word, align, total
-    # what follows the first piece of each long span
-    src_l = src[long].astype(np.int64) + per_piece
-    dst_l = dst[long].astype(np.int64) + per_piece
-    len_l = lengths[long].astype(np.int64) - per_piece
-    rest = (len_l + per_piece - 1) // per_piece
-    table = table_of(lengths.size + int(rest.sum()))
-    _whole(src, dst, np.minimum(lengths, lengths.dtype.type(per_piece)), base, word, table[: lengths.size])
     span_of_piece = np.repeat(np.arange(long.size), rest)
-    within = (np.arange(span_of_piece.size) - (np.cumsum(rest) - rest)[span_of_piece]) * per_piece
-    tail = table[lengths.size :]
-    tail[:, 0] = (src_l[span_of_piece] + within - base) // word
-    tail[:, 1] = (dst_l[span_of_piece] + within - base) // word
+    # bytes from each long span's start: per_piece, 2 * per_piece... (its first piece is in its own row)
+    within = (np.arange(span_of_piece.size) - (np.cumsum(rest) - rest)[span_of_piece] + 1) * per_piece
+    tail[:, 0] = (src[long].astype(np.int64)[span_of_piece] + within - base) // word
+    tail[:, 1] = (dst[long].astype(np.int64)[span_of_piece] + within - base) // word
     tail[:, 2] = np.minimum(len_l[span_of_piece] - within, per_piece) // word
     return table, base, word, align, total
 
@@ -488,11 +486,8 @@ class _Launcher:
                     )
                     self.direct_launches += 1
                     return
-                except (
-                    ImportError,
-                    AttributeError,
-                    TypeError,
-                ) as exc:  # another Triton: launch through its JIT
+                except (ImportError, AttributeError, TypeError) as exc:
+                    # another Triton: launch through its JIT from now on
                     log.info(
                         "direct launch of the span copy unavailable (%s); using Triton's JIT launch", exc
                     )
@@ -553,6 +548,9 @@ def copy_spans(
     to ``keep``: no upload, one allocation and one copy fewer before the launch. Without ``keep`` the table is
     uploaded on the stream (nothing to hold; for copies that are not waited for).
 
+    ``block_words`` / ``num_warps``: the kernel's shape; by default :data:`BLOCK_WORDS` x :data:`NUM_WARPS`, or
+    :data:`LONG_BLOCK_WORDS` x :data:`LONG_NUM_WARPS` when the pieces average :data:`LONG_PIECE_BYTES` or more.
+
     The caller has checked that every span lies in memory of ``device`` this process may touch, and that no
     destination overlaps another span. Returns without synchronising: the copy is done once the stream has
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
@@ -567,14 +565,13 @@ def copy_spans(
         keep = None
     if not len(table):
         return 0
-    if block_words is None or num_warps is None:
-        # long pieces (1 GiB in 1-64 MiB spans): 546-549 us against 560-566 us with the default shape, which
-        # moves a disaggregated writer's page mix 5-15% faster (Nsight Compute on the H200)
-        long_pieces = total >= LONG_PIECE_BYTES * len(table)
-        block_words = (
-            (LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS) if block_words is None else block_words
-        )
-        num_warps = (LONG_NUM_WARPS if long_pieces else NUM_WARPS) if num_warps is None else num_warps
+    # long pieces (1 GiB in 1-64 MiB spans): 546-549 us against 560-566 us with the default shape, which moves
+    # a disaggregated writer's page mix 5-15% faster (Nsight Compute on the H200)
+    long_pieces = total >= LONG_PIECE_BYTES * len(table)
+    if block_words is None:
+        block_words = LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS
+    if num_warps is None:
+        num_warps = LONG_NUM_WARPS if long_pieces else NUM_WARPS
     programs = len(table)
     if programs_per_sm > 0:
         programs = min(programs, programs_per_sm * _multiprocessors(device))

@@ -250,7 +250,7 @@ class CopyPlan:
         if device is not None and device != "cpu" and device == self.dst_regions.device:
             # every row between CUDA ranges of one device (the common case): no per-row sorting
             try:
-                self._device_rows(None, keep)
+                self._device_rows(np.arange(len(self.src)), keep)
             finally:
                 await synchronize_cuda(total_bytes(self.src), poll=poll)
             return
@@ -316,7 +316,7 @@ class CopyPlan:
                 int(self.src[row, 1]),
             )
 
-    def _device_rows(self, rows: npt.NDArray[np.int64] | None, keep: list[Any]) -> None:
+    def _device_rows(self, rows: npt.NDArray[np.int64], keep: list[Any]) -> None:
         """Queue the copy of ``rows`` (all between CUDA ranges of one device): a ``copy_`` each when they are
         few, else one batched launch when Triton imports and builds the kernel, else indexed copies per pair of
         regions. ``keep`` gets what the queued copies read from host memory (hold it until the stream has passed
@@ -328,31 +328,25 @@ class CopyPlan:
         32 MiB in 16 us) are ``copy_`` calls (:data:`DEVICE_COPY_BYTES`)."""
         import torch
 
-        count = len(self.src) if rows is None else len(rows)  # rows None: every row of the plan
-        if count <= FEW_DEVICE_COPIES:
-            self._copy_rows(np.arange(count) if rows is None else rows)
+        if len(rows) <= FEW_DEVICE_COPIES:
+            self._copy_rows(rows)
             return
         # rows are ascending: as many as the plan has rows means all of them (views, no gathers)
-        every = rows is None or len(rows) == len(self.src)
-        src, dst = (self.src, self.dst) if every else (self.src[rows], self.dst[rows])
-        rows_of = 0 if rows is None else int(rows[0])
+        src, dst = (self.src, self.dst) if len(rows) == len(self.src) else (self.src[rows], self.dst[rows])
         if int(src[:, 1].max()) >= DEVICE_COPY_BYTES:
             long = src[:, 1] >= DEVICE_COPY_BYTES
             count = int(np.count_nonzero(long))
-            if 2 * count >= len(src) and count <= MAX_DEVICE_COPIES:
-                every_row = np.arange(len(self.src)) if rows is None else rows
-                self._copy_rows(every_row[long])
-                if count == len(src):
+            if 2 * count >= len(rows) and count <= MAX_DEVICE_COPIES:
+                self._copy_rows(rows[long])
+                if count == len(rows):
                     return
-                rows, src, dst = every_row[~long], src[~long], dst[~long]
-        device = torch.device(self.src_regions.regions[int(self.src_index[rows_of])].device)
+                rows, src, dst = rows[~long], src[~long], dst[~long]
+        device = torch.device(self.src_regions.regions[int(self.src_index[rows[0]])].device)
         if (
             span_copy.available(device)
             and span_copy.copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep) is not None
         ):
             return
-        if rows is None:
-            rows = np.arange(len(self.src))
         pairs = self.src_index[rows] * (1 << 32) + self.dst_index[rows]
         for key in np.unique(pairs):
             chosen = rows[pairs == key]

@@ -130,6 +130,14 @@ class _IpcRoute:
     dst_index: npt.NDArray[np.int64]
 
 
+def _take(values: npt.NDArray[Any], index: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+    """``values[index]``, kept a broadcast when ``index`` is one (rows in one range, as
+    :meth:`RegionTable.locate` answers them): one lookup instead of one per row."""
+    if index.strides == (0,) and len(index):
+        return np.broadcast_to(values[int(index[0])], len(index))
+    return values[index]
+
+
 def _pack_blob(
     metadata: bytes,
     exports: Sequence[_IpcExport],
@@ -671,19 +679,11 @@ class NixlTransport(ChannelTransport):
             return None
         if not self._ipc_map(ipc):
             return None
-        index = rows.dst_index
-        exported_of = ipc.exported_of(peer.regions)
-        translated = rows.dst.copy()
-        if index.strides == (0,):  # every row in one region (locate's broadcast): one shift for all
-            region = int(exported_of[int(index[0])])
-            if region < 0:  # memory the peer did not export (host memory, say)
-                return None
-            translated[:, 0] += ipc.shift[region]
-            return _IpcRoute(translated, ipc.local_table, rows.src_index, np.broadcast_to(region, len(index)))
-        exported = exported_of[index]
-        if int(exported.min()) < 0:
+        exported = _take(ipc.exported_of(peer.regions), rows.dst_index)
+        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
             return None
-        translated[:, 0] += ipc.shift[exported]
+        translated = rows.dst.copy()
+        translated[:, 0] += _take(ipc.shift, exported)
         return _IpcRoute(translated, ipc.local_table, rows.src_index, exported)
 
     def _ipc_map(self, ipc: _IpcPeer) -> bool:
