@@ -45,8 +45,12 @@ __all__ = [
     "ROTATE",
     "STREAMING",
     "TARGET_PIECES",
+    "IndexedTable",
     "available",
+    "copy_indexed",
     "copy_spans",
+    "indexed_table",
+    "on_device",
     "piece_table",
 ]
 
@@ -82,12 +86,14 @@ def _kernel() -> Any:
     def copy_pieces(  # type: ignore[no-untyped-def]
         base_ptr,
         table_ptr,
+        ids_ptr,
         num_pieces,
         WORD: tl.constexpr,
         ALIGN: tl.constexpr,
         BLOCK: tl.constexpr,
         STREAM: tl.constexpr,
         ROTATE: tl.constexpr,
+        INDEXED: tl.constexpr,
     ):
         if WORD == 8:
             words = base_ptr.to(tl.pointer_type(tl.int64))
@@ -100,10 +106,18 @@ def _kernel() -> Any:
         # program p copies pieces p, p + G, p + 2G...: the programs running at one time work on neighbouring
         # pieces (neighbouring bytes of a span), as a plain copy would
         for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
-            row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
-            src = tl.load(row)
-            dst = tl.load(row + 1)
-            count = tl.load(row + 2)
+            if INDEXED:
+                # (source slot, source word at id 0, source stride, the same for the destination, words):
+                # the addresses come from the write's ids
+                row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
+                dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
+                count = tl.load(row + 6)
+            else:
+                row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                src = tl.load(row)
+                dst = tl.load(row + 1)
+                count = tl.load(row + 2)
             blocks = count // BLOCK
             full = blocks * BLOCK
             # programs start at different blocks of their pieces (and wrap around): with pieces at aligned
@@ -326,11 +340,11 @@ def _pinned_table(pieces: int) -> npt.NDArray[np.int64]:
 
 
 class _DriverLaunch:
-    """``cuLaunchKernel`` of one compiled kernel whose arguments are two pointers and an int32, through ctypes:
+    """``cuLaunchKernel`` of one compiled kernel whose arguments are three pointers and an int32, through ctypes:
     a few microseconds of host time, where Triton's launcher first builds its launch metadata and binds every
     argument in Python (0.1-0.2 ms on the H200's host right after a wait).
 
-    Made only for a kernel whose parameters are exactly those three plus Triton's scratch pointers (which must be
+    Made only for a kernel whose parameters are exactly those four plus Triton's scratch pointers (which must be
     unused: no scratch memory, one CTA per program, no cooperative or programmatic launch), as the driver
     reports them (``cuFuncGetParamInfo``); anything else launches through Triton.
     """
@@ -342,8 +356,8 @@ class _DriverLaunch:
 
         self._launch, self._function, self._block, self._shared = launch, function, block, shared
         # the argument values, and the array of their addresses cuLaunchKernel reads (scratch pointers: NULL)
-        scratch = [ctypes.c_uint64(0) for _ in range(num_params - 3)]
-        self._values = (ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int32(), *scratch)
+        scratch = [ctypes.c_uint64(0) for _ in range(num_params - _ARGUMENTS)]
+        self._values = (ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int32(), *scratch)
         self._params = (ctypes.c_void_p * num_params)(*(ctypes.addressof(v) for v in self._values))
         # ctypes lets go of the GIL during the call: one launch at a time reads the shared argument values
         self._lock = threading.Lock()
@@ -367,20 +381,30 @@ class _DriverLaunch:
         if driver is None:
             return None
         sizes = _param_sizes(driver, function)
-        if sizes is None or sizes[:3] != [8, 8, 4] or len(sizes) > 5 or any(n != 8 for n in sizes[3:]):
+        if (
+            sizes is None
+            or sizes[:_ARGUMENTS] != [8, 8, 8, 4]
+            or len(sizes) > _ARGUMENTS + 2
+            or any(n != 8 for n in sizes[_ARGUMENTS:])
+        ):
             return None
         return cls(
             driver.cuLaunchKernel, function, 32 * int(metadata.num_warps), int(metadata.shared), len(sizes)
         )
 
-    def __call__(self, programs: int, stream: int, base: int, table: int, count: int) -> bool:
+    def __call__(self, programs: int, stream: int, base: int, table: int, ids: int, count: int) -> bool:
         """Queue the kernel on ``stream``; False when the driver refused (nothing was queued)."""
         with self._lock:
-            self._values[0].value, self._values[1].value, self._values[2].value = base, table, count
+            values = self._values
+            values[0].value, values[1].value, values[2].value, values[3].value = base, table, ids, count
             status = self._launch(
                 self._function, programs, 1, 1, self._block, 1, 1, self._shared, stream, self._params, None
             )
         return int(status) == 0
+
+
+#: the kernel's own parameters: the base, the table and the ids (pointers), the number of pieces (int32)
+_ARGUMENTS = 4
 
 
 @functools.cache
@@ -452,8 +476,10 @@ class _Launcher:
         count: int,
         base: int,
         constants: dict[str, Any],
+        ids: int = 0,
     ) -> None:
-        """Launch ``programs`` programs over the ``count`` rows of the table at device address ``table``."""
+        """Launch ``programs`` programs over the ``count`` rows of the table at device address ``table`` (and,
+        for an indexed table, the ids at device address ``ids``)."""
         import torch
 
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
@@ -464,13 +490,19 @@ class _Launcher:
             compiled, driver = entry
             stream = _current_stream(ordinal)
             with _on_device(ordinal):
-                if driver is not None and driver(programs, stream, base, table, count):
+                if driver is not None and driver(programs, stream, base, table, ids, count):
                     self.driver_launches += 1
                     return
                 try:
                     from triton import knobs
 
-                    args = (_Pointer(base), _Pointer(table, torch.int64), count, *kernel_constants.values())
+                    args = (
+                        _Pointer(base),
+                        _Pointer(table, torch.int64),
+                        _Pointer(ids, torch.int64),
+                        count,
+                        *kernel_constants.values(),
+                    )
                     grid = (programs, 1, 1)
                     compiled.run(
                         programs,
@@ -494,7 +526,7 @@ class _Launcher:
                     self._compiled[key] = None
         with _on_device(ordinal):
             launched = _kernel()[(programs,)](
-                _Pointer(base), _Pointer(table, torch.int64), count, **constants
+                _Pointer(base), _Pointer(table, torch.int64), _Pointer(ids, torch.int64), count, **constants
             )
         self.jit_launches += 1
         if key not in self._compiled and hasattr(launched, "run") and hasattr(launched, "packed_metadata"):
@@ -523,6 +555,13 @@ def _on_device(index: int) -> Any:
     import torch
 
     return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
+
+
+def on_device(device: Any) -> Any:
+    """:func:`_on_device` of a torch CUDA device (its index, or the current device)."""
+    import torch
+
+    return _on_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def copy_spans(
@@ -581,6 +620,7 @@ def copy_spans(
         "BLOCK": block_words,
         "STREAM": streaming,
         "ROTATE": rotate,
+        "INDEXED": False,
         "num_warps": num_warps,
     }
     try:
@@ -598,6 +638,128 @@ def copy_spans(
     if keep is not None:
         keep.append(on_device)
     return len(table)
+
+
+class IndexedTable:
+    """The device-resident table of an indexed copy (:func:`indexed_table`): rows whose addresses come from ids,
+    cut into pieces, built and uploaded once and launched for any number of writes by :func:`copy_indexed`.
+
+    Per piece ``(source slot, source word at id 0, source stride in words, destination slot, destination word at
+    id 0, destination stride in words, words)``, words relative to :attr:`base`; slots are positions in the one
+    id vector a launch reads."""
+
+    __slots__ = (
+        "align",
+        "base",
+        "block_words",
+        "device",
+        "ids",
+        "nbytes",
+        "num_warps",
+        "pieces",
+        "table",
+        "word",
+    )
+
+    def __init__(
+        self, table: Any, base: int, word: int, align: int, ids: int, nbytes: int, pieces: int, device: Any
+    ) -> None:
+        self.table, self.base, self.word, self.align = table, base, word, align
+        #: the length of the id vector a launch reads
+        self.ids = ids
+        self.nbytes, self.pieces, self.device = nbytes, pieces, device
+        long_pieces = nbytes >= LONG_PIECE_BYTES * max(pieces, 1)
+        self.block_words = LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS
+        self.num_warps = LONG_NUM_WARPS if long_pieces else NUM_WARPS
+
+    def __repr__(self) -> str:
+        return (
+            f"<IndexedTable {self.pieces} pieces, {self.nbytes} bytes, {self.ids} ids, word {self.word} "
+            f"on {self.device}>"
+        )
+
+
+def indexed_table(
+    device: Any,
+    src_slot: npt.NDArray[np.int64],
+    src_address: npt.NDArray[np.int64],
+    src_stride: npt.NDArray[np.int64],
+    dst_slot: npt.NDArray[np.int64],
+    dst_address: npt.NDArray[np.int64],
+    dst_stride: npt.NDArray[np.int64],
+    length: npt.NDArray[np.int64],
+    ids: int,
+    piece_bytes: int = PIECE_BYTES,
+) -> IndexedTable:
+    """The :class:`IndexedTable` of rows ``i``: ``length[i]`` bytes from ``src_address[i] + id[src_slot[i]] *
+    src_stride[i]`` to ``dst_address[i] + id[dst_slot[i]] * dst_stride[i]`` (addresses of this process on
+    ``device``, ids from one vector of ``ids`` values). Long rows are cut into pieces as :func:`piece_table` cuts
+    long spans. Nothing is checked here: the caller checked every address any allowed id can reach."""
+    import torch
+
+    length = np.asarray(length, dtype=np.int64)
+    longest = int(length.max(initial=0))
+    total = int(length.sum())
+    if longest > MIN_PIECE_BYTES and piece_bytes > MIN_PIECE_BYTES:
+        share = total // TARGET_PIECES
+        piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
+    base = min(int(src_address.min(initial=0)), int(dst_address.min(initial=0))) & ~255
+    combined = base | piece_bytes
+    for column in (src_address, dst_address, src_stride, dst_stride, length):
+        combined |= int(np.bitwise_or.reduce(column)) if len(column) else 0
+    word, align = _word_and_align(combined)
+    per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
+    count = -(-length // per_piece)
+    row = np.repeat(np.arange(len(length), dtype=np.int64), count)
+    within = (np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)) * per_piece
+    host = np.empty((len(row), 7), dtype=np.int64)
+    host[:, 0] = src_slot[row]
+    host[:, 1] = (src_address[row] + within - base) // word
+    host[:, 2] = src_stride[row] // word
+    host[:, 3] = dst_slot[row]
+    host[:, 4] = (dst_address[row] + within - base) // word
+    host[:, 5] = dst_stride[row] // word
+    host[:, 6] = np.minimum(length[row] - within, per_piece) // word
+    table = torch.from_numpy(host).to(device)
+    return IndexedTable(table, base, word, align, ids, total, len(row), device)
+
+
+def copy_indexed(table: IndexedTable, ids: npt.NDArray[np.int64], *, keep: list[Any]) -> bool:
+    """Queue ``table``'s copy for the id vector ``ids`` (``table.ids`` int64 values, checked by the caller) on
+    the current stream of its device; False when Triton could not build or launch the kernel (logged; nothing
+    was queued: copy another way).
+
+    The kernel reads the ids from pinned host memory, appended to ``keep``: hold it, and ``table``, until the
+    stream has passed this launch (the caller synchronises before it lets go, cancelled or not)."""
+    if not table.pieces:
+        return True
+    try:
+        pinned = _pinned_table(-(-len(ids) // 3)).reshape(-1)[: len(ids)]
+        pinned[...] = ids
+        constants = {
+            "WORD": table.word,
+            "ALIGN": table.align,
+            "BLOCK": table.block_words,
+            "STREAM": STREAMING,
+            "ROTATE": ROTATE,
+            "INDEXED": True,
+            "num_warps": table.num_warps,
+        }
+        _launcher.launch(
+            table.device,
+            table.pieces,
+            table.table.data_ptr(),
+            table.pieces,
+            table.base,
+            constants,
+            ids=pinned.ctypes.data,
+        )
+    except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
+        log.warning("the indexed span copy failed (%s); copying another way", exc)
+        _kernel.cache_clear()
+        return False
+    keep.append(pinned)
+    return True
 
 
 def _upload(table: npt.NDArray[np.int64], device: Any) -> Any:

@@ -229,3 +229,77 @@ def test_few_long_spans_are_cut_as_many_are(long_spans: int, monkeypatch: pytest
     (one_by_one, rest_a), (at_once, rest_b) = tables
     assert rest_a == rest_b and np.array_equal(one_by_one, at_once)
     assert one_by_one[:, 2].sum() * rest_a[1] == lengths.sum() and len(one_by_one) > n
+
+
+def _indexed_case(
+    rng: np.random.Generator, base: int, alignment: int, slots: int
+) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+    """Rows of an indexed copy over two pools of ``slots`` slots (source, destination), some longer than a piece,
+    the ids of one write, and the bytes both pools span from ``base``."""
+    n = int(rng.integers(1, 12))
+    lengths = (rng.integers(1, 3 << 20, n) // alignment + 1) * alignment
+    stride = int(lengths.sum()) + alignment * int(rng.integers(0, 4))
+    offsets = np.cumsum(lengths) - lengths
+    src_pool, dst_pool = base, base + slots * stride
+    rows = {
+        "src_slot": rng.integers(0, 3, n),
+        "src_address": src_pool + offsets,
+        "src_stride": np.full(n, stride),
+        "dst_slot": 3 + rng.integers(0, 3, n),
+        "dst_address": dst_pool + offsets,
+        "dst_stride": np.full(n, stride),
+        "length": lengths,
+    }
+    # a row's destination may not overlap another's: destination slots are distinct per write
+    ids = np.concatenate((rng.integers(0, slots, 3), rng.permutation(slots)[:3]))
+    return rows, ids, 2 * slots * stride
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), alignment=st.sampled_from([1, 4, 16]))
+def test_indexed_table_moves_exactly_the_rows(seed: int, alignment: int) -> None:
+    """The table of an indexed copy, applied as the kernel applies it (numpy, any ids), moves exactly each
+    row's bytes from where its ids put it to where they put it; long rows are cut into pieces."""
+    rng = np.random.default_rng(seed)
+    base = 1 << 40
+    rows, ids, size = _indexed_case(rng, base, alignment, slots=4)
+    table = span_copy.indexed_table(torch.device("cpu"), *rows.values(), ids=len(ids))
+    host = table.table.numpy()
+    assert table.nbytes == int(rows["length"].sum()) and table.ids == len(ids)
+    assert len(host) >= len(rows["length"]) and host[:, 6].max() * table.word <= span_copy.PIECE_BYTES
+    memory = rng.integers(0, 256, size, dtype=np.uint8)
+    expected = memory.copy()
+    for i in range(len(rows["length"])):
+        s = rows["src_address"][i] + ids[rows["src_slot"][i]] * rows["src_stride"][i] - base
+        d = rows["dst_address"][i] + ids[rows["dst_slot"][i]] * rows["dst_stride"][i] - base
+        n = rows["length"][i]
+        expected[d : d + n] = memory[s : s + n]
+    w = table.word
+    for slot_s, off_s, stride_s, slot_d, off_d, stride_d, words in host.tolist():
+        a = table.base + (off_s + ids[slot_s] * stride_s) * w - base
+        b = table.base + (off_d + ids[slot_d] * stride_d) * w - base
+        memory[b : b + words * w] = memory[a : a + words * w]
+    assert np.array_equal(memory, expected)
+
+
+@cuda
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_copy_indexed_matches_the_rows(alignment: int) -> None:
+    """The kernel works out each piece's addresses from the ids it reads from pinned memory."""
+    rng = np.random.default_rng(alignment)
+    memory = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+    base = memory.data_ptr()
+    rows, ids, size = _indexed_case(rng, base, alignment, slots=4)
+    assert size <= memory.numel()
+    expected = memory.clone()
+    for i in range(len(rows["length"])):
+        s = int(rows["src_address"][i] + ids[rows["src_slot"][i]] * rows["src_stride"][i] - base)
+        d = int(rows["dst_address"][i] + ids[rows["dst_slot"][i]] * rows["dst_stride"][i] - base)
+        n = int(rows["length"][i])
+        expected[d : d + n] = memory[s : s + n]
+    table = span_copy.indexed_table(torch.device("cuda"), *rows.values(), ids=len(ids))
+    keep: list[object] = []
+    for _ in range(2):  # the second launch goes straight to the driver
+        assert span_copy.copy_indexed(table, ids, keep=keep)
+        torch.cuda.synchronize()
+        assert torch.equal(memory, expected)

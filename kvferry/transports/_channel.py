@@ -40,6 +40,7 @@ from kvferry.errors import (
     WireFormatError,
 )
 from kvferry.transports import wire
+from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -61,6 +62,8 @@ from kvferry.transports.base import (
 
 if TYPE_CHECKING:
     import torch
+
+    from kvferry.transports.indexed import IndexedWrite
 
 __all__ = ["ChannelPeer", "ChannelTransport", "CheckedRows", "Guard"]
 
@@ -127,6 +130,7 @@ class ChannelPeer(Peer):
         "guards",
         "hello",
         "incoming",
+        "indexed",
         "lost",
         "messages_in",
         "messages_out",
@@ -166,6 +170,8 @@ class ChannelPeer(Peer):
         self.guards: set[Guard] = set()
         #: what the backend keeps per peer (NIXL agent name, UCX endpoint)
         self.backend: Any = None
+        #: templates of indexed writes to this peer checked for its device path
+        self.indexed = IndexedCopies()
 
     @property
     def state(self) -> PeerState:
@@ -256,6 +262,7 @@ class ChannelTransport(Transport):
         self._writes_in_flight = 0
         self._writes_completed = 0
         self._writes_combined = 0
+        self._writes_indexed = 0
         self._writes_failed = 0
         self._bytes_written = 0
         self._messages_sent = 0
@@ -763,7 +770,9 @@ class ChannelTransport(Transport):
                 pass  # one of them is refused: each is checked on its own below
             else:
                 parts = [(i, sizes[i], notify) for i, (_, _, notify) in enumerate(writes)]
-                if await self._write_together(p, joined, parts, stall, outcomes):
+                if await self._write_together(
+                    p, partial(self._move_together, p, joined, stall), parts, outcomes
+                ):
                     return outcomes
                 together = False  # the backend cannot move these together
         checked: list[tuple[int, CheckedRows, bytes | None]] = []
@@ -775,7 +784,7 @@ class ChannelTransport(Transport):
         if together and len(checked) > 1:
             joined = CheckedRows.joined([c for _, c, _ in checked])
             parts = [(i, total_bytes(c.src), notify) for i, c, notify in checked]
-            if await self._write_together(p, joined, parts, stall, outcomes):
+            if await self._write_together(p, partial(self._move_together, p, joined, stall), parts, outcomes):
                 return outcomes
         alone = await outcomes_of(
             [partial(self._write_checked, p, c, notify, stall) for _, c, notify in checked]
@@ -822,22 +831,26 @@ class ChannelTransport(Transport):
         self._writes_completed += 1
         self._bytes_written += total_bytes(rows.src)
 
+    async def _move_together(self, p: ChannelPeer, combined: CheckedRows, stall: float) -> bool:
+        """Copy several writes' checked rows as one; False (nothing written) when the backend cannot."""
+        if self._copies_itself(p):
+            await self._copy_here(p, combined, stall)
+            return True
+        return await self._backend_write_together(p, combined, stall)
+
     async def _write_together(
         self,
         p: ChannelPeer,
-        combined: CheckedRows,
+        move: Callable[[], Awaitable[bool]],
         parts: Sequence[tuple[int, int, bytes | None]],
-        stall: float,
         outcomes: list[Exception | None],
     ) -> bool:
-        """Write the checked rows of several writes (``parts``: each one's index, bytes and notification) as one
-        write, then send their notifications in order, filling ``outcomes``; False (nothing written) when the
-        backend cannot write them together."""
+        """Move the bytes of several writes at once (``move``; ``parts``: each one's index, bytes and
+        notification), then send their notifications in order, filling ``outcomes``; False (nothing written)
+        when ``move`` cannot write them together."""
         self._writes_in_flight += 1
         try:
-            if self._copies_itself(p):
-                await self._copy_here(p, combined, stall)
-            elif not await self._backend_write_together(p, combined, stall):
+            if not await move():
                 return False
         except Exception as exc:  # the writes failed together
             self._writes_failed += len(parts)
@@ -867,6 +880,75 @@ class ChannelTransport(Transport):
             self._writes_combined += 1
             self._bytes_written += nbytes
         return True
+
+    async def write_indexed(
+        self,
+        peer: Peer,
+        writes: Sequence[IndexedWrite],
+        *,
+        stall_timeout: float | None = None,
+    ) -> list[Exception | None]:
+        """As :meth:`Transport.write_indexed`. Where this transport copies device memory to ``peer`` itself (a
+        peer of this process; nixl's CUDA IPC mapping), each template is checked against both sides' registered
+        memory once (:class:`~kvferry.transports._indexed_copy.IndexedCopies`), the writes' ids every time, and
+        the writes move as one indexed device copy (one launch, one wait), then their notifications in order.
+        Anything else (host memory, templates over several devices) goes as plain fragments."""
+        try:
+            p = self._live_peer(peer)
+        except Exception as exc:  # the same error for every write
+            return [exc] * len(writes)
+        destinations = self._device_destinations(p) if writes else None
+        if destinations is None:
+            return await super().write_indexed(peer, writes, stall_timeout=stall_timeout)
+        outcomes: list[Exception | None] = [None] * len(writes)
+        on_device: list[tuple[int, Any]] = []
+        plain: list[int] = []
+        for i, w in enumerate(writes):
+            try:
+                template = p.indexed.template(w.rows, self._own, p.regions, destinations, p.address)
+            except RegionError as exc:  # refused before anything is written
+                outcomes[i] = exc
+                continue
+            if template is None or (on_device and template.device != on_device[0][1].device):
+                plain.append(i)
+            else:
+                on_device.append((i, template))
+        if on_device:
+            chosen = [writes[i] for i, _ in on_device]
+            try:
+                prepared = p.indexed.prepare(chosen, [t for _, t in on_device])
+            except RegionError:  # an id outside its limit: each write on its own says which
+                for i, _ in on_device:
+                    try:
+                        writes[i].check()
+                    except RegionError as exc:
+                        outcomes[i] = exc
+                    else:
+                        plain.append(i)
+            else:
+                move = partial(self._indexed_here, p, len(chosen), *prepared, self._stall(stall_timeout))
+                parts = [(i, w.nbytes, w.notify) for (i, _), w in zip(on_device, chosen, strict=True)]
+                if not await self._write_together(p, move, parts, outcomes):
+                    plain += [i for i, _ in on_device]  # no kernel: as plain fragments
+        if plain:
+            plain.sort()
+            done = await super().write_indexed(peer, [writes[i] for i in plain], stall_timeout=stall_timeout)
+            for i, outcome in zip(plain, done, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _indexed_here(self, p: ChannelPeer, count: int, launch: Any, ids: Any, stall: float) -> bool:
+        async with self.guard(p, stall):
+            moved = await p.indexed.copy(launch, ids, poll=self.writes_in_flight == 1)
+        if moved:
+            self._writes_indexed += count
+        return moved
+
+    def _device_destinations(self, p: ChannelPeer) -> DeviceDestinations | None:
+        """Where ``p``'s registered regions lie in this process for a device copy, or None (no device path)."""
+        if self._copies_itself(p):
+            return DeviceDestinations.same_process(p.regions)
+        return self._backend_device_destinations(p)
 
     def _checked(self, p: ChannelPeer, rows: WriteRows) -> CheckedRows:
         """The rows to write (merged if they merge) and the registered ranges (of ours, of the peer's) that hold
@@ -917,6 +999,7 @@ class ChannelTransport(Transport):
             refused_connections=self._refused,
             backend_handles=self._backend_handles(),
             writes_combined=self._writes_combined,
+            writes_indexed=self._writes_indexed,
         )
 
     def __repr__(self) -> str:
@@ -970,6 +1053,10 @@ class ChannelTransport(Transport):
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
+
+    def _backend_device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
+        """Where ``peer``'s regions are mapped in this process for device copies (nixl: CUDA IPC), or None."""
+        return None
 
     def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
         """The backend may write several writes to ``peer`` as one (:meth:`_backend_write_together`)."""

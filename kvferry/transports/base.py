@@ -29,10 +29,14 @@ import numpy.typing as npt
 from anyio import TypedAttributeProvider, TypedAttributeSet, typed_attribute
 from attrs import frozen
 
+from kvferry.errors import KvferryError
+
 if TYPE_CHECKING:
     from typing import Self
 
     import torch
+
+    from kvferry.transports.indexed import IndexedWrite
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -387,6 +391,8 @@ class TransportStatistics(NamedTuple):
     backend_handles: int
     #: completed writes that moved as one copy with others of a :meth:`Transport.write_many` since start
     writes_combined: int = 0
+    #: completed indexed writes whose addresses the device worked out (:meth:`Transport.write_indexed`)
+    writes_indexed: int = 0
 
 
 async def outcomes_of(calls: Sequence[Callable[[], Awaitable[object]]]) -> list[Exception | None]:
@@ -565,6 +571,43 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
                 for src, dst, notify in writes
             ]
         )
+
+    async def write_indexed(
+        self,
+        peer: Peer,
+        writes: Sequence[IndexedWrite],
+        *,
+        stall_timeout: float | None = None,
+    ) -> list[Exception | None]:
+        """Writes whose rows come from a template and ids (:class:`~kvferry.transports.indexed.IndexedWrite`),
+        each as :meth:`write` of the rows its ids name, with its notification after its bytes landed; the
+        transport may move them together (as :meth:`write_many`).
+
+        A template is checked against the registered memory on both sides (every address any ids within its
+        limits can reach) once, and every write's ids against the limits: a write with an id outside its limit,
+        or whose template reaches outside registered memory, is refused with
+        :class:`~kvferry.errors.RegionError` before anything of it is written, and costs the others nothing.
+
+        Returns, in order, None for each write that landed or the error it ended with. A cancel leaves every
+        write as :meth:`write` says. This default writes each template's rows as plain fragments
+        (:meth:`~kvferry.transports.indexed.IndexedRows.expand`) through :meth:`write_many`.
+        """
+        outcomes: list[Exception | None] = [None] * len(writes)
+        plain: list[tuple[npt.ArrayLike, npt.ArrayLike, bytes | None]] = []
+        where: list[int] = []
+        for i, w in enumerate(writes):
+            try:
+                src, dst = w.expand()
+            except (KvferryError, ValueError) as exc:  # refused before anything is written
+                outcomes[i] = exc
+                continue
+            plain.append((src, dst, w.notify))
+            where.append(i)
+        if plain:
+            done = await self.write_many(peer, plain, stall_timeout=stall_timeout)
+            for i, outcome in zip(where, done, strict=True):
+                outcomes[i] = outcome
+        return outcomes
 
     @abstractmethod
     async def receive_notification(self, peer: Peer) -> bytes:

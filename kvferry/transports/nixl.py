@@ -62,6 +62,7 @@ from attrs import define, field, frozen
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
 from kvferry.transports import _cma, wire
 from kvferry.transports._channel import ChannelPeer, ChannelTransport, CheckedRows
+from kvferry.transports._indexed_copy import DeviceDestinations
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute, total_bytes
 
@@ -652,6 +653,14 @@ class NixlTransport(ChannelTransport):
         if notify is not None:
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
         return True
+
+    def _backend_device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
+        """Our mapping of the peer's CUDA regions (CUDA IPC), for indexed writes: templates into memory it did not
+        export (host memory) go through NIXL as plain fragments."""
+        ipc = self._ipc.get(peer)
+        if peer.backend is None or ipc is None or ipc.failed or not ipc.exports or not self._ipc_map(ipc):
+            return None
+        return DeviceDestinations(ipc.exported_of(peer.regions), ipc.shift, ipc.local_table)
 
     def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
         ipc = self._ipc.get(peer)

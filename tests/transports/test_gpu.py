@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import PeerProcess
-from test_transports import asha, remote_buffer
+from test_transports import asha, remote_buffer, swap_halves, swapped_halves
 
 from kvferry.errors import MissingExtraError, RegionError
 from kvferry.transports import get_transport, page_fragments
+from kvferry.transports.indexed import IndexedWrite
 
 pytestmark = [
     pytest.mark.gpu,
@@ -169,3 +170,87 @@ async def test_cuda_reregistration_at_the_same_address(cuda_ipc: bool) -> None:
             await transport.send_message(peer, b"still talking")
     finally:
         proc.close()
+
+
+@pytest.mark.parametrize("transport_name", ["nixl", "local"])
+async def test_cuda_indexed_writes_on_the_device(transport_name: str) -> None:
+    """Indexed writes into CUDA memory go by the device path (nixl: over CUDA IPC to another process; local: in
+    this process): the template is checked once, two writes move in one launch with their ids checked, bytes
+    verified; bad ids and a template past the registered memory are refused with nothing written; the same
+    template's next writes are not checked again."""
+    try:
+        get_transport(transport_name)
+    except MissingExtraError as exc:
+        pytest.skip(str(exc))
+    page, positions = 64 << 10, 256
+    size = page * positions
+    rng = np.random.default_rng(21)
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    expected = await asha(swap_halves(src.cpu().numpy(), page))
+    ids = np.arange(positions)
+    proc = None
+    async with get_transport(transport_name)() as transport, get_transport("local")() as here:
+        if transport_name == "local":
+            peer = await transport.connect(here.address)
+            remote_peer = await here.accept()
+            pool = torch.zeros(2 * size + 2 * page, dtype=torch.uint8, device="cuda")
+            await here.register(pool[page : page + 2 * size])
+            await here.send_message(remote_peer, b"registered")
+            await transport.receive_message(peer)
+            dst = pool.data_ptr() + page
+
+            async def landed(perm: np.ndarray) -> str:
+                view = pool[page : page + 2 * size].view(-1, page)
+                return await asha(view[torch.from_numpy(perm).cuda()].cpu().numpy())
+
+            async def untouched() -> bool:
+                return bool((pool[:page] == 0).all() and (pool[page + 2 * size :] == 0).all())
+        else:
+            proc = await anyio.to_thread.run_sync(lambda: PeerProcess(transport_name, device="cuda"))
+            peer = await transport.connect(proc.address)
+            dst = await remote_buffer(transport, peer, proc, "indexed", 2 * size, guard=page)
+
+            async def landed(perm: np.ndarray) -> str:
+                fragments = [[int(p) * page, page] for p in perm]
+                return str((await proc.call(op="digest", name="indexed", fragments=fragments))["sha"])
+
+            async def untouched() -> bool:
+                return True  # the guard pages are not registered: the digest of the pages says enough
+
+        try:
+            await transport.register(src)
+            rows = swapped_halves(src.data_ptr(), dst, page, positions, 2 * positions)
+            perms = [rng.permutation(positions), positions + rng.permutation(positions)]
+            before = transport.statistics()
+            outcomes = await transport.write_indexed(
+                peer,
+                [
+                    IndexedWrite(rows, ids, perms[0], b"a"),
+                    IndexedWrite(rows, ids, np.full(positions, 2 * positions), b"never"),
+                    IndexedWrite(rows, ids, perms[1], b"b"),
+                ],
+            )
+            assert outcomes[0] is None and outcomes[2] is None, outcomes
+            assert isinstance(outcomes[1], RegionError)
+            after = transport.statistics()
+            assert after.writes_indexed - before.writes_indexed == 2
+            assert after.writes_combined - before.writes_combined == 2
+            for perm in perms:
+                assert await landed(perm) == expected
+            past = swapped_halves(src.data_ptr(), dst, page, positions, 2 * positions + 1)
+            (refused,) = await transport.write_indexed(peer, [IndexedWrite(past, ids, perms[0], b"never")])
+            assert isinstance(refused, RegionError), refused
+            assert await untouched()
+            # the same template again, other ids: no new check, one more launch
+            p_internal = transport._peer(peer)  # type: ignore[attr-defined]
+            checked = p_internal.indexed.templates_checked
+            src.random_(0, 256)
+            expected = await asha(swap_halves(src.cpu().numpy(), page))
+            again = rng.permutation(2 * positions)[:positions]
+            assert await transport.write_indexed(peer, [IndexedWrite(rows, ids, again, b"c")]) == [None]
+            assert await landed(again) == expected
+            assert p_internal.indexed.templates_checked == checked
+            assert transport.statistics().writes_indexed - before.writes_indexed == 3
+        finally:
+            if proc is not None:
+                proc.close()

@@ -33,6 +33,7 @@ from kvferry.transports import (
     page_fragments,
     wire,
 )
+from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -199,6 +200,76 @@ async def test_write_many_lands_each_write_and_refuses_only_the_bad_ones(
         assert untouched["sha"] == sha(bytes(page))
         # an empty call does nothing
         assert await transport.write_many(peer, []) == []
+
+
+def swapped_halves(src: int, dst: int, page: int, positions: int, dst_limit: int) -> IndexedRows:
+    """A template of two rows per position: the first half of source page ``src_ids[j]`` to the second half of
+    destination page ``dst_ids[j]``, and the second half to the first."""
+    half = page // 2
+    j = np.repeat(np.arange(positions), 2)
+    first = np.tile([0, half], positions)
+    return IndexedRows(
+        src_slot=j,
+        src_base=src + first,
+        src_stride=np.full(2 * positions, page),
+        dst_slot=j,
+        dst_base=dst + (half - first),
+        dst_stride=np.full(2 * positions, page),
+        length=np.full(2 * positions, half),
+        src_limit=np.full(positions, positions),
+        dst_limit=np.full(positions, dst_limit),
+    )
+
+
+def swap_halves(data: np.ndarray, page: int) -> np.ndarray:
+    pages = data.reshape(-1, 2, page // 2)
+    return np.ascontiguousarray(pages[:, ::-1]).reshape(-1)
+
+
+async def test_write_indexed_lands_and_refuses_bad_ids_and_templates(
+    transport_name: str, remote: Remote
+) -> None:
+    """Indexed writes (a template and ids): the good ones land where their ids say, each notified; one with a
+    destination id at its limit, one with a negative source id, one with too few ids and one whose template
+    reaches past the peer's registered memory are refused (RegionError) with nothing of them written, and
+    cost the others nothing. (The device path of nixl and local: tests/transports/test_gpu.py.)"""
+    page, positions = 4096, 64
+    size = page * positions
+    rng = np.random.default_rng(11)
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "indexed", 2 * size, guard=page)
+        src = await arandom(size, seed=12)
+        await transport.register(src)
+        rows = swapped_halves(src.data_ptr(), dst, page, positions, 2 * positions)
+        perms = [rng.permutation(positions), positions + rng.permutation(positions)]
+        ids = np.arange(positions)
+        good = [IndexedWrite(rows, ids, perm, f"indexed-{k}".encode()) for k, perm in enumerate(perms)]
+        at_limit = IndexedWrite(rows, ids, np.full(positions, 2 * positions), b"never")
+        negative = IndexedWrite(rows, np.concatenate(([-1], ids[1:])), perms[0], b"never")
+        short = IndexedWrite(rows, ids[1:], perms[0], b"never")
+        # a template one page longer than the peer registered, its last page named
+        past = swapped_halves(src.data_ptr(), dst, page, positions, 2 * positions + 1)
+        past_the_end = IndexedWrite(past, ids, np.full(positions, 2 * positions), b"never")
+        before = transport.statistics()
+        outcomes = await transport.write_indexed(
+            peer, [good[0], at_limit, negative, good[1], short, past_the_end]
+        )
+        assert [o is None for o in outcomes] == [True, False, False, True, False, False], outcomes
+        assert all(isinstance(o, RegionError) for o in outcomes if o is not None), outcomes
+        after = transport.statistics()
+        assert after.writes_completed - before.writes_completed == 2
+        notified = set()
+        for _ in good:
+            reply = await remote.call(op="wait_notify", name="indexed", fragments=[[0, 1]])
+            notified.add(bytes.fromhex(reply["notify"]))
+        assert notified == {b"indexed-0", b"indexed-1"}
+        expected = await asha(swap_halves(src.numpy(), page))
+        for perm in perms:
+            landed = await remote.call(
+                op="digest", name="indexed", fragments=[[int(p) * page, page] for p in perm]
+            )
+            assert landed["sha"] == expected
+        assert await transport.write_indexed(peer, []) == []
 
 
 # --- control channel -----------------------------------------------------------------------------------

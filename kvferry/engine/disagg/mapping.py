@@ -53,6 +53,7 @@ from kvferry.pools.layout import GroupKind, LayerGroup, Role
 from kvferry.pools.pagetable import PageTable, check_compatible
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT, HeadShard, dtype_from_name
 from kvferry.transports.base import Fragments
+from kvferry.transports.indexed import IndexedRows, IndexedWrite
 from kvferry.wire import PackedInts
 
 __all__ = [
@@ -167,9 +168,7 @@ class RequestCache:
     _trusted: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
     #: unit addresses as a sender's side, per (rank map, token range): worked out once per request, ahead of
     #: its receive request when the sender prepares (:meth:`PeerMap.prepare_source`)
-    _source: dict[tuple[Any, tuple[int, int, int, bool]], Int64Array] = attrs.field(
-        factory=dict, init=False, repr=False
-    )
+    _source: dict[tuple[Any, tuple[Any, ...]], Int64Array] = attrs.field(factory=dict, init=False, repr=False)
 
 
 def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -774,6 +773,9 @@ class RankMap:
     _src_bases: Int64Array
     _dst_bases: Int64Array
     _layouts: dict[tuple[int, int, int, bool], _Layout] = attrs.field(factory=dict, init=False, repr=False)
+    _indexed: dict[tuple[int, int, int, bool], IndexedRows] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def build(cls, src: PageTable, dst: PageTable, *, warn: bool = True) -> RankMap:
@@ -1027,6 +1029,116 @@ class RankMap:
             address = src._source[key] = _ro(self._addresses(self._layout(tokens), src, src=True))
         return address
 
+    def indexed_rows(self, tokens: TokenRange) -> IndexedRows:
+        """The template of every request's transfer of ``tokens`` (:class:`~kvferry.transports.indexed.IndexedRows`:
+        the units of :meth:`plan`, in the same order, with their addresses left to the page ids and slot of each
+        side); computed once per token range and kept, so a transport checks it once
+        (:meth:`indexed_write` gives one request's ids)."""
+        key = (tokens.start, tokens.end, tokens.draft_start, tokens.state)
+        rows = self._indexed.get(key)
+        if rows is not None:
+            return rows
+        layout = self._layout(tokens)
+        columns: dict[str, list[Int64Array]] = {
+            k: [] for k in ("ss", "sb", "st", "ds", "db", "dt", "sl", "dl")
+        }
+        positions = {"src": 0, "dst": 0}
+        for part in layout.parts:
+            g = part.group
+            rows_of_part = part.where.stop - part.where.start
+            for side, page, base, stride, tpb, slots in (
+                (
+                    "src",
+                    part.src_page,
+                    part.src_base,
+                    part.src_stride,
+                    g.src_tokens_per_block,
+                    g.src_num_slots,
+                ),
+                (
+                    "dst",
+                    part.dst_page,
+                    part.dst_base,
+                    part.dst_stride,
+                    g.dst_tokens_per_block,
+                    g.dst_num_slots,
+                ),
+            ):
+                at = positions[side]
+                if page is None:  # a STATE group: one position, the slot
+                    slot, ids = np.full(rows_of_part, at, dtype=np.int64), 1
+                else:  # the pages holding [lo, hi): block table entries first..last
+                    first = part.lo // tpb
+                    slot, ids = page - first + at, (part.hi - 1) // tpb - first + 1
+                positions[side] = at + ids
+                key_ = side[0]
+                columns[key_ + "s"].append(slot)
+                columns[key_ + "b"].append(base)
+                columns[key_ + "t"].append(stride)
+                columns[key_ + "l"].append(np.full(ids, slots, dtype=np.int64))
+
+        def cat(name: str) -> Int64Array:
+            return np.concatenate(columns[name]) if columns[name] else _EMPTY
+
+        rows = IndexedRows(
+            cat("ss"),
+            cat("sb"),
+            cat("st"),
+            cat("ds"),
+            cat("db"),
+            cat("dt"),
+            layout.length,
+            cat("sl"),
+            cat("dl"),
+        )
+        if len(self._indexed) >= _LAYOUTS_KEPT:
+            self._indexed.pop(next(iter(self._indexed)))
+        self._indexed[key] = rows
+        return rows
+
+    def _ids(self, layout: _Layout, cache: RequestCache, *, src: bool) -> Int64Array:
+        """One side's id vector of :meth:`indexed_rows` for ``cache``: per group of the layout, the page ids of
+        its token range (PAGED) or the slot (STATE), validated as :meth:`plan` validates them."""
+        parts: list[Int64Array] = []
+        for part in layout.parts:
+            g = part.group
+            name, tpb, slots = (
+                (g.src_group, g.src_tokens_per_block, g.src_num_slots)
+                if src
+                else (g.dst_group, g.dst_tokens_per_block, g.dst_num_slots)
+            )
+            if (part.src_page if src else part.dst_page) is None:
+                parts.append(np.full(1, _slot(cache, name, slots), dtype=np.int64))
+            else:
+                pages = _pages(cache, name, tpb, slots, part.lo, part.hi, unique=not src)
+                parts.append(pages[part.lo // tpb : (part.hi - 1) // tpb + 1])
+        return _ro(np.concatenate(parts)) if parts else _EMPTY
+
+    def source_ids(self, src: RequestCache, tokens: TokenRange) -> Int64Array:
+        """The sender's id vector of :meth:`indexed_rows` for ``src`` (kept in ``src``, as
+        :meth:`source_addresses` keeps its addresses).
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`plan`, for the sender's ids and slot.
+        """
+        key = (self, (tokens.start, tokens.end, tokens.draft_start, tokens.state, "ids"))
+        ids = src._source.get(key)
+        if ids is None:
+            ids = src._source[key] = self._ids(self._layout(tokens), src, src=True)
+        return ids
+
+    def indexed_write(self, src: RequestCache, dst: RequestCache, tokens: TokenRange) -> IndexedWrite | None:
+        """This sender rank's write for one request as an indexed write (:meth:`indexed_rows` with both sides'
+        ids; its notification left to the caller), or None when it writes nothing. The same bytes in the same
+        order as :meth:`plan`'s fragments.
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`plan`.
+        """
+        rows = self.indexed_rows(tokens)
+        if not len(rows):
+            return None
+        dst_ids = self._ids(self._layout(tokens), dst, src=False)
+        return IndexedWrite(rows, self.source_ids(src, tokens), dst_ids)
+
     def scatter_plan(self, dst: RequestCache, tokens: TokenRange) -> StagingPlan:
         """The receiver's staging layout of a bounced transfer from this sender rank (needs no sender page ids).
 
@@ -1144,6 +1256,7 @@ class PeerMap:
                 pair = self.pair(s, d)
                 if pair.writes:
                     pair.source_addresses(src, tokens)
+                    pair.source_ids(src, tokens)
 
     def pair(self, src_rank: int, dst_rank: int) -> RankMap:
         """:raises ~kvferry.errors.ConfigError: unless both tables were given and the ranks overlap."""

@@ -76,6 +76,7 @@ from kvferry.errors import (
     WireFormatError,
 )
 from kvferry.transports import Fragments, Peer, Transport, coalesce, total_bytes
+from kvferry.transports.indexed import IndexedWrite
 
 __all__ = [
     "Chunk",
@@ -103,6 +104,9 @@ class Chunk:
     right before it is posted. All chunks of a packed writer share one. ``area_offset``: ``dst`` lies in the
     receiver's staging area of this writer, from this offset on (the receiver scatters it); None: ``dst`` are
     the receiver's pages. A bounce has both, a writer whose fragments are small on one side only one of them.
+
+    ``indexed``: the chunk is one indexed write (a direct writer's whole transfer as a template and the
+    request's ids; ``src``/``dst`` are empty then), posted by ``transport.write_indexed``.
     """
 
     dst_rank: int
@@ -110,15 +114,34 @@ class Chunk:
     dst: Fragments
     staged: StagedWrite | None = None
     area_offset: int | None = None
+    indexed: IndexedWrite | None = None
+
+    @classmethod
+    def of_indexed(cls, dst_rank: int, write: IndexedWrite) -> Chunk:
+        return cls(dst_rank, _NO_ROWS, _NO_ROWS, indexed=write)
 
     @property
     def nbytes(self) -> int:
-        return total_bytes(self.src)
+        return total_bytes(self.src) if self.indexed is None else self.indexed.nbytes
+
+    def fragments(self) -> tuple[Fragments, Fragments]:
+        """The chunk's rows as plain ``(src, dst)`` fragments (an indexed chunk's expanded from its ids)."""
+        return (self.src, self.dst) if self.indexed is None else self.indexed.expand()
+
+    @property
+    def num_fragments(self) -> int:
+        """Rows the write posts (an indexed write's template rows)."""
+        return len(self.src) if self.indexed is None else len(self.indexed.rows)
 
     def __repr__(self) -> str:
         kind = " packed" if self.staged is not None else ""
         kind += f" into the area at +{self.area_offset}" if self.area_offset is not None else ""
-        return f"<Chunk -> rank {self.dst_rank}{kind}: {len(self.src)} fragments, {self.nbytes} bytes>"
+        kind += " indexed" if self.indexed is not None else ""
+        return f"<Chunk -> rank {self.dst_rank}{kind}: {self.num_fragments} fragments, {self.nbytes} bytes>"
+
+
+_NO_ROWS: Fragments = np.zeros((0, 2), dtype=np.uint64)
+_NO_ROWS.flags.writeable = False
 
 
 def split_chunks(dst_rank: int, src: Fragments, dst: Fragments, *, max_bytes: int) -> list[Chunk]:
@@ -185,7 +208,7 @@ class SendSession:
         chunks = self.plan[writer]
         nbytes = fragments = 0
         if status is ChunkStatus.OK and chunks:
-            nbytes, fragments = chunks[chunk].nbytes, len(chunks[chunk].src)
+            nbytes, fragments = chunks[chunk].nbytes, chunks[chunk].num_fragments
         offset = chunks[min(chunk, len(chunks) - 1)].area_offset if chunks else None
         return ChunkResult(
             self.session_id,
@@ -740,6 +763,11 @@ class Receiver:
         )
 
 
+def _notifying(write: IndexedWrite, ok: ChunkResult) -> IndexedWrite:
+    """``write`` with its chunk's OK report as the notification."""
+    return IndexedWrite(write.rows, write.src_ids, write.dst_ids, encode_control(ok))
+
+
 class _suppress_transport:
     """Swallow transport errors of a best-effort message (the peer may be gone)."""
 
@@ -824,6 +852,12 @@ async def send(
                 await report(ok)
                 continue
             try:
+                if chunk.indexed is not None:
+                    (outcome,) = await transport.write_indexed(
+                        peer, [_notifying(chunk.indexed, ok)], stall_timeout=stall_timeout
+                    )
+                    await ended(w, index, ok, outcome)
+                    continue
                 if chunk.staged is not None:  # pack this chunk's bytes (overlaps the writes in flight)
                     await anyio.to_thread.run_sync(chunk.staged.pack_chunk, chunk.src, limiter=packing)
                 await transport.write(
@@ -850,14 +884,25 @@ async def send(
         for w in batch:
             session.next_post(w)  # chunk 0
         oks = [session.result(w, 0, ChunkStatus.OK) for w in batch]
-        outcomes = await transport.write_many(
-            peer,
-            [
-                (session.plan[w][0].src, session.plan[w][0].dst, encode_control(ok))
-                for w, ok in zip(batch, oks, strict=True)
-            ],
-            stall_timeout=stall_timeout,
-        )
+        chunks = [session.plan[w][0] for w in batch]
+        # indexed writes (the default of direct writers) in one call, plain ones in another
+        indexed = [(i, c.indexed) for i, c in enumerate(chunks) if c.indexed is not None]
+        plain = [i for i, c in enumerate(chunks) if c.indexed is None]
+        outcomes: list[Exception | None] = [None] * len(batch)
+        if indexed:
+            done = await transport.write_indexed(
+                peer, [_notifying(write, oks[i]) for i, write in indexed], stall_timeout=stall_timeout
+            )
+            for (i, _), outcome in zip(indexed, done, strict=True):
+                outcomes[i] = outcome
+        if plain:
+            done = await transport.write_many(
+                peer,
+                [(chunks[i].src, chunks[i].dst, encode_control(oks[i])) for i in plain],
+                stall_timeout=stall_timeout,
+            )
+            for i, outcome in zip(plain, done, strict=True):
+                outcomes[i] = outcome
         for w, ok, outcome in zip(batch, oks, outcomes, strict=True):
             await ended(w, 0, ok, outcome)
 

@@ -188,7 +188,8 @@ def plan_transfer(
     when the request names draft blocks.
 
     Chunks (the unit of posting, reporting and cancellation): at most ``max_chunk_bytes`` each when given; by
-    default a direct writer posts one write (its coalesced fragments; more writes only add per-write costs) and
+    default a direct writer posts one indexed write (:meth:`~.mapping.RankMap.indexed_write`: the pair's
+    template and the request's ids; more writes only add per-write costs) and
     a bounced writer chunks of :func:`default_chunk_bytes` for its memory (:data:`DEFAULT_CHUNK_BYTES` of host
     memory, packing the next overlapping writing this one; one chunk of device memory, up to
     :data:`DEFAULT_DEVICE_CHUNK_BYTES`).
@@ -227,10 +228,20 @@ def plan_transfer(
             for d in peer_map.targets(s):
                 w = writer_id(s, d, peer_map.dst_tp)
                 area = areas.get(w)
+                pair = peer_map.pair(s, d)
+                if area is None and max_chunk_bytes is None:
+                    # a direct writer in one chunk unless it packs: one indexed write (the template is checked
+                    # once by the transport, the request's ids every time; no addresses worked out here). A
+                    # template of fewer rows than the policy wants cannot have enough fragments to pack.
+                    indexed = pair.indexed_write(src, dst, tokens)
+                    if indexed is None:
+                        plan[w] = []
+                        continue
+                    if not (can_pack and policy.wants(len(indexed.rows), indexed.nbytes)):
+                        plan[w] = [Chunk.of_indexed(d, indexed)]
+                        continue
                 staged = can_pack or area is not None
-                rank_plan = peer_map.pair(s, d).plan(
-                    src, dst, tokens, policy=policy if staged else BouncePolicy.never()
-                )
+                rank_plan = pair.plan(src, dst, tokens, policy=policy if staged else BouncePolicy.never())
                 if rank_plan.empty:
                     plan[w] = []
                     continue

@@ -300,6 +300,13 @@ def run_transfer(
         for d in sc.peer.targets(s):
             plan = sc.peer.pair(s, d).plan(src_req, dst_req, tokens, policy=policy)
             plans.append(plan)
+            # the same write as a template and ids: the same fragments once expanded
+            indexed = sc.peer.pair(s, d).indexed_write(src_req, dst_req, tokens)
+            if indexed is None:
+                assert plan.empty
+            else:
+                assert indexed.nbytes == plan.nbytes
+                assert all(map(np.array_equal, indexed.expand(), (plan.src, plan.dst)))
             if bounce and plan.gather is not None:
                 staging = torch.full((plan.nbytes + 16,), 0xEE, dtype=torch.uint8)
                 packed = plan.gather.gather(sc.src[s].pool_tensors(), staging)
@@ -678,6 +685,8 @@ def test_bad_request_ids_raise_config_error() -> None:
     ):
         with pytest.raises(ConfigError):
             pair.plan(good, bad, tokens)
+        with pytest.raises(ConfigError):
+            pair.indexed_write(good, bad, tokens)
     with pytest.raises(ConfigError):
         TokenRange(5, 4)
     with pytest.raises(ConfigError):

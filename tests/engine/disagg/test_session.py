@@ -196,7 +196,10 @@ def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: boo
     for request in (whole, attrs.evolve(whole, token_start=9)):
         source = prepare_source(peer_map, range(ctx_tp), ctx.blocks("c"), ctx.slot("c"), len(PROMPT))
         prepared = len(source._source)
-        assert prepared == sum(peer_map.pair(s, d).writes for s in range(ctx_tp) for d in peer_map.targets(s))
+        # per writing pair: its unit addresses and its ids (of the indexed write)
+        assert prepared == 2 * sum(
+            peer_map.pair(s, d).writes for s in range(ctx_tp) for d in peer_map.targets(s)
+        )
         got = plan_transfer(peer_map, range(ctx_tp), source, None, request, tables)
         # the whole prompt of a peer with the same drafter: planned from what was prepared
         expect_hit = request is whole and drafter
@@ -206,7 +209,7 @@ def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: boo
         for w, chunks in expected.items():
             assert len(got[w]) == len(chunks)
             for a, b in zip(got[w], chunks, strict=True):
-                assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+                assert all(map(np.array_equal, a.fragments(), b.fragments()))
 
 
 def test_ids_off_the_wire_are_checked_once() -> None:
@@ -232,7 +235,8 @@ def test_ids_off_the_wire_are_checked_once() -> None:
     assert plans[0].keys() == plans[1].keys()
     for w, chunks in plans[0].items():
         for a, b in zip(chunks, plans[1][w], strict=True):
-            assert np.array_equal(a.src, b.src) and np.array_equal(a.dst, b.dst)
+            assert all(len(f) for f in a.fragments())
+            assert all(map(np.array_equal, a.fragments(), b.fragments()))
     ids = request.blocks[0].block_ids
     repeated = attrs.evolve(
         request, blocks=(attrs.evolve(request.blocks[0], block_ids=(ids[1], *ids[1:])), *request.blocks[1:])
@@ -317,9 +321,10 @@ async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
         request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=None)  # type: ignore[arg-type]
         good_writer, bad_writer = sorted(plan)
         bad = plan[bad_writer][0]
-        outside = bad.dst.copy()
+        src, dst = bad.fragments()
+        outside = dst.copy()
         outside[:, 0] += np.uint64(1 << 44)
-        plan = {**plan, bad_writer: [Chunk(bad.dst_rank, bad.src, outside)]}
+        plan = {**plan, bad_writer: [Chunk(bad.dst_rank, src, outside)]}
         sending = SendSession(session.session_id, plan)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
