@@ -52,6 +52,7 @@ __all__ = [
     "indexed_table",
     "on_device",
     "piece_table",
+    "pinned_ids",
 ]
 
 #: Largest number of bytes one program copies; spans are cut into pieces of at most this size ...
@@ -468,6 +469,11 @@ class _Launcher:
         self.driver_launches = 0
         self.jit_launches = 0
 
+    @staticmethod
+    def key(ordinal: int, constants: dict[str, Any]) -> tuple[Any, ...]:
+        """What one compiled kernel is kept under: the device and the constants."""
+        return (ordinal, *sorted(constants.items()))
+
     def launch(
         self,
         device: Any,
@@ -477,15 +483,16 @@ class _Launcher:
         base: int,
         constants: dict[str, Any],
         ids: int = 0,
+        key: tuple[Any, ...] | None = None,
     ) -> None:
         """Launch ``programs`` programs over the ``count`` rows of the table at device address ``table`` (and,
-        for an indexed table, the ids at device address ``ids``)."""
+        for an indexed table, the ids at device address ``ids``). ``key``: :meth:`key` of the device and
+        ``constants``, when the caller keeps it."""
         import torch
 
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
-        key = (ordinal, *sorted(constants.items()))
+        key = self.key(ordinal, constants) if key is None else key
         entry = self._compiled.get(key)
-        kernel_constants = {k: v for k, v in constants.items() if k != "num_warps"}
         if entry is not None:
             compiled, driver = entry
             stream = _current_stream(ordinal)
@@ -496,6 +503,7 @@ class _Launcher:
                 try:
                     from triton import knobs
 
+                    kernel_constants = {k: v for k, v in constants.items() if k != "num_warps"}
                     args = (
                         _Pointer(base),
                         _Pointer(table, torch.int64),
@@ -648,18 +656,7 @@ class IndexedTable:
     id 0, destination stride in words, words)``, words relative to :attr:`base`; slots are positions in the one
     id vector a launch reads."""
 
-    __slots__ = (
-        "align",
-        "base",
-        "block_words",
-        "device",
-        "ids",
-        "nbytes",
-        "num_warps",
-        "pieces",
-        "table",
-        "word",
-    )
+    __slots__ = ("align", "base", "constants", "device", "ids", "key", "nbytes", "pieces", "table", "word")
 
     def __init__(
         self, table: Any, base: int, word: int, align: int, ids: int, nbytes: int, pieces: int, device: Any
@@ -669,8 +666,17 @@ class IndexedTable:
         self.ids = ids
         self.nbytes, self.pieces, self.device = nbytes, pieces, device
         long_pieces = nbytes >= LONG_PIECE_BYTES * max(pieces, 1)
-        self.block_words = LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS
-        self.num_warps = LONG_NUM_WARPS if long_pieces else NUM_WARPS
+        #: the kernel's constants, and what its compiled form is kept under (worked out once per table)
+        self.constants = {
+            "WORD": word,
+            "ALIGN": align,
+            "BLOCK": LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS,
+            "STREAM": STREAMING,
+            "ROTATE": ROTATE,
+            "INDEXED": True,
+            "num_warps": LONG_NUM_WARPS if long_pieces else NUM_WARPS,
+        }
+        self.key = _Launcher.key(device.index or 0, self.constants) if device.type == "cuda" else ()
 
     def __repr__(self) -> str:
         return (
@@ -724,41 +730,46 @@ def indexed_table(
     return IndexedTable(table, base, word, align, ids, total, len(row), device)
 
 
-def copy_indexed(table: IndexedTable, ids: npt.NDArray[np.int64], *, keep: list[Any]) -> bool:
+def pinned_ids(count: int) -> npt.NDArray[np.int64]:
+    """An int64 vector of ``count`` values in pinned host memory, which :func:`copy_indexed` reads directly."""
+    import torch
+
+    vector: npt.NDArray[np.int64] = torch.empty(max(count, 1), dtype=torch.int64, pin_memory=True).numpy()
+    return vector[:count]
+
+
+def copy_indexed(
+    table: IndexedTable, ids: npt.NDArray[np.int64], *, keep: list[Any], pinned: bool = False
+) -> bool:
     """Queue ``table``'s copy for the id vector ``ids`` (``table.ids`` int64 values, checked by the caller) on
     the current stream of its device; False when Triton could not build or launch the kernel (logged; nothing
     was queued: copy another way).
 
-    The kernel reads the ids from pinned host memory, appended to ``keep``: hold it, and ``table``, until the
-    stream has passed this launch (the caller synchronises before it lets go, cancelled or not)."""
+    The kernel reads the ids from pinned host memory: ``ids`` itself when ``pinned`` (a :func:`pinned_ids`
+    vector), else a pinned copy appended to ``keep``. Hold ``ids``, ``keep`` and ``table`` until the stream has
+    passed this launch (the caller synchronises before it lets go, cancelled or not)."""
     if not table.pieces:
         return True
     try:
-        pinned = _pinned_table(-(-len(ids) // 3)).reshape(-1)[: len(ids)]
-        pinned[...] = ids
-        constants = {
-            "WORD": table.word,
-            "ALIGN": table.align,
-            "BLOCK": table.block_words,
-            "STREAM": STREAMING,
-            "ROTATE": ROTATE,
-            "INDEXED": True,
-            "num_warps": table.num_warps,
-        }
+        if not pinned:
+            copy = _pinned_table(-(-len(ids) // 3)).reshape(-1)[: len(ids)]
+            copy[...] = ids
+            keep.append(copy)
+            ids = copy
         _launcher.launch(
             table.device,
             table.pieces,
             table.table.data_ptr(),
             table.pieces,
             table.base,
-            constants,
-            ids=pinned.ctypes.data,
+            table.constants,
+            ids=ids.ctypes.data,
+            key=table.key,
         )
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the indexed span copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
         return False
-    keep.append(pinned)
     return True
 
 

@@ -287,7 +287,7 @@ def test_indexed_table_moves_exactly_the_rows(seed: int, alignment: int) -> None
 def test_copy_indexed_matches_the_rows(alignment: int) -> None:
     """The kernel works out each piece's addresses from the ids it reads from pinned memory."""
     rng = np.random.default_rng(alignment)
-    memory = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+    memory = torch.randint(0, 256, (512 << 20,), dtype=torch.uint8, device="cuda")
     base = memory.data_ptr()
     rows, ids, size = _indexed_case(rng, base, alignment, slots=4)
     assert size <= memory.numel()

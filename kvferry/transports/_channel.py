@@ -914,20 +914,25 @@ class ChannelTransport(Transport):
             else:
                 on_device.append((i, template))
         if on_device:
-            chosen = [writes[i] for i, _ in on_device]
+            prepared: tuple[Any, Any] | None
             try:
-                prepared = p.indexed.prepare(chosen, [t for _, t in on_device])
+                prepared = p.indexed.prepare([writes[i] for i, _ in on_device], [t for _, t in on_device])
             except RegionError:  # an id outside its limit: each write on its own says which
-                for i, _ in on_device:
+                good = []
+                for i, template in on_device:
                     try:
                         writes[i].check()
                     except RegionError as exc:
                         outcomes[i] = exc
                     else:
-                        plain.append(i)
-            else:
-                move = partial(self._indexed_here, p, len(chosen), *prepared, self._stall(stall_timeout))
-                parts = [(i, w.nbytes, w.notify) for (i, _), w in zip(on_device, chosen, strict=True)]
+                        good.append((i, template))
+                on_device = good
+                prepared = (
+                    p.indexed.prepare([writes[i] for i, _ in good], [t for _, t in good]) if good else None
+                )
+            if prepared is not None:
+                move = partial(self._indexed_here, p, len(on_device), *prepared, self._stall(stall_timeout))
+                parts = [(i, writes[i].nbytes, writes[i].notify) for i, _ in on_device]
                 if not await self._write_together(p, move, parts, outcomes):
                     plain += [i for i, _ in on_device]  # no kernel: as plain fragments
         if plain:

@@ -52,10 +52,26 @@ class _Template:
 
 @define(eq=False)
 class _Launch:
-    """Templates written together: their joined device table and the limit of every id it reads."""
+    """Templates written together: their joined device table, the limit of every id it reads, and a pinned id
+    vector the kernel reads (one launch at a time uses it; another one at the same time takes its own)."""
 
     table: span_copy.IndexedTable
     limits: npt.NDArray[np.uint64]
+    ids: npt.NDArray[np.int64] | None = None
+    busy: bool = False
+
+    def take_ids(self) -> npt.NDArray[np.int64]:
+        """A pinned id vector for one launch (give it back with :meth:`give_back`)."""
+        if self.busy:
+            return span_copy.pinned_ids(len(self.limits))
+        if self.ids is None:
+            self.ids = span_copy.pinned_ids(len(self.limits))
+        self.busy = True
+        return self.ids
+
+    def give_back(self, ids: npt.NDArray[np.int64]) -> None:
+        if ids is self.ids:
+            self.busy = False
 
 
 class IndexedCopies:
@@ -149,13 +165,23 @@ class IndexedCopies:
         self._launches[key] = launch
         return launch
 
-    def prepare(self, writes: Sequence[IndexedWrite], templates: Sequence[_Template]) -> tuple[_Launch, Any]:
-        """The joined launch of ``writes`` (their templates checked, all on one device) and their joined ids.
+    def prepare(
+        self, writes: Sequence[IndexedWrite], templates: Sequence[_Template]
+    ) -> tuple[_Launch, npt.NDArray[np.int64]]:
+        """The joined launch of ``writes`` (their templates checked, all on one device) and their ids joined into
+        its pinned vector (hand both to :meth:`copy`, which gives the vector back).
 
-        :raises RegionError: an id outside its limit (check each write to find which)."""
+        :raises RegionError: an id outside its limit, or a write with another number of ids than its template
+            (check each write to find which)."""
         launch = self._launch(writes, templates)
-        ids = joined_ids(writes)
-        if len(ids) != len(launch.limits) or not bool(np.less(ids.view(np.uint64), launch.limits).all()):
+        ids = launch.take_ids()
+        try:
+            joined_ids(writes, out=ids)
+        except ValueError:
+            launch.give_back(ids)
+            raise RegionError("indexed writes: more or fewer ids than their templates") from None
+        if not bool(np.less(ids.view(np.uint64), launch.limits).all()):
+            launch.give_back(ids)
             raise RegionError("indexed writes: an id outside its limit")
         return launch, ids
 
@@ -163,13 +189,16 @@ class IndexedCopies:
         """Copy a prepared launch and wait for it; False when the kernel could not be launched (nothing was
         copied). A cancel during the wait is held off until the copy ran (nothing lands after it returns)."""
         keep: list[Any] = [launch.table]
-        with span_copy.on_device(launch.table.device):
-            try:
-                if not span_copy.copy_indexed(launch.table, ids, keep=keep):
-                    return False
-                self.launches += 1
-            finally:
-                await synchronize_cuda(launch.table.nbytes, poll=poll)
+        try:
+            with span_copy.on_device(launch.table.device):
+                try:
+                    if not span_copy.copy_indexed(launch.table, ids, keep=keep, pinned=True):
+                        return False
+                    self.launches += 1
+                finally:
+                    await synchronize_cuda(launch.table.nbytes, poll=poll)
+        finally:
+            launch.give_back(ids)
         return True
 
     def __repr__(self) -> str:

@@ -37,6 +37,13 @@ Int64Array = npt.NDArray[np.int64]
 
 
 def _int64(value: Any) -> Int64Array:
+    if (
+        type(value) is np.ndarray
+        and value.dtype == np.int64
+        and value.ndim == 1
+        and not value.flags.writeable
+    ):
+        return value  # read-only already (a mapping's ids): as it is
     # a read-only view: the caller's array keeps its own flags
     array = np.ascontiguousarray(value, dtype=np.int64).reshape(-1).view()
     array.flags.writeable = False
@@ -188,10 +195,9 @@ class IndexedWrite:
 
 def joined_ids(writes: Sequence[IndexedWrite], out: Int64Array | None = None) -> Int64Array:
     """Every write's source ids then destination ids, write after write, in one vector (into ``out`` when given,
-    which must have room): what a combined launch reads its ids from."""
+    which must be as long as all of them: else ValueError): what a combined launch reads its ids from."""
     parts = [ids for w in writes for ids in (w.src_ids, w.dst_ids)]
-    total = sum(len(p) for p in parts)
     if out is None:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    np.concatenate(parts, out=out[:total])
-    return out[:total]
+    np.concatenate(parts, out=out)  # ValueError unless the lengths add up to out's
+    return out

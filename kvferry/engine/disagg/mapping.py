@@ -1098,8 +1098,11 @@ class RankMap:
 
     def _ids(self, layout: _Layout, cache: RequestCache, *, src: bool) -> Int64Array:
         """One side's id vector of :meth:`indexed_rows` for ``cache``: per group of the layout, the page ids of
-        its token range (PAGED) or the slot (STATE), validated as :meth:`plan` validates them."""
-        parts: list[Int64Array] = []
+        its token range (PAGED) or the slot (STATE), validated as :meth:`plan` validates them. Kept in ``cache``
+        under what it is made of (groups, page sizes, pool sizes, token ranges): the rank pairs of a request
+        that read the same ids (every sender rank's, the same receiver groups of every receiving rank) share
+        one vector."""
+        sides = []
         for part in layout.parts:
             g = part.group
             name, tpb, slots = (
@@ -1107,12 +1110,21 @@ class RankMap:
                 if src
                 else (g.dst_group, g.dst_tokens_per_block, g.dst_num_slots)
             )
-            if (part.src_page if src else part.dst_page) is None:
+            state = (part.src_page if src else part.dst_page) is None
+            sides.append((name, tpb, slots, part.lo, part.hi, state))
+        key = ("ids", (src, *sides))
+        ids = cache._source.get(key)
+        if ids is not None:
+            return ids
+        parts: list[Int64Array] = []
+        for name, tpb, slots, lo, hi, state in sides:
+            if state:
                 parts.append(np.full(1, _slot(cache, name, slots), dtype=np.int64))
             else:
-                pages = _pages(cache, name, tpb, slots, part.lo, part.hi, unique=not src)
-                parts.append(pages[part.lo // tpb : (part.hi - 1) // tpb + 1])
-        return _ro(np.concatenate(parts)) if parts else _EMPTY
+                pages = _pages(cache, name, tpb, slots, lo, hi, unique=not src)
+                parts.append(pages[lo // tpb : (hi - 1) // tpb + 1])
+        ids = cache._source[key] = _ro(np.concatenate(parts)) if parts else _EMPTY
+        return ids
 
     def source_ids(self, src: RequestCache, tokens: TokenRange) -> Int64Array:
         """The sender's id vector of :meth:`indexed_rows` for ``src`` (kept in ``src``, as
@@ -1120,11 +1132,7 @@ class RankMap:
 
         :raises ~kvferry.errors.ConfigError: as :meth:`plan`, for the sender's ids and slot.
         """
-        key = (self, (tokens.start, tokens.end, tokens.draft_start, tokens.state, "ids"))
-        ids = src._source.get(key)
-        if ids is None:
-            ids = src._source[key] = self._ids(self._layout(tokens), src, src=True)
-        return ids
+        return self._ids(self._layout(tokens), src, src=True)
 
     def indexed_write(self, src: RequestCache, dst: RequestCache, tokens: TokenRange) -> IndexedWrite | None:
         """This sender rank's write for one request as an indexed write (:meth:`indexed_rows` with both sides'

@@ -185,8 +185,9 @@ def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int = 1 << 20) -> 
 @pytest.mark.parametrize("drafter", [True, False])
 def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: bool) -> None:
     """The sender's side mapped ahead (prepare_source) gives the plan planning from the block table gives; the
-    whole-prompt request uses what was prepared (nothing more is worked out), and a request for less (a reused
-    prefix on the receiver) or without draft KV (a receiver without a drafter) is planned in full."""
+    whole-prompt request uses what was prepared (nothing more is worked out; also for a receiver without a
+    drafter, whose writes read the same ids), and a request for less (a reused prefix on the receiver) works
+    its own ids out."""
     ctx, gen = make_side(tiny_spec(), ctx_tp), make_side(tiny_spec(drafter=drafter), gen_tp)
     ctx.fake_prefill("c", PROMPT, seed=11)
     gen.create("g", PROMPT)
@@ -196,13 +197,12 @@ def test_a_prepared_source_plans_the_same(ctx_tp: int, gen_tp: int, drafter: boo
     for request in (whole, attrs.evolve(whole, token_start=9)):
         source = prepare_source(peer_map, range(ctx_tp), ctx.blocks("c"), ctx.slot("c"), len(PROMPT))
         prepared = len(source._source)
-        # per writing pair: its unit addresses and its ids (of the indexed write)
-        assert prepared == 2 * sum(
-            peer_map.pair(s, d).writes for s in range(ctx_tp) for d in peer_map.targets(s)
-        )
+        # per writing pair its unit addresses, and the ids of the indexed writes (shared where they agree)
+        assert prepared > sum(peer_map.pair(s, d).writes for s in range(ctx_tp) for d in peer_map.targets(s))
         got = plan_transfer(peer_map, range(ctx_tp), source, None, request, tables)
-        # the whole prompt of a peer with the same drafter: planned from what was prepared
-        expect_hit = request is whole and drafter
+        # the whole prompt: planned from what was prepared (a peer without a drafter reads the same ids: its
+        # layout has no draft groups whatever the range says of them)
+        expect_hit = request is whole
         assert (len(source._source) == prepared) is expect_hit
         expected = plan_transfer(peer_map, range(ctx_tp), ctx.blocks("c"), ctx.slot("c"), request, tables)
         assert got.keys() == expected.keys()
