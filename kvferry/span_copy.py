@@ -434,7 +434,19 @@ def _cuda_driver() -> Any:
         ctypes.POINTER(ctypes.c_size_t),
         ctypes.POINTER(ctypes.c_size_t),
     ]
+    upload = getattr(driver, "cuMemcpyHtoDAsync_v2", None)
+    if upload is not None:
+        upload.restype = ctypes.c_int
+        upload.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return driver
+
+
+def _upload_async(device_address: int, host_address: int, nbytes: int, stream: int) -> bool:
+    """Queue a copy of ``nbytes`` from pinned host memory to device memory on ``stream`` (the driver's call: a
+    few microseconds of host time); False when it could not be queued."""
+    driver = _cuda_driver()
+    upload = None if driver is None else getattr(driver, "cuMemcpyHtoDAsync_v2", None)
+    return upload is not None and int(upload(device_address, host_address, nbytes, stream)) == 0
 
 
 def _param_sizes(driver: Any, function: int) -> list[int] | None:
@@ -739,15 +751,23 @@ def pinned_ids(count: int) -> npt.NDArray[np.int64]:
 
 
 def copy_indexed(
-    table: IndexedTable, ids: npt.NDArray[np.int64], *, keep: list[Any], pinned: bool = False
+    table: IndexedTable,
+    ids: npt.NDArray[np.int64],
+    *,
+    keep: list[Any],
+    pinned: bool = False,
+    device_ids: Any = None,
 ) -> bool:
     """Queue ``table``'s copy for the id vector ``ids`` (``table.ids`` int64 values, checked by the caller) on
     the current stream of its device; False when Triton could not build or launch the kernel (logged; nothing
     was queued: copy another way).
 
-    The kernel reads the ids from pinned host memory: ``ids`` itself when ``pinned`` (a :func:`pinned_ids`
-    vector), else a pinned copy appended to ``keep``. Hold ``ids``, ``keep`` and ``table`` until the stream has
-    passed this launch (the caller synchronises before it lets go, cancelled or not)."""
+    The ids come from pinned host memory: ``ids`` itself when ``pinned`` (a :func:`pinned_ids` vector), else a
+    pinned copy appended to ``keep``. With ``device_ids`` (an int64 tensor on the table's device, at least as
+    long) they are copied there first, on the stream, and the kernel reads them from device memory: each of
+    its programs reads two ids, which from host memory is a round trip over PCIe per program. Hold ``ids``,
+    ``device_ids``, ``keep`` and ``table`` until the stream has passed this launch (the caller synchronises
+    before it lets go, cancelled or not)."""
     if not table.pieces:
         return True
     try:
@@ -756,6 +776,11 @@ def copy_indexed(
             copy[...] = ids
             keep.append(copy)
             ids = copy
+        address = ids.ctypes.data
+        if device_ids is not None and _upload_async(
+            device_ids.data_ptr(), address, ids.nbytes, _current_stream(table.key[0])
+        ):
+            address = device_ids.data_ptr()
         _launcher.launch(
             table.device,
             table.pieces,
@@ -763,7 +788,7 @@ def copy_indexed(
             table.pieces,
             table.base,
             table.constants,
-            ids=ids.ctypes.data,
+            ids=address,
             key=table.key,
         )
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path

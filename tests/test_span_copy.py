@@ -298,8 +298,16 @@ def test_copy_indexed_matches_the_rows(alignment: int) -> None:
         n = int(rows["length"][i])
         expected[d : d + n] = memory[s : s + n]
     table = span_copy.indexed_table(torch.device("cuda"), *rows.values(), ids=len(ids))
+    original = memory.clone()
+    pinned = span_copy.pinned_ids(len(ids))
+    pinned[...] = ids
+    on_device = torch.empty(len(ids), dtype=torch.int64, device="cuda")
     keep: list[object] = []
-    for _ in range(2):  # the second launch goes straight to the driver
-        assert span_copy.copy_indexed(table, ids, keep=keep)
+    # the JIT's launch reading a pinned copy; then the driver's, from the pinned vector, and from its copy on the
+    # device (poisoned first: the kernel must read the copy made on the stream)
+    for kwargs in ({}, {"pinned": True}, {"pinned": True, "device_ids": on_device.fill_(-1)}):
+        memory.copy_(original)
+        assert span_copy.copy_indexed(table, pinned if kwargs else ids, keep=keep, **kwargs)
         torch.cuda.synchronize()
-        assert torch.equal(memory, expected)
+        assert torch.equal(memory, expected), kwargs
+    assert torch.equal(on_device.cpu(), torch.from_numpy(ids))

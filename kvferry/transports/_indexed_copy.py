@@ -58,6 +58,8 @@ class _Launch:
     table: span_copy.IndexedTable
     limits: npt.NDArray[np.uint64]
     ids: npt.NDArray[np.int64] | None = None
+    #: where the kernel reads :attr:`ids` from (a copy on the device, made on the stream before each launch)
+    device_ids: Any = None
     busy: bool = False
 
     def take_ids(self) -> npt.NDArray[np.int64]:
@@ -65,7 +67,12 @@ class _Launch:
         if self.busy:
             return span_copy.pinned_ids(len(self.limits))
         if self.ids is None:
+            import torch
+
             self.ids = span_copy.pinned_ids(len(self.limits))
+            self.device_ids = torch.empty(
+                max(len(self.limits), 1), dtype=torch.int64, device=self.table.device
+            )
         self.busy = True
         return self.ids
 
@@ -192,7 +199,11 @@ class IndexedCopies:
         try:
             with span_copy.on_device(launch.table.device):
                 try:
-                    if not span_copy.copy_indexed(launch.table, ids, keep=keep, pinned=True):
+                    own = ids is launch.ids  # the launch's own vector: its device copy is ours too
+                    device_ids = launch.device_ids if own else None
+                    if not span_copy.copy_indexed(
+                        launch.table, ids, keep=keep, pinned=True, device_ids=device_ids
+                    ):
                         return False
                     self.launches += 1
                 finally:

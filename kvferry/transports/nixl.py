@@ -107,6 +107,8 @@ class _IpcPeer:
     dirty: bool = True
     #: (the peer's regions, our mapping's table, which mapped region holds each of the peer's regions)
     _exported: tuple[RegionTable, RegionTable, npt.NDArray[np.int64]] | None = None
+    #: (the peer's regions, our mapping's local table, where indexed writes find them): kept while both stay
+    destinations: tuple[RegionTable, RegionTable, DeviceDestinations] | None = None
 
     def exported_of(self, regions: RegionTable) -> npt.NDArray[np.int64]:
         """For each range of ``regions`` (the peer's registered regions), the index in :attr:`table` of the
@@ -660,7 +662,11 @@ class NixlTransport(ChannelTransport):
         ipc = self._ipc.get(peer)
         if peer.backend is None or ipc is None or ipc.failed or not ipc.exports or not self._ipc_map(ipc):
             return None
-        return DeviceDestinations(ipc.exported_of(peer.regions), ipc.shift, ipc.local_table)
+        known = ipc.destinations
+        if known is None or known[0] is not peer.regions or known[1] is not ipc.local_table:
+            destinations = DeviceDestinations(ipc.exported_of(peer.regions), ipc.shift, ipc.local_table)
+            known = ipc.destinations = (peer.regions, ipc.local_table, destinations)
+        return known[2]
 
     def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
         ipc = self._ipc.get(peer)
