@@ -15,6 +15,11 @@ On one H200 (Nsight Compute, ``benchmarks/ncu_probe.py``; ``benchmarks/results/s
 kernel moves 1 GiB in fragments of 1-16 MiB in 556-571 us (``copy_`` of one run: 515 us), whatever the piece
 size; pieces of 256 KiB move a disaggregated writer's page mix in 74-92 us where 4 MiB pieces take 103-134 us.
 
+Indexed copies (:func:`indexed_table`, :func:`copy_indexed`) are the same kernel reading a table of rows whose
+addresses come from ids (a row's address at id 0 plus the id times its stride, on each side): the table is built
+and uploaded once per template (an indexed write's, :mod:`kvferry.transports.indexed`) and every launch passes
+only the ids, so a disaggregated writer's host work per request is a check of its ids and one launch.
+
 Nothing here validates: callers check every span against what they own or registered first. An address outside
 an allocation is a device fault that kills the process. Triton is imported lazily.
 """

@@ -592,6 +592,7 @@ class ChannelTransport(Transport):
                 await self._backend_peer_lost(peer)
             except Exception:
                 log.exception("%s: releasing peer %s failed", self.instance_id, peer.address)
+            peer.indexed.clear()  # the device tables (a write still in flight holds its own)
             self._peers.discard(peer)
 
     def _peer(self, peer: Peer) -> ChannelPeer:

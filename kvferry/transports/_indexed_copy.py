@@ -26,6 +26,13 @@ __all__ = ["DeviceDestinations", "IndexedCopies"]
 _KEPT = 64
 
 
+def _kernel_for(device: str) -> bool:
+    """Whether the indexed span copy can run on ``device`` (CUDA with Triton)."""
+    import torch
+
+    return span_copy.available(torch.device(device))
+
+
 @frozen(eq=False)
 class DeviceDestinations:
     """Where a peer's registered regions lie in this process for a device copy: for each of the peer's regions
@@ -124,7 +131,7 @@ class IndexedCopies:
         self.templates_checked += 1
         template = None
         devices = own.devices(src_index)
-        if len(rows) and len(devices) == 1 and "cpu" not in devices:
+        if len(rows) and len(devices) == 1 and "cpu" not in devices and _kernel_for(next(iter(devices))):
             mapped = destinations.exported[dst_index]
             if int(mapped.min()) >= 0 and destinations.table.devices(mapped) == devices:
                 import torch
@@ -135,6 +142,12 @@ class IndexedCopies:
             self._templates.pop(next(iter(self._templates)))
         self._templates[rows] = template
         return template
+
+    def clear(self) -> None:
+        """Forget every template and joined table (the peer is gone)."""
+        self._templates.clear()
+        self._launches.clear()
+        self._key = None
 
     def _launch(self, writes: Sequence[IndexedWrite], templates: Sequence[_Template]) -> _Launch:
         key = tuple(w.rows for w in writes)

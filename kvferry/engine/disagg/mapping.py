@@ -39,7 +39,7 @@ import itertools
 import logging
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
@@ -678,6 +678,37 @@ class _Part:
     dst_base: Int64Array
     dst_stride: Int64Array
 
+    def side(self, *, src: bool) -> _PartSide:
+        """One side of the part: its units' page entries, bases and strides, and its group's name, page size and
+        pool size on that side."""
+        g = self.group
+        if src:
+            return _PartSide(
+                self.src_page,
+                self.src_base,
+                self.src_stride,
+                g.src_group,
+                g.src_tokens_per_block,
+                g.src_num_slots,
+            )
+        return _PartSide(
+            self.dst_page,
+            self.dst_base,
+            self.dst_stride,
+            g.dst_group,
+            g.dst_tokens_per_block,
+            g.dst_num_slots,
+        )
+
+
+class _PartSide(NamedTuple):
+    page: Int64Array | None
+    base: Int64Array
+    stride: Int64Array
+    group: str
+    tokens_per_block: int
+    num_slots: int
+
 
 @frozen(eq=False)
 class _Layout:
@@ -943,25 +974,16 @@ class RankMap:
         """The start address of every unit of ``layout`` on one side, from that side's page ids and slot."""
         out = np.empty(len(layout.length), dtype=np.int64)
         for part in layout.parts:
-            g = part.group
-            index, base, stride = (
-                (part.src_page, part.src_base, part.src_stride)
-                if src
-                else (part.dst_page, part.dst_base, part.dst_stride)
-            )
+            side = part.side(src=src)
             view = out[part.where]
-            if index is None:
-                name, slots = (g.src_group, g.src_num_slots) if src else (g.dst_group, g.dst_num_slots)
-                np.multiply(stride, _slot(cache, name, slots), out=view)
+            if side.page is None:
+                np.multiply(side.stride, _slot(cache, side.group, side.num_slots), out=view)
             else:
-                name, tpb, slots = (
-                    (g.src_group, g.src_tokens_per_block, g.src_num_slots)
-                    if src
-                    else (g.dst_group, g.dst_tokens_per_block, g.dst_num_slots)
+                pages = _pages(
+                    cache, side.group, side.tokens_per_block, side.num_slots, part.lo, part.hi, unique=not src
                 )
-                pages = _pages(cache, name, tpb, slots, part.lo, part.hi, unique=not src)
-                np.multiply(pages[index], stride, out=view)
-            view += base
+                np.multiply(pages[side.page], side.stride, out=view)
+            view += side.base
         return out
 
     def plan(
@@ -1039,58 +1061,30 @@ class RankMap:
         if rows is not None:
             return rows
         layout = self._layout(tokens)
-        columns: dict[str, list[Int64Array]] = {
-            k: [] for k in ("ss", "sb", "st", "ds", "db", "dt", "sl", "dl")
-        }
-        positions = {"src": 0, "dst": 0}
+        # per side: each row's position in the id vector, its base and stride; and each position's limit
+        columns: dict[bool, tuple[list[Int64Array], ...]] = {True: ([], [], [], []), False: ([], [], [], [])}
         for part in layout.parts:
-            g = part.group
             rows_of_part = part.where.stop - part.where.start
-            for side, page, base, stride, tpb, slots in (
-                (
-                    "src",
-                    part.src_page,
-                    part.src_base,
-                    part.src_stride,
-                    g.src_tokens_per_block,
-                    g.src_num_slots,
-                ),
-                (
-                    "dst",
-                    part.dst_page,
-                    part.dst_base,
-                    part.dst_stride,
-                    g.dst_tokens_per_block,
-                    g.dst_num_slots,
-                ),
-            ):
-                at = positions[side]
-                if page is None:  # a STATE group: one position, the slot
-                    slot, ids = np.full(rows_of_part, at, dtype=np.int64), 1
+            for src in (True, False):
+                side = part.side(src=src)
+                slot, base, stride, limit = columns[src]
+                at = sum(len(x) for x in limit)
+                if side.page is None:  # a STATE group: one position, the slot
+                    slot.append(np.full(rows_of_part, at, dtype=np.int64))
+                    count = 1
                 else:  # the pages holding [lo, hi): block table entries first..last
-                    first = part.lo // tpb
-                    slot, ids = page - first + at, (part.hi - 1) // tpb - first + 1
-                positions[side] = at + ids
-                key_ = side[0]
-                columns[key_ + "s"].append(slot)
-                columns[key_ + "b"].append(base)
-                columns[key_ + "t"].append(stride)
-                columns[key_ + "l"].append(np.full(ids, slots, dtype=np.int64))
+                    first = part.lo // side.tokens_per_block
+                    slot.append(side.page - first + at)
+                    count = (part.hi - 1) // side.tokens_per_block - first + 1
+                base.append(side.base)
+                stride.append(side.stride)
+                limit.append(np.full(count, side.num_slots, dtype=np.int64))
 
-        def cat(name: str) -> Int64Array:
-            return np.concatenate(columns[name]) if columns[name] else _EMPTY
+        def cat(arrays: list[Int64Array]) -> Int64Array:
+            return np.concatenate(arrays) if arrays else _EMPTY
 
-        rows = IndexedRows(
-            cat("ss"),
-            cat("sb"),
-            cat("st"),
-            cat("ds"),
-            cat("db"),
-            cat("dt"),
-            layout.length,
-            cat("sl"),
-            cat("dl"),
-        )
+        (ss, sb, st, sl), (ds, db, dt, dl) = ([cat(c) for c in columns[src]] for src in (True, False))
+        rows = IndexedRows(ss, sb, st, ds, db, dt, layout.length, sl, dl)
         if len(self._indexed) >= _LAYOUTS_KEPT:
             self._indexed.pop(next(iter(self._indexed)))
         self._indexed[key] = rows
@@ -1102,16 +1096,11 @@ class RankMap:
         under what it is made of (groups, page sizes, pool sizes, token ranges): the rank pairs of a request
         that read the same ids (every sender rank's, the same receiver groups of every receiving rank) share
         one vector."""
-        sides = []
-        for part in layout.parts:
-            g = part.group
-            name, tpb, slots = (
-                (g.src_group, g.src_tokens_per_block, g.src_num_slots)
-                if src
-                else (g.dst_group, g.dst_tokens_per_block, g.dst_num_slots)
-            )
-            state = (part.src_page if src else part.dst_page) is None
-            sides.append((name, tpb, slots, part.lo, part.hi, state))
+        sides = tuple(
+            (side.group, side.tokens_per_block, side.num_slots, part.lo, part.hi, side.page is None)
+            for part in layout.parts
+            for side in (part.side(src=src),)
+        )
         key = ("ids", (src, *sides))
         ids = cache._source.get(key)
         if ids is not None:
