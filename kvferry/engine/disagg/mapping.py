@@ -168,7 +168,7 @@ class RequestCache:
     _trusted: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
     #: unit addresses as a sender's side, per (rank map, token range): worked out once per request, ahead of
     #: its receive request when the sender prepares (:meth:`PeerMap.prepare_source`)
-    _source: dict[tuple[Any, tuple[Any, ...]], Int64Array] = attrs.field(factory=dict, init=False, repr=False)
+    _source: dict[tuple[Any, ...], Int64Array] = attrs.field(factory=dict, init=False, repr=False)
 
 
 def _non_negative(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -724,6 +724,24 @@ class _Layout:
     nbytes: int
     count: int
     bytes_per_group: tuple[tuple[str, int], ...]
+    #: per side (True: the sender's), what its id vector is made of: per part the group, its page size, its
+    #: pool size, the token range and whether it is a state group (the vector's key in a RequestCache)
+    ids_keys: dict[bool, tuple[Any, ...]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        keys = {
+            src: (
+                "ids",
+                src,
+                *(
+                    (side.group, side.tokens_per_block, side.num_slots, part.lo, part.hi, side.page is None)
+                    for part in self.parts
+                    for side in (part.side(src=src),)
+                ),
+            )
+            for src in (True, False)
+        }
+        object.__setattr__(self, "ids_keys", keys)
 
 
 def _coalesced(src: Int64Array, dst: Int64Array, length: Int64Array) -> tuple[Fragments, Fragments]:
@@ -1096,17 +1114,12 @@ class RankMap:
         under what it is made of (groups, page sizes, pool sizes, token ranges): the rank pairs of a request
         that read the same ids (every sender rank's, the same receiver groups of every receiving rank) share
         one vector."""
-        sides = tuple(
-            (side.group, side.tokens_per_block, side.num_slots, part.lo, part.hi, side.page is None)
-            for part in layout.parts
-            for side in (part.side(src=src),)
-        )
-        key = ("ids", (src, *sides))
+        key = layout.ids_keys[src]
         ids = cache._source.get(key)
         if ids is not None:
             return ids
         parts: list[Int64Array] = []
-        for name, tpb, slots, lo, hi, state in sides:
+        for name, tpb, slots, lo, hi, state in key[2:]:
             if state:
                 parts.append(np.full(1, _slot(cache, name, slots), dtype=np.int64))
             else:
