@@ -45,13 +45,13 @@ from kvferry import wire
 from kvferry.engine.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
 from kvferry.engine.disagg.protocol import (
     BlockIds,
-    ChunkResult,
     PeerInfo,
     PeerRole,
     ReceiveRequest,
     decode_control,
     decode_hello,
     encode_hello,
+    reports_of,
 )
 from kvferry.engine.disagg.session import Receiver, SendSession, send
 from kvferry.engine.disagg.staging import StagingPool
@@ -561,8 +561,9 @@ async def _one_case(args: Any, src_tp: int, dst_tp: int) -> dict[str, Any]:
                     except WireFormatError:  # the sender's hello
                         await send_hellos.send(data)
                         continue
-                    if isinstance(message, ChunkResult) and notes.receiver is not None:
-                        notes.receiver.on_result(message)
+                    if notes.receiver is not None:
+                        for report in reports_of(message):
+                            notes.receiver.on_result(report)
 
             async def notifications() -> None:
                 while True:
@@ -571,8 +572,9 @@ async def _one_case(args: Any, src_tp: int, dst_tp: int) -> dict[str, Any]:
                         notes.contiguous.set()
                         continue
                     message = decode_control(data)
-                    if isinstance(message, ChunkResult) and notes.receiver is not None:
-                        notes.receiver.on_result(message)
+                    if notes.receiver is not None:
+                        for report in reports_of(message):
+                            notes.receiver.on_result(report)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(messages)

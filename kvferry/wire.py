@@ -18,6 +18,7 @@ of an 8K-token prompt decodes in a fifth of the time). Lists of ints travel as m
 Version history (``WIRE_VERSION``):
   1 -- first version: page tables.
   2 -- tuples of ints packed as little-endian int64 binary.
+  3 -- control kind ``chunk_results``: several writers' reports in one message.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvferry.errors import WireFormatError
 __all__ = ["INT64_MAX", "INT64_MIN", "WIRE_VERSION", "PackedInts", "decode", "encode", "make_converter"]
 
 #: Bumped on every incompatible change of any message; peers compare it before decoding anything else.
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1

@@ -10,12 +10,12 @@ import anyio
 
 from kvferry import wire
 from kvferry.engine.disagg.protocol import (
-    ChunkResult,
     ControlBody,
     PeerInfo,
     decode_control,
     decode_hello,
     encode_hello,
+    reports_of,
 )
 from kvferry.engine.disagg.session import Receiver
 from kvferry.errors import ClosedResourceError, PeerDisconnected, TransportError, WireFormatError
@@ -75,8 +75,9 @@ async def pump(
                 except WireFormatError as exc:
                     log.warning("malformed notification dropped: %s", exc)
                     continue
-                if isinstance(report, ChunkResult) and receiver is not None:
-                    receiver.on_result(report)
+                if receiver is not None:
+                    for result in reports_of(report):
+                        receiver.on_result(result)
         except (PeerDisconnected, ClosedResourceError, TransportError) as exc:
             reason = str(exc)
 
@@ -90,9 +91,11 @@ async def pump(
                 except WireFormatError as exc:
                     log.warning("malformed control message dropped: %s", exc)
                     continue
-                if isinstance(message, ChunkResult):
+                reports = reports_of(message)
+                if reports:
                     if receiver is not None:
-                        receiver.on_result(message)
+                        for result in reports:
+                            receiver.on_result(result)
                 elif on_message is not None:
                     await on_message(message)
         except (PeerDisconnected, ClosedResourceError, TransportError) as exc:

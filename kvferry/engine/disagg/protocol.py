@@ -38,6 +38,7 @@ __all__ = [
     "CancelAck",
     "CancelTransfer",
     "ChunkResult",
+    "ChunkResults",
     "ChunkStatus",
     "ContextDone",
     "ContextRequest",
@@ -55,6 +56,7 @@ __all__ = [
     "decode_hello",
     "encode_control",
     "encode_hello",
+    "reports_of",
 ]
 
 log = logging.getLogger("kvferry.disagg")
@@ -206,6 +208,7 @@ class ControlKind(enum.StrEnum):
     RELEASE_CONTEXT = "release_context"
     RECEIVE_REQUEST = "receive_request"
     CHUNK_RESULT = "chunk_result"
+    CHUNK_RESULTS = "chunk_results"
     CANCEL_TRANSFER = "cancel_transfer"
     CANCEL_ACK = "cancel_ack"
 
@@ -380,6 +383,26 @@ class ChunkResult:
             raise _fail(cls, "detail too long")
 
 
+#: most reports one :class:`ChunkResults` carries
+MAX_BATCHED_REPORTS = 1 << 12
+
+
+@frozen
+class ChunkResults:
+    """Several writers' reports of one session in one message: what a sender posts for the writers whose bytes
+    moved together (one copy), once that copy has landed. Each report means what it means alone."""
+
+    results: tuple[ChunkResult, ...]
+
+    def validate(self) -> None:
+        cls = type(self)
+        _check_range(cls, "report count", len(self.results), 1, MAX_BATCHED_REPORTS)
+        if len({r.session_id for r in self.results}) != 1:
+            raise _fail(cls, "reports of several sessions")
+        for result in self.results:
+            result.validate()
+
+
 @frozen
 class CancelTransfer:
     """Generation -> context: post nothing more for ``session_id``; report every chunk not posted.
@@ -413,14 +436,31 @@ _BODIES: dict[ControlKind, type[Any]] = {
     ControlKind.RELEASE_CONTEXT: ReleaseContext,
     ControlKind.RECEIVE_REQUEST: ReceiveRequest,
     ControlKind.CHUNK_RESULT: ChunkResult,
+    ControlKind.CHUNK_RESULTS: ChunkResults,
     ControlKind.CANCEL_TRANSFER: CancelTransfer,
     ControlKind.CANCEL_ACK: CancelAck,
 }
 _KINDS = {cls: kind for kind, cls in _BODIES.items()}
 
 ControlBody = (
-    ContextRequest | ContextDone | ReleaseContext | ReceiveRequest | ChunkResult | CancelTransfer | CancelAck
+    ContextRequest
+    | ContextDone
+    | ReleaseContext
+    | ReceiveRequest
+    | ChunkResult
+    | ChunkResults
+    | CancelTransfer
+    | CancelAck
 )
+
+
+def reports_of(message: ControlBody) -> tuple[ChunkResult, ...]:
+    """The writers' reports a control message carries (one, several, or none for other messages)."""
+    if isinstance(message, ChunkResult):
+        return (message,)
+    if isinstance(message, ChunkResults):
+        return message.results
+    return ()
 
 
 def encode_control(message: ControlBody) -> bytes:

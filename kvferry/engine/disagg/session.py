@@ -57,6 +57,7 @@ from kvferry.engine.disagg.protocol import (
     CancelAck,
     CancelTransfer,
     ChunkResult,
+    ChunkResults,
     ChunkStatus,
     ReceiveRequest,
     encode_control,
@@ -803,9 +804,13 @@ async def send(
     """Push every writer's chunks of ``session`` (writers concurrently, each with up to ``max_in_flight``
     chunks posted at once, in order of posting). The writers that write directly (not packed) in one chunk
     (the default for direct writers) post it first, together, in one
-    :meth:`~kvferry.transports.Transport.write_many` (one copy where the transport can); then the rest.
+    :meth:`~kvferry.transports.Transport.write_indexed` (indexed chunks) or
+    :meth:`~kvferry.transports.Transport.write_many` (plain ones): one copy where the transport can; then the
+    rest.
 
-    Each chunk is one ``transport.write`` whose notify is the chunk's OK report; a failed write is reported
+    Each chunk is one ``transport.write`` (``write_indexed`` for an indexed chunk) whose notify is the chunk's OK
+    report; the indexed chunks posted together send no notification each: their OK reports go in one
+    :class:`~.protocol.ChunkResults` message once the call returned (their bytes landed). A failed write is reported
     FAILED on the control channel; after a cancel (:meth:`SendSession.cancel`) the unposted chunks are
     reported CANCELLED. A packed chunk packs its own bytes into the writer's staging (in a worker thread, one
     chunk at a time over all writers) right before it is posted; a failed pack fails that chunk. Returns when
@@ -827,6 +832,15 @@ async def send(
             await transport.send_message(peer, encode_control(result))
         except (PeerDisconnected, ClosedResourceError) as exc:
             lost.append(exc)
+
+    async def report_all(results: list[ChunkResult]) -> None:
+        if len(results) == 1:
+            await report(results[0])
+        elif results and not lost:
+            try:
+                await transport.send_message(peer, encode_control(ChunkResults(tuple(results))))
+            except (PeerDisconnected, ClosedResourceError) as exc:
+                lost.append(exc)
 
     async def ended(w: int, index: int, ok: ChunkResult, error: Exception | None) -> None:
         # how a posted chunk ended: OK (its report travelled as the write's notification), FAILED and reported,
@@ -890,11 +904,16 @@ async def send(
         plain = [i for i, c in enumerate(chunks) if c.indexed is None]
         outcomes: list[Exception | None] = [None] * len(batch)
         if indexed:
+            # no notification each: the OK reports of the writes that landed go in one message once the call
+            # returned (it returns when their bytes have landed)
             done = await transport.write_indexed(
-                peer, [_notifying(write, oks[i]) for i, write in indexed], stall_timeout=stall_timeout
+                peer, [write for _, write in indexed], stall_timeout=stall_timeout
             )
             for (i, _), outcome in zip(indexed, done, strict=True):
                 outcomes[i] = outcome
+            await report_all(
+                [oks[i] for (i, _), outcome in zip(indexed, done, strict=True) if outcome is None]
+            )
         if plain:
             done = await transport.write_many(
                 peer,

@@ -18,11 +18,14 @@ from kvferry.engine.disagg.link import pump
 from kvferry.engine.disagg.mapping import PeerMap
 from kvferry.engine.disagg.protocol import (
     BlockIds,
+    CancelAck,
     ChunkResult,
+    ChunkResults,
     ChunkStatus,
     ReceiveRequest,
     decode_control,
     encode_control,
+    reports_of,
 )
 from kvferry.engine.disagg.session import (
     Chunk,
@@ -280,6 +283,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
         else:
             assert sum(len(v) for v in plan.values()) > 2 * gen_tp
         combined_before = ctx.transport.statistics().writes_combined
+        sent_before = ctx.transport.statistics().messages_sent
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
             stats_box = []
@@ -301,6 +305,11 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
     with_bytes = sum(1 for v in plan.values() if v)
     together = with_bytes if chunk_bytes is None and with_bytes > 1 else 0
     assert ctx.transport.statistics().writes_combined - combined_before == together
+    # the writers that moved together report in one message (ChunkResults); the rest one report each (a
+    # notification after each write, or a message for an empty writer)
+    messages = ctx.transport.statistics().messages_sent - sent_before
+    empty = sum(1 for v in plan.values() if not v)
+    assert messages == (1 + empty if together else empty)
     assert receiver.statistics()["sessions"] == 0
     ManagerHold(gen.managers, "g").free()
     assert gen.free_counts() == before
@@ -599,3 +608,20 @@ async def test_a_receive_request_the_transport_refuses_whole_frees_the_pages() -
     with anyio.fail_after(2), pytest.raises(TransferError, match="refused"):
         await receiver.receive(session, request)
     assert (hold.freed, hold.quarantined) == (1, 0) and session.state is ReceiveState.FAILED
+
+
+def test_chunk_results_travel_together_and_are_checked_one_by_one() -> None:
+    """Several writers' reports in one message decode to the same reports; a batch that is empty, mixes
+    sessions or holds a malformed report is refused whole (WireFormatError), before any report is used."""
+    reports = (ok(5, 0, 0, 1), ok(5, 1, 0, 2), ok(5, 1, 1, 2, ChunkStatus.FAILED))
+    decoded = decode_control(encode_control(ChunkResults(reports)))
+    assert isinstance(decoded, ChunkResults) and decoded.results == reports
+    assert reports_of(decoded) == reports and reports_of(reports[0]) == (reports[0],)
+    assert reports_of(CancelAck(5)) == ()
+    for bad in (
+        ChunkResults(()),
+        ChunkResults((ok(5, 0, 0, 1), ok(6, 0, 0, 1))),
+        ChunkResults((ok(5, 0, 0, 1), ChunkResult(5, 1, 3, 2, ChunkStatus.OK))),  # chunk past its count
+    ):
+        with pytest.raises(WireFormatError):
+            decode_control(encode_control(bad))
