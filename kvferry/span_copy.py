@@ -693,7 +693,7 @@ class IndexedTable:
             "INDEXED": True,
             "num_warps": LONG_NUM_WARPS if long_pieces else NUM_WARPS,
         }
-        self.key = _Launcher.key(device.index or 0, self.constants) if device.type == "cuda" else ()
+        self.key = _Launcher.key(device.index, self.constants) if device.type == "cuda" else ()
 
     def __repr__(self) -> str:
         return (
@@ -720,6 +720,8 @@ def indexed_table(
     long spans. Nothing is checked here: the caller checked every address any allowed id can reach."""
     import torch
 
+    if device.type == "cuda" and device.index is None:  # the ordinal the launcher keeps its kernels under
+        device = torch.device("cuda", torch.cuda.current_device())
     length = np.asarray(length, dtype=np.int64)
     longest = int(length.max(initial=0))
     total = int(length.sum())

@@ -18,7 +18,7 @@ from attrs import define, frozen
 from kvferry import span_copy
 from kvferry.errors import RegionError
 from kvferry.transports._memory import RegionTable, synchronize_cuda
-from kvferry.transports.indexed import IndexedRows, IndexedWrite, joined_ids
+from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
 __all__ = ["DeviceDestinations", "IndexedCopies"]
 
@@ -196,8 +196,9 @@ class IndexedCopies:
         launch = self._launch(writes, templates)
         ids = launch.take_ids()
         try:
-            joined_ids(writes, out=ids)
-        except ValueError:
+            # every write's source ids then its destination ids, write after write (the joined table's slots)
+            np.concatenate([v for w in writes for v in (w.src_ids, w.dst_ids)], out=ids)
+        except ValueError:  # the lengths do not add up to the joined templates'
             launch.give_back(ids)
             raise RegionError("indexed writes: more or fewer ids than their templates") from None
         if not bool(np.less(ids.view(np.uint64), launch.limits).all()):

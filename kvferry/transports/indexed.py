@@ -20,7 +20,6 @@ Where a transport has no indexed path it writes :meth:`IndexedRows.expand`'s fra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -31,7 +30,7 @@ from attrs import frozen
 from kvferry.errors import RegionError
 from kvferry.transports.base import Fragments, coalesce
 
-__all__ = ["IndexedRows", "IndexedWrite", "joined_ids"]
+__all__ = ["IndexedRows", "IndexedWrite"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -141,22 +140,16 @@ class IndexedRows:
                     f"indexed write: {what} id {int(ids[bad])} at position {bad} outside [0, {int(limit[bad])})"
                 )
 
-    def addresses(self, src_ids: Int64Array, dst_ids: Int64Array) -> tuple[Int64Array, Int64Array]:
-        """Every row's source and destination address for one write's ids (checked first)."""
-        self.check_ids(src_ids, dst_ids)
-        src = self.src_base + src_ids[self.src_slot] * self.src_stride
-        dst = self.dst_base + dst_ids[self.dst_slot] * self.dst_stride
-        return src, dst
-
     def expand(self, src_ids: Int64Array, dst_ids: Int64Array) -> tuple[Fragments, Fragments]:
         """One write's rows as plain fragments (rows contiguous on both sides merged), for a transport without
         an indexed path.
 
         :raises RegionError: as :meth:`check_ids`."""
-        src, dst = self.addresses(src_ids, dst_ids)
+        self.check_ids(src_ids, dst_ids)
         src_f = np.empty((len(self), 2), dtype=np.uint64)
         dst_f = np.empty((len(self), 2), dtype=np.uint64)
-        src_f[:, 0], dst_f[:, 0] = src, dst
+        src_f[:, 0] = self.src_base + src_ids[self.src_slot] * self.src_stride
+        dst_f[:, 0] = self.dst_base + dst_ids[self.dst_slot] * self.dst_stride
         src_f[:, 1] = dst_f[:, 1] = self.length
         return coalesce(src_f, dst_f)
 
@@ -191,13 +184,3 @@ class IndexedWrite:
 
     def __repr__(self) -> str:
         return f"<IndexedWrite {self.rows!r}{' +notify' if self.notify is not None else ''}>"
-
-
-def joined_ids(writes: Sequence[IndexedWrite], out: Int64Array | None = None) -> Int64Array:
-    """Every write's source ids then destination ids, write after write, in one vector (into ``out`` when given,
-    which must be as long as all of them: else ValueError): what a combined launch reads its ids from."""
-    parts = [ids for w in writes for ids in (w.src_ids, w.dst_ids)]
-    if out is None:
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    np.concatenate(parts, out=out)  # ValueError unless the lengths add up to out's
-    return out
