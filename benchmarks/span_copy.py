@@ -76,7 +76,9 @@ def spans_of(case: str, layout: str, src: torch.Tensor, dst: torch.Tensor, seed:
         return offsets
 
     none = np.zeros(n, dtype=np.int64)
-    if layout == "transfer":
+    if layout == "contiguous":  # both sides in order: one copy_'s bytes, cut into spans
+        s_off = d_off = packed(np.arange(n), lengths, none)
+    elif layout == "transfer":
         s_off = packed(np.arange(n), lengths, none)
         d_off = packed(rng.permutation(n), lengths, none)
     else:
@@ -103,26 +105,26 @@ def main() -> int:
     parser.add_argument("--programs-per-sm", type=int, nargs="*", default=[0])
     parser.add_argument("--streaming", type=int, nargs="*", default=[0])
     parser.add_argument("--rotate", type=int, nargs="*", default=[7])
+    parser.add_argument(
+        "--grid",
+        type=int,
+        nargs="*",
+        default=[0, 1],
+        help="0: one program per piece, 1: the grid form (one per block of a shape) where the pieces allow it",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     total = args.total_mib * MiB
     src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros(2 * total, dtype=torch.uint8, device="cuda")
     rows: list[dict[str, Any]] = []
-    ceilings: dict[int, tuple[float, float]] = {}
 
     def ceiling_of(nbytes: int) -> tuple[float, float]:
-        if nbytes not in ceilings:
-            ceilings[nbytes] = timed(lambda: dst[:nbytes].copy_(src[:nbytes]), args.repeat)
-            rows.append(
-                {
-                    "kind": "copy_",
-                    "bytes": nbytes,
-                    "wall_s": ceilings[nbytes][0],
-                    "device_s": ceilings[nbytes][1],
-                }
-            )
-        return ceilings[nbytes]
+        # timed again for every row, right after it: a ceiling from the start of the run would not see what
+        # the GPU's clocks did since
+        ceiling = timed(lambda: dst[:nbytes].copy_(src[:nbytes]), args.repeat)
+        rows.append({"kind": "copy_", "bytes": nbytes, "wall_s": ceiling[0], "device_s": ceiling[1]})
+        return ceiling
 
     def row(
         kind: str, case: str, layout: str, nbytes: int, n: int, wall: float, dev: float, **extra: Any
@@ -157,10 +159,12 @@ def main() -> int:
             "programs_per_sm": per_sm,
             "streaming": bool(stream),
             "rotate": rotate,
+            "grid": bool(form),
         }
-        for piece, shape, per_sm, stream, rotate in itertools.product(
-            args.pieces_kib, args.shapes, args.programs_per_sm, args.streaming, args.rotate
+        for piece, shape, per_sm, stream, rotate, form in itertools.product(
+            args.pieces_kib, args.shapes, args.programs_per_sm, args.streaming, args.rotate, args.grid
         )
+        if not (form and (per_sm or stream))  # the grid form has one program per block and no cache hints
     ]
     for layout in args.layouts:
         for seed, case in enumerate(args.cases):
@@ -185,8 +189,22 @@ def main() -> int:
                     span_copy.copy_spans(src.device, *spans, **options)
 
                 pieces = span_copy.copy_spans(src.device, s_addr, d_addr, lengths, **options)
-                row("spans", case, layout, nbytes, n, *timed(batched, args.repeat), pieces=pieces, **options)
-    keys = ("piece_bytes", "block_words", "num_warps", "programs_per_sm", "streaming", "rotate")
+                table = span_copy.piece_table(s_addr, d_addr, lengths, options["piece_bytes"])
+                launch = options["grid"] and span_copy.grid_of(
+                    len(table.table), table.longest, table.total, options["block_words"] * table.word
+                )
+                row(
+                    "spans",
+                    case,
+                    layout,
+                    nbytes,
+                    n,
+                    *timed(batched, args.repeat),
+                    pieces=pieces,
+                    launch=list(launch) if launch else "pieces",
+                    **options,
+                )
+    keys = ("piece_bytes", "block_words", "num_warps", "programs_per_sm", "streaming", "rotate", "grid")
     best: dict[tuple[str, str], dict[str, Any]] = {}
     settings: dict[tuple[Any, ...], list[float]] = {}
     for r in rows:

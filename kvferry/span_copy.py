@@ -31,7 +31,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,10 @@ log = logging.getLogger("kvferry.span_copy")
 
 __all__ = [
     "BLOCK_WORDS",
+    "GRID",
+    "GRID_BLOCK_BYTES",
+    "GRID_NUM_WARPS",
+    "GRID_WASTE",
     "LONG_BLOCK_WORDS",
     "LONG_NUM_WARPS",
     "LONG_PIECE_BYTES",
@@ -51,9 +55,11 @@ __all__ = [
     "STREAMING",
     "TARGET_PIECES",
     "IndexedTable",
+    "PieceTable",
     "available",
     "copy_indexed",
     "copy_spans",
+    "grid_of",
     "indexed_table",
     "on_device",
     "piece_table",
@@ -80,6 +86,20 @@ PROGRAMS_PER_SM = 0
 STREAMING = False
 #: Program ``p`` starts at block ``p * ROTATE`` of its piece (mod its blocks); 0 starts every program at 0.
 ROTATE = 7
+#: Copies whose pieces are alike in length launch one program per block of each piece (a grid of blocks by
+#: pieces, the table in device memory) instead of one program per piece looping over its blocks: a plain
+#: copy's shape, which on the H200 moves 1 GiB as fast as ``copy_`` (``benchmarks/triton_copy_probe.py``)
+#: where programs that loop reach 0.86-0.93 of it.
+GRID = True
+#: Bytes one program of the grid copies, ...
+GRID_BLOCK_BYTES = 4096
+#: ... with this many warps.
+GRID_NUM_WARPS = 4
+#: The grid is used when it launches at most this many programs per block there is to copy (a piece shorter
+#: than the longest launches programs that do nothing).
+GRID_WASTE = 1.25
+#: The driver's bound on a grid's second and third dimensions.
+_GRID_ROWS = 65535
 
 
 @functools.cache
@@ -100,6 +120,7 @@ def _kernel() -> Any:
         STREAM: tl.constexpr,
         ROTATE: tl.constexpr,
         INDEXED: tl.constexpr,
+        GRID: tl.constexpr,
     ):
         if WORD == 8:
             words = base_ptr.to(tl.pointer_type(tl.int64))
@@ -109,41 +130,68 @@ def _kernel() -> Any:
             words = base_ptr.to(tl.pointer_type(tl.int16))
         else:
             words = base_ptr
-        # program p copies pieces p, p + G, p + 2G...: the programs running at one time work on neighbouring
-        # pieces (neighbouring bytes of a span), as a plain copy would
-        for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
-            if INDEXED:
-                # (source slot, source word at id 0, source stride, the same for the destination, words):
-                # the addresses come from the write's ids
-                row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
-                src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
-                dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
-                count = tl.load(row + 6)
-            else:
-                row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
-                src = tl.load(row)
-                dst = tl.load(row + 1)
-                count = tl.load(row + 2)
-            blocks = count // BLOCK
-            full = blocks * BLOCK
-            # programs start at different blocks of their pieces (and wrap around): with pieces at aligned
-            # addresses, programs in lockstep would otherwise hit the same memory channels at once
-            shift = (piece * ROTATE) % tl.maximum(blocks, 1)
-            for i in range(0, blocks):
-                b = i + shift
-                b = tl.where(b >= blocks, b - blocks, b)
-                lanes = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-                s = tl.max_contiguous(tl.multiple_of(src + lanes, ALIGN), BLOCK)
-                d = tl.max_contiguous(tl.multiple_of(dst + lanes, ALIGN), BLOCK)
-                if STREAM:
-                    values = tl.load(words + s, cache_modifier=".cg")
-                    tl.store(words + d, values, cache_modifier=".cs")
+        if GRID:
+            # one program per block of a piece: block program_id(0) of piece program_id(1) (+ program_id(2)
+            # times the pieces of one grid row, past the driver's 65535 in y), as a plain copy's programs each
+            # copy one block; blocks past a shorter piece's end do nothing
+            piece = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+            if piece < num_pieces:
+                if INDEXED:
+                    row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
+                    dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
+                    count = tl.load(row + 6)
                 else:
+                    row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    src = tl.load(row)
+                    dst = tl.load(row + 1)
+                    count = tl.load(row + 2)
+                start = tl.program_id(0).to(tl.int64) * BLOCK
+                if start + BLOCK <= count:
+                    lanes = start + tl.arange(0, BLOCK)
+                    s = tl.max_contiguous(tl.multiple_of(src + lanes, ALIGN), BLOCK)
+                    d = tl.max_contiguous(tl.multiple_of(dst + lanes, ALIGN), BLOCK)
                     tl.store(words + d, tl.load(words + s))
-            if full < count:
-                lanes = full + tl.arange(0, BLOCK)
-                mask = lanes < count
-                tl.store(words + dst + lanes, tl.load(words + src + lanes, mask=mask), mask=mask)
+                elif start < count:
+                    lanes = start + tl.arange(0, BLOCK)
+                    mask = lanes < count
+                    tl.store(words + dst + lanes, tl.load(words + src + lanes, mask=mask), mask=mask)
+        else:
+            # program p copies pieces p, p + G, p + 2G...: the programs running at one time work on neighbouring
+            # pieces (neighbouring bytes of a span), as a plain copy would
+            for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
+                if INDEXED:
+                    # (source slot, source word at id 0, source stride, the same for the destination, words):
+                    # the addresses come from the write's ids
+                    row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
+                    dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
+                    count = tl.load(row + 6)
+                else:
+                    row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    src = tl.load(row)
+                    dst = tl.load(row + 1)
+                    count = tl.load(row + 2)
+                blocks = count // BLOCK
+                full = blocks * BLOCK
+                # programs start at different blocks of their pieces (and wrap around): with pieces at aligned
+                # addresses, programs in lockstep would otherwise hit the same memory channels at once
+                shift = (piece * ROTATE) % tl.maximum(blocks, 1)
+                for i in range(0, blocks):
+                    b = i + shift
+                    b = tl.where(b >= blocks, b - blocks, b)
+                    lanes = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                    s = tl.max_contiguous(tl.multiple_of(src + lanes, ALIGN), BLOCK)
+                    d = tl.max_contiguous(tl.multiple_of(dst + lanes, ALIGN), BLOCK)
+                    if STREAM:
+                        values = tl.load(words + s, cache_modifier=".cg")
+                        tl.store(words + d, values, cache_modifier=".cs")
+                    else:
+                        tl.store(words + d, tl.load(words + s))
+                if full < count:
+                    lanes = full + tl.arange(0, BLOCK)
+                    mask = lanes < count
+                    tl.store(words + dst + lanes, tl.load(words + src + lanes, mask=mask), mask=mask)
 
     return copy_pieces
 
@@ -191,14 +239,12 @@ def piece_table(
     piece_bytes: int = PIECE_BYTES,
     *,
     table_of: Callable[[int], npt.NDArray[np.int64]] | None = None,
-) -> tuple[npt.NDArray[np.int64], int, int, int, int]:
+) -> PieceTable:
     """The kernel's table ``[pieces, 3]`` of (source word, destination word, words) relative to a base address,
     with the base, the word size and the alignment (in words) the kernel may assume. Empty spans are dropped.
 
     ``table_of(pieces)``: an empty int64 ``[pieces, 3]`` array to fill (say, a view of pinned host memory the
-    kernel reads directly); by default a new numpy array.
-
-    Fifth: the total bytes, when the spans were long enough for it to set the piece size (else 0)."""
+    kernel reads directly); by default a new numpy array."""
     table_of = _new_table if table_of is None else table_of
     # addresses and lengths as given (fragments are uint64): every value is below 2**63, so the unsigned
     # arithmetic below fills the int64 table with the same numbers, without a converted copy of each input
@@ -206,29 +252,28 @@ def piece_table(
     if src.dtype != np.uint64 or dst.dtype != np.uint64 or lengths.dtype != np.uint64:
         src, dst, lengths = (a.astype(np.int64, copy=False) for a in (src, dst, lengths))
     if not lengths.size:
-        return np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0
+        return PieceTable(np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0, 0)
     if int(lengths.min()) <= 0:
         keep = lengths > 0
         src, dst, lengths = src[keep], dst[keep], lengths[keep]
         if not lengths.size:
-            return np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0
+            return PieceTable(np.zeros((0, 3), dtype=np.int64), 0, 1, 1, 0, 0)
     base = min(int(src.min()), int(dst.min())) & ~255
     combined = (
         int(np.bitwise_or.reduce(src)) | int(np.bitwise_or.reduce(dst)) | int(np.bitwise_or.reduce(lengths))
     )
     word, align = _word_and_align(combined | base)
     longest = int(lengths.max())
-    total = 0
+    total = int(lengths.sum())
     if longest > MIN_PIECE_BYTES and piece_bytes > MIN_PIECE_BYTES:
         # the power of two near total / TARGET_PIECES, within [MIN_PIECE_BYTES, piece_bytes]
-        total = int(lengths.sum())
         share = total // TARGET_PIECES
         piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
     per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
     if longest <= per_piece:  # one piece per span
         table = table_of(lengths.size)
         _whole(src, dst, lengths, base, word, table)
-        return table, base, word, align, total
+        return PieceTable(table, base, word, align, total, longest)
     # the first piece of every span in its row, in order; the other pieces of the long spans after them
     long = np.flatnonzero(lengths > per_piece)
     few = long.size <= _FEW_LONG_SPANS  # a state run among pages, say: a few calls per long span
@@ -252,14 +297,45 @@ def piece_table(
             offsets = np.arange(step, (count + 1) * step, step, dtype=np.int64)
             np.add(offsets, (s - base) // word, out=rows[:, 0])
             np.add(offsets, (d - base) // word, out=rows[:, 1])
-        return table, base, word, align, total
+        return PieceTable(table, base, word, align, total, per_piece)
     span_of_piece = np.repeat(np.arange(long.size), rest)
     # bytes from each long span's start: per_piece, 2 * per_piece... (its first piece is in its own row)
     within = (np.arange(span_of_piece.size) - (np.cumsum(rest) - rest)[span_of_piece] + 1) * per_piece
     tail[:, 0] = (src[long].astype(np.int64)[span_of_piece] + within - base) // word
     tail[:, 1] = (dst[long].astype(np.int64)[span_of_piece] + within - base) // word
     tail[:, 2] = np.minimum(len_l[span_of_piece] - within, per_piece) // word
-    return table, base, word, align, total
+    return PieceTable(table, base, word, align, total, per_piece)
+
+
+class PieceTable(NamedTuple):
+    """What :func:`piece_table` gives: the table, and what the kernel and its launch are chosen by."""
+
+    #: ``[pieces, 3]`` int64: (source word, destination word, words), words relative to ``base``
+    table: npt.NDArray[np.int64]
+    #: the address the words are counted from (aligned to 256 bytes)
+    base: int
+    #: the word size in bytes (8, 4, 2 or 1), dividing every address and length
+    word: int
+    #: the alignment in words every piece's addresses have (2 for 16-byte aligned 8-byte words, else 1)
+    align: int
+    #: the bytes of every piece
+    total: int
+    #: the bytes of the longest piece
+    longest: int
+
+
+def grid_of(pieces: int, longest: int, total: int, block_bytes: int) -> tuple[int, int, int] | None:
+    """The launch grid of the kernel's grid form for ``pieces`` pieces of ``total`` bytes, the longest
+    ``longest`` bytes, copied in blocks of ``block_bytes``: (blocks of the longest piece, pieces, 1), the pieces
+    folded into a third dimension past the driver's bound on the second; None when it would launch more than
+    :data:`GRID_WASTE` programs per block there is to copy (pieces of very different lengths)."""
+    if not pieces:
+        return None
+    blocks = -(-longest // block_bytes)
+    if blocks * pieces > GRID_WASTE * (total // block_bytes + pieces):
+        return None
+    folds = -(-pieces // _GRID_ROWS)
+    return blocks, -(-pieces // folds), folds
 
 
 #: up to this many spans longer than a piece are cut one by one (a few calls each), more all at once
@@ -398,13 +474,16 @@ class _DriverLaunch:
             driver.cuLaunchKernel, function, 32 * int(metadata.num_warps), int(metadata.shared), len(sizes)
         )
 
-    def __call__(self, programs: int, stream: int, base: int, table: int, ids: int, count: int) -> bool:
-        """Queue the kernel on ``stream``; False when the driver refused (nothing was queued)."""
+    def __call__(
+        self, grid: tuple[int, int, int], stream: int, base: int, table: int, ids: int, count: int
+    ) -> bool:
+        """Queue the kernel on ``stream`` over ``grid`` programs; False when the driver refused (nothing was
+        queued)."""
         with self._lock:
             values = self._values
             values[0].value, values[1].value, values[2].value, values[3].value = base, table, ids, count
             status = self._launch(
-                self._function, programs, 1, 1, self._block, 1, 1, self._shared, stream, self._params, None
+                self._function, *grid, self._block, 1, 1, self._shared, stream, self._params, None
             )
         return int(status) == 0
 
@@ -494,7 +573,7 @@ class _Launcher:
     def launch(
         self,
         device: Any,
-        programs: int,
+        grid: tuple[int, int, int],
         table: int,
         count: int,
         base: int,
@@ -502,8 +581,8 @@ class _Launcher:
         ids: int = 0,
         key: tuple[Any, ...] | None = None,
     ) -> None:
-        """Launch ``programs`` programs over the ``count`` rows of the table at device address ``table`` (and,
-        for an indexed table, the ids at device address ``ids``). ``key``: :meth:`key` of the device and
+        """Launch ``grid`` programs (x, y, z) over the ``count`` rows of the table at device address ``table``
+        (and, for an indexed table, the ids at device address ``ids``). ``key``: :meth:`key` of the device and
         ``constants``, when the caller keeps it."""
         import torch
 
@@ -514,7 +593,7 @@ class _Launcher:
             compiled, driver = entry
             stream = _current_stream(ordinal)
             with _on_device(ordinal):
-                if driver is not None and driver(programs, stream, base, table, ids, count):
+                if driver is not None and driver(grid, stream, base, table, ids, count):
                     self.driver_launches += 1
                     return
                 try:
@@ -528,11 +607,8 @@ class _Launcher:
                         count,
                         *kernel_constants.values(),
                     )
-                    grid = (programs, 1, 1)
                     compiled.run(
-                        programs,
-                        1,
-                        1,
+                        *grid,
                         stream,
                         compiled.function,
                         compiled.packed_metadata,
@@ -550,7 +626,7 @@ class _Launcher:
                     )
                     self._compiled[key] = None
         with _on_device(ordinal):
-            launched = _kernel()[(programs,)](
+            launched = _kernel()[grid](
                 _Pointer(base), _Pointer(table, torch.int64), _Pointer(ids, torch.int64), count, **constants
             )
         self.jit_launches += 1
@@ -602,6 +678,7 @@ def copy_spans(
     programs_per_sm: int = PROGRAMS_PER_SM,
     streaming: bool = STREAMING,
     rotate: int = ROTATE,
+    grid: bool = GRID,
 ) -> int | None:
     """Queue ``lengths[i]`` bytes from address ``src[i]`` to address ``dst[i]`` for every ``i`` on the current
     stream of ``device`` (a CUDA torch device); returns the number of pieces launched (0: nothing to copy), or
@@ -612,57 +689,136 @@ def copy_spans(
     to ``keep``: no upload, one allocation and one copy fewer before the launch. Without ``keep`` the table is
     uploaded on the stream (nothing to hold; for copies that are not waited for).
 
-    ``block_words`` / ``num_warps``: the kernel's shape; by default :data:`BLOCK_WORDS` x :data:`NUM_WARPS`, or
-    :data:`LONG_BLOCK_WORDS` x :data:`LONG_NUM_WARPS` when the pieces average :data:`LONG_PIECE_BYTES` or more.
+    ``grid``: pieces alike in length (:func:`grid_of`) are copied one program per block of
+    :data:`GRID_BLOCK_BYTES` (the table then goes to device memory, held in ``keep`` with its pinned source);
+    False always launches one program per piece.
+
+    ``block_words`` / ``num_warps``: the kernel's shape; by default, for the grid :data:`GRID_BLOCK_BYTES` x
+    :data:`GRID_NUM_WARPS`, else :data:`BLOCK_WORDS` x :data:`NUM_WARPS`, or :data:`LONG_BLOCK_WORDS` x
+    :data:`LONG_NUM_WARPS` when the pieces average :data:`LONG_PIECE_BYTES` or more.
 
     The caller has checked that every span lies in memory of ``device`` this process may touch, and that no
     destination overlaps another span. Returns without synchronising: the copy is done once the stream has
     passed it (a cancelled caller must still wait for that before it frees or reuses either side).
     """
-    try:
-        table, base, word, align, total = piece_table(
-            src, dst, lengths, piece_bytes, table_of=None if keep is None else _pinned_table
-        )
-    except RuntimeError as exc:  # no pinned memory to be had: the device table
-        log.warning("no pinned memory for the span copy's table (%s); uploading it", exc)
-        table, base, word, align, total = piece_table(src, dst, lengths, piece_bytes)
-        keep = None
-    if not len(table):
+    # built in ordinary memory, then copied into pinned memory in one pass: on the H200's host the table's
+    # column by column writes straight into pinned memory cost 60-70 us more for 1024 pieces
+    pieces = piece_table(src, dst, lengths, piece_bytes)
+    table, count = pieces.table, len(pieces.table)
+    if not count:
         return 0
-    # long pieces (1 GiB in 1-64 MiB spans): 546-549 us against 560-566 us with the default shape, which moves
-    # a disaggregated writer's page mix 5-15% faster (Nsight Compute on the H200)
-    long_pieces = total >= LONG_PIECE_BYTES * len(table)
-    if block_words is None:
-        block_words = LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS
-    if num_warps is None:
-        num_warps = LONG_NUM_WARPS if long_pieces else NUM_WARPS
-    programs = len(table)
-    if programs_per_sm > 0:
-        programs = min(programs, programs_per_sm * _multiprocessors(device))
+    if keep is not None:
+        try:
+            pinned = _pinned_table(count)
+        except RuntimeError as exc:  # no pinned memory to be had: the device table
+            log.warning("no pinned memory for the span copy's table (%s); uploading it", exc)
+            keep = None
+        else:
+            pinned[...] = table
+            table = pinned
+    block_bytes = GRID_BLOCK_BYTES if block_words is None else block_words * pieces.word
+    launch = (
+        grid_of(count, pieces.longest, pieces.total, block_bytes) if grid and programs_per_sm <= 0 else None
+    )
+    if launch is not None:
+        block_words = block_bytes // pieces.word
+        num_warps = GRID_NUM_WARPS if num_warps is None else num_warps
+    else:
+        # long pieces (1 GiB in 1-64 MiB spans): 546-549 us against 560-566 us with the default shape, which
+        # moves a disaggregated writer's page mix 5-15% faster (Nsight Compute on the H200)
+        long_pieces = pieces.total >= LONG_PIECE_BYTES * count
+        if block_words is None:
+            block_words = LONG_BLOCK_WORDS if long_pieces else BLOCK_WORDS
+        if num_warps is None:
+            num_warps = LONG_NUM_WARPS if long_pieces else NUM_WARPS
+        programs = count if programs_per_sm <= 0 else min(count, programs_per_sm * _multiprocessors(device))
     constants = {
-        "WORD": word,
-        "ALIGN": align,
+        "WORD": pieces.word,
+        "ALIGN": pieces.align,
         "BLOCK": block_words,
         "STREAM": streaming,
         "ROTATE": rotate,
         "INDEXED": False,
+        "GRID": launch is not None,
         "num_warps": num_warps,
     }
+    held: list[Any] = []
     try:
         if keep is None:
-            on_device = _upload(table, device)
-            address = on_device.data_ptr()
+            held.append(_upload(table, device))
+            address = held[-1].data_ptr()
+        elif launch is not None:
+            # the grid's programs each read their piece's row: from device memory, not over PCIe
+            address = _upload_held(table, device, held)
         else:  # pinned: its host address is its device address
-            on_device = table
+            held.append(table)
             address = table.ctypes.data
-        _launcher.launch(device, programs, address, len(table), base, constants)
+        _launcher.launch(device, launch or (programs, 1, 1), address, count, pieces.base, constants)
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched span copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
         return None
     if keep is not None:
-        keep.append(on_device)
-    return len(table)
+        keep.extend(held)
+    return count
+
+
+def _upload_held(table: npt.NDArray[np.int64], device: Any, held: list[Any]) -> int:
+    """The device address of a copy of ``table`` (pinned host memory) queued on ``device``'s current stream, in
+    that stream's table buffer (:class:`_DeviceTables`); ``held`` gets the table and the buffer, to hold until
+    the stream has passed what reads them."""
+    import torch
+
+    held.append(table)
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _current_stream(ordinal)
+    with _on_device(ordinal):
+        buffer = _device_tables.take(ordinal, stream, table.size)
+        held.append(buffer)
+        if not _upload_async(buffer.data_ptr(), table.ctypes.data, table.nbytes, stream):
+            buffer[: table.size].copy_(torch.from_numpy(table.reshape(-1)), non_blocking=True)
+    return int(buffer.data_ptr())
+
+
+class _DeviceTables:
+    """One device buffer per (device, stream, thread) that the grid form's tables are uploaded into, kept: an
+    allocation per write costs 15-35 us of host time on the H200's host.
+
+    Safe without waiting because every use of a buffer is on its one stream, by its one thread, which queues
+    the upload and the kernel that reads it in one call: the upload of the next table is queued after the
+    kernel that read the last, so it runs only once that kernel is done (two threads sharing a buffer could
+    queue both uploads before either kernel). A buffer outgrown goes back to torch's caching allocator, which
+    hands it out again only in that stream's order."""
+
+    __slots__ = ("_buffers", "_lock", "allocated")
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int, int], Any] = {}
+        self._lock = threading.Lock()
+        #: buffers allocated (a stream's first, and each time one grows)
+        self.allocated = 0
+
+    def take(self, ordinal: int, stream: int, words: int) -> Any:
+        """The calling thread's buffer of ``stream`` on device ``ordinal``, at least ``words`` int64 long."""
+        import torch
+
+        key = (ordinal, stream, threading.get_ident())
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < words:
+                capacity = 1 << max(words - 1, 1023).bit_length()
+                buffer = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", ordinal))
+                self._buffers[key] = buffer
+                self.allocated += 1
+            return buffer
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return f"<_DeviceTables {len(self._buffers)} buffers, {self.allocated} allocated>"
+
+
+#: this process's device table buffers
+_device_tables = _DeviceTables()
 
 
 class IndexedTable:
@@ -673,10 +829,33 @@ class IndexedTable:
     id 0, destination stride in words, words)``, words relative to :attr:`base`; slots are positions in the one
     id vector a launch reads."""
 
-    __slots__ = ("align", "base", "constants", "device", "ids", "key", "nbytes", "pieces", "table", "word")
+    __slots__ = (
+        "align",
+        "base",
+        "constants",
+        "device",
+        "grid",
+        "grid_constants",
+        "grid_key",
+        "ids",
+        "key",
+        "nbytes",
+        "pieces",
+        "table",
+        "word",
+    )
 
     def __init__(
-        self, table: Any, base: int, word: int, align: int, ids: int, nbytes: int, pieces: int, device: Any
+        self,
+        table: Any,
+        base: int,
+        word: int,
+        align: int,
+        ids: int,
+        nbytes: int,
+        pieces: int,
+        device: Any,
+        longest: int = 0,
     ) -> None:
         self.table, self.base, self.word, self.align = table, base, word, align
         #: the length of the id vector a launch reads
@@ -691,13 +870,25 @@ class IndexedTable:
             "STREAM": STREAMING,
             "ROTATE": ROTATE,
             "INDEXED": True,
+            "GRID": False,
             "num_warps": LONG_NUM_WARPS if long_pieces else NUM_WARPS,
         }
         self.key = _Launcher.key(device.index, self.constants) if device.type == "cuda" else ()
+        #: the launch of the grid form (pieces alike in length, :func:`grid_of`; its programs read the ids
+        #: from device memory), or None; its constants and key
+        self.grid = grid_of(pieces, longest, nbytes, GRID_BLOCK_BYTES) if GRID else None
+        self.grid_constants = {
+            **self.constants,
+            "BLOCK": GRID_BLOCK_BYTES // word,
+            "GRID": True,
+            "num_warps": GRID_NUM_WARPS,
+        }
+        self.grid_key = _Launcher.key(device.index, self.grid_constants) if device.type == "cuda" else ()
 
     def __repr__(self) -> str:
+        grid = f", grid {self.grid}" if self.grid else ""
         return (
-            f"<IndexedTable {self.pieces} pieces, {self.nbytes} bytes, {self.ids} ids, word {self.word} "
+            f"<IndexedTable {self.pieces} pieces, {self.nbytes} bytes, {self.ids} ids, word {self.word}{grid} "
             f"on {self.device}>"
         )
 
@@ -746,7 +937,8 @@ def indexed_table(
     host[:, 5] = dst_stride[row] // word
     host[:, 6] = np.minimum(length[row] - within, per_piece) // word
     table = torch.from_numpy(host).to(device)
-    return IndexedTable(table, base, word, align, ids, total, len(row), device)
+    longest_piece = min(longest, per_piece)
+    return IndexedTable(table, base, word, align, ids, total, len(row), device, longest_piece)
 
 
 def pinned_ids(count: int) -> npt.NDArray[np.int64]:
@@ -784,19 +976,22 @@ def copy_indexed(
             keep.append(copy)
             ids = copy
         address = ids.ctypes.data
-        if device_ids is not None and _upload_async(
+        on_device = device_ids is not None and _upload_async(
             device_ids.data_ptr(), address, ids.nbytes, _current_stream(table.key[0])
-        ):
+        )
+        if on_device:
             address = device_ids.data_ptr()
+        # the grid form only with the ids in device memory (each of its many programs reads two)
+        grid = table.grid if on_device else None
         _launcher.launch(
             table.device,
-            table.pieces,
+            grid or (table.pieces, 1, 1),
             table.table.data_ptr(),
             table.pieces,
             table.base,
-            table.constants,
+            table.grid_constants if grid else table.constants,
             ids=address,
-            key=table.key,
+            key=table.grid_key if grid else table.key,
         )
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the indexed span copy failed (%s); copying another way", exc)

@@ -52,8 +52,9 @@ def test_piece_table_moves_exactly_the_spans(
     expected = memory.copy()
     for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
         expected[d - base : d - base + n] = memory[s - base : s - base + n]
-    table, word_base, word, align, _ = span_copy.piece_table(src, dst, lengths, piece)
+    table, word_base, word, align, total, longest = span_copy.piece_table(src, dst, lengths, piece)
     assert word_base % 256 == 0 and word_base <= base
+    assert total == lengths.sum() and longest == table[:, 2].max() * word
     # the word divides every address and length; the alignment hint holds for every piece
     assert (table % align == 0).all()
     assert (table[:, 2] * word <= max(piece, word * align)).all()
@@ -65,7 +66,8 @@ def test_piece_table_moves_exactly_the_spans(
 def test_piece_table_word_and_alignment() -> None:
     def word_align(*values: int) -> tuple[int, int]:
         a = np.array(values, dtype=np.int64)
-        _, _, word, align, _ = span_copy.piece_table(a + (1 << 20), a + (1 << 21), np.full(len(a), 32))
+        pieces = span_copy.piece_table(a + (1 << 20), a + (1 << 21), np.full(len(a), 32))
+        word, align = pieces.word, pieces.align
         return word, align
 
     assert word_align(0, 16, 32) == (8, 2)
@@ -98,9 +100,10 @@ def test_long_spans_are_cut_toward_the_target_number_of_pieces() -> None:
     def pieces(lengths: list[int], piece_bytes: int = span_copy.PIECE_BYTES) -> tuple[int, int]:
         n = np.asarray(lengths, dtype=np.int64)
         src = (1 << 40) + np.cumsum(n) - n
-        table, _, word, _, _ = span_copy.piece_table(src, src + (1 << 41), n, piece_bytes)
-        assert table[:, 2].sum() * word == n.sum()
-        return len(table), int(table[:, 2].max()) * word
+        table, _, word, _, total, longest = span_copy.piece_table(src, src + (1 << 41), n, piece_bytes)
+        assert table[:, 2].sum() * word == n.sum() == total
+        assert int(table[:, 2].max()) * word == longest
+        return len(table), longest
 
     # a disaggregated writer's mix (mismatched TP): 2 MiB runs among 32 KiB pages
     mix = [2 << 10] * 48 + [16 << 10] * 24 + [32 << 10] * 2048 + [64 << 10] * 256 + [2 * mib] * 24
@@ -128,7 +131,12 @@ def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
     for keep in (None, []):
         dst = torch.zeros_like(src)
         pieces = span_copy.copy_spans(
-            src.device, src.data_ptr() + src_offsets, dst.data_ptr() + dst_offsets, lengths, keep=keep
+            src.device,
+            src.data_ptr() + src_offsets,
+            dst.data_ptr() + dst_offsets,
+            lengths,
+            keep=keep,
+            grid=False,
         )
         assert pieces is not None and pieces >= len(lengths)
         torch.cuda.synchronize()
@@ -140,6 +148,60 @@ def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
     for s, d, n in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
         expected[d : d + n] = src[s : s + n]
     assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+
+
+def _grid_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """The grids of the launcher's launches from now on."""
+    grids: list[tuple[int, int, int]] = []
+    launch = span_copy._Launcher.launch
+
+    def recorded(
+        self: span_copy._Launcher, device: object, grid: tuple[int, int, int], *args: object, **kwargs: object
+    ) -> None:
+        grids.append(grid)
+        launch(self, device, grid, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(span_copy._Launcher, "launch", recorded)
+    return grids
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("length", [4096, 300_000, 1 << 20])
+@pytest.mark.parametrize("held", [False, True])
+def test_copy_spans_grid_form_matches_slices(
+    alignment: int, length: int, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spans of one length (and a few short ones) launch the grid form, one program per block; the bytes are
+    the slices', whether the table was uploaded or held (``keep``: the pinned table and its device copy)."""
+    rng = np.random.default_rng(length + alignment)
+    length = length // alignment * alignment + (3 if alignment == 1 else 0)  # odd lengths: masked tails
+    lengths = np.full(96, length, dtype=np.int64)
+    lengths[rng.choice(96, 3, replace=False)] = alignment * 5
+    src = torch.randint(0, 256, (int(lengths.sum()),), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(int(lengths.sum()) + 64, dtype=torch.uint8, device="cuda")
+    src_offsets = np.cumsum(lengths) - lengths
+    order = rng.permutation(len(lengths))
+    dst_offsets = np.empty_like(src_offsets)
+    dst_offsets[order] = np.cumsum(lengths[order]) - lengths[order]
+    grids = _grid_launches(monkeypatch)
+    keep: list[object] | None = [] if held else None
+    pieces = span_copy.copy_spans(
+        src.device, src.data_ptr() + src_offsets, dst.data_ptr() + dst_offsets, lengths, keep=keep
+    )
+    torch.cuda.synchronize()
+    # blocks of the longest piece by pieces
+    longest = span_copy.piece_table(src_offsets, dst_offsets, lengths).longest
+    assert pieces is not None and len(grids) == 1
+    assert grids[0] == (-(-longest // span_copy.GRID_BLOCK_BYTES), pieces, 1)
+    if keep is not None:
+        assert len(keep) == 2 and torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
+        assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
+    expected = torch.zeros_like(dst)
+    for s, d, n in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
+    assert torch.equal(dst, expected)
 
 
 @cuda
@@ -231,13 +293,36 @@ def test_few_long_spans_are_cut_as_many_are(long_spans: int, monkeypatch: pytest
     assert one_by_one[:, 2].sum() * rest_a[1] == lengths.sum() and len(one_by_one) > n
 
 
+def test_grid_of_launches_one_program_per_block_when_pieces_are_alike() -> None:
+    """The grid form is chosen when few of its programs would have nothing to copy: pieces of one length (1 GiB
+    in 1 MiB fragments: 256 blocks of 4 KiB by 1024 pieces), a few short ones among them; not for pieces of
+    very different lengths (a disaggregated writer's mismatched-TP mix cut at 256 KiB). Past the driver's
+    65535 in the second dimension the pieces fold into the third, covering every piece."""
+    mib, block = 1 << 20, span_copy.GRID_BLOCK_BYTES
+    assert span_copy.grid_of(1024, mib, 1024 * mib, block) == (256, 1024, 1)
+    assert span_copy.grid_of(1030, mib, 1024 * mib + 6 * 8192, block) == (256, 1030, 1)
+    mix = [2 << 10] * 48 + [16 << 10] * 24 + [32 << 10] * 2048 + [64 << 10] * 256 + [2 * mib] * 24
+    n = np.asarray(mix, dtype=np.int64)
+    src = (1 << 40) + np.cumsum(n) - n
+    table = span_copy.piece_table(src, src + (1 << 41), n)
+    assert span_copy.grid_of(len(table.table), table.longest, table.total, block) is None
+    assert span_copy.grid_of(0, 0, 0, block) is None
+    for pieces in (65535, 65536, 200_001):
+        x, y, z = span_copy.grid_of(pieces, block, pieces * block, block) or (0, 0, 0)
+        assert x == 1 and y <= 65535 and y * z >= pieces > y * (z - 1)
+
+
 def _indexed_case(
-    rng: np.random.Generator, base: int, alignment: int, slots: int
+    rng: np.random.Generator, base: int, alignment: int, slots: int, uniform: bool = False
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
     """Rows of an indexed copy over two pools of ``slots`` slots (source, destination), some longer than a piece,
-    the ids of one write, and the bytes both pools span from ``base``."""
+    the ids of one write, and the bytes both pools span from ``base``. ``uniform``: rows of one length (a
+    multiple of the piece size plus a little), which the grid form copies."""
     n = int(rng.integers(1, 12))
     lengths = (rng.integers(1, 3 << 20, n) // alignment + 1) * alignment
+    if uniform:
+        n = 8
+        lengths = np.full(n, 4 * span_copy.MIN_PIECE_BYTES + alignment * 7)
     stride = int(lengths.sum()) + alignment * int(rng.integers(0, 4))
     offsets = np.cumsum(lengths) - lengths
     src_pool, dst_pool = base, base + slots * stride
@@ -284,12 +369,16 @@ def test_indexed_table_moves_exactly_the_rows(seed: int, alignment: int) -> None
 
 @cuda
 @pytest.mark.parametrize("alignment", [1, 16])
-def test_copy_indexed_matches_the_rows(alignment: int) -> None:
-    """The kernel works out each piece's addresses from the ids it reads from pinned memory."""
+@pytest.mark.parametrize("uniform", [False, True])
+def test_copy_indexed_matches_the_rows(
+    alignment: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel works out each piece's addresses from the ids it reads from pinned memory; rows of one
+    length launch the grid form when the ids are in device memory."""
     rng = np.random.default_rng(alignment)
     memory = torch.randint(0, 256, (512 << 20,), dtype=torch.uint8, device="cuda")
     base = memory.data_ptr()
-    rows, ids, size = _indexed_case(rng, base, alignment, slots=4)
+    rows, ids, size = _indexed_case(rng, base, alignment, slots=4, uniform=uniform)
     assert size <= memory.numel()
     expected = memory.clone()
     for i in range(len(rows["length"])):
@@ -303,6 +392,8 @@ def test_copy_indexed_matches_the_rows(alignment: int) -> None:
     pinned[...] = ids
     on_device = torch.empty(len(ids), dtype=torch.int64, device="cuda")
     keep: list[object] = []
+    assert table.grid is not None or not uniform
+    grids = _grid_launches(monkeypatch)
     # the JIT's launch reading a pinned copy; then the driver's, from the pinned vector, and from its copy on the
     # device (poisoned first: the kernel must read the copy made on the stream)
     for kwargs in ({}, {"pinned": True}, {"pinned": True, "device_ids": on_device.fill_(-1)}):
@@ -311,3 +402,6 @@ def test_copy_indexed_matches_the_rows(alignment: int) -> None:
         torch.cuda.synchronize()
         assert torch.equal(memory, expected), kwargs
     assert torch.equal(on_device.cpu(), torch.from_numpy(ids))
+    # one program per piece while the ids were in host memory; the grid with them on the device
+    assert grids[:2] == [(table.pieces, 1, 1)] * 2
+    assert grids[2] == (table.grid or (table.pieces, 1, 1))
