@@ -6,13 +6,21 @@ process, so spans may join any allocations of one device (a pool and a staging b
 peer's mapped one) in a single launch.
 
 The spans are cut on the host (numpy) into pieces of at most :data:`PIECE_BYTES` (fewer bytes when that gives
-about :data:`TARGET_PIECES` pieces); one Triton program copies one piece in words of the widest size (8, 4, 2 or
-1 bytes) that divides every address and length. When every address and length is a multiple of 16 bytes the
-kernel is told so, and it moves 16 bytes per load and store. The table is read by the kernel straight from
-pinned host memory when the caller holds it until the copy ran (a transport write), else uploaded.
+about :data:`TARGET_PIECES` pieces), copied in words of the widest size (8, 4, 2 or 1 bytes) that divides every
+address and length. When every address and length is a multiple of 16 bytes the kernel is told so, and it moves
+16 bytes per load and store. Two forms of one kernel:
 
-On one H200 (Nsight Compute, ``benchmarks/ncu_probe.py``; ``benchmarks/results/span_copy_ncu_h200.json``) the
-kernel moves 1 GiB in fragments of 1-16 MiB in 556-571 us (``copy_`` of one run: 515 us), whatever the piece
+- the *grid* (pieces alike in length, :func:`grid_of`): one program per :data:`GRID_BLOCK_BYTES` block of a
+  piece, as a plain copy's programs; its table is in device memory (uploaded on the stream into a buffer kept
+  per stream and thread). On the H200 it moves 1 GiB in 1 MiB spans in 580-700 us, 1 MiB blocks of both sides
+  in order in 660-690 us, against 680-800 us for the loop form (``benchmarks/clock_probe.py``,
+  ``benchmarks/span_copy.py --grid``; ``copy_``: 510-530 us);
+- the *loop*: one program per piece, looping over its blocks, for pieces of mixed lengths; the kernel reads its
+  table straight from pinned host memory when the caller holds it until the copy ran (a transport write), else
+  uploaded.
+
+Under Nsight Compute on one H200 (``benchmarks/ncu_probe.py``; ``benchmarks/results/span_copy_ncu_h200.json``) the
+loop form moves 1 GiB in fragments of 1-16 MiB in 556-571 us (``copy_`` of one run: 515 us), whatever the piece
 size; pieces of 256 KiB move a disaggregated writer's page mix in 74-92 us where 4 MiB pieces take 103-134 us.
 
 Indexed copies (:func:`indexed_table`, :func:`copy_indexed`) are the same kernel reading a table of rows whose
@@ -685,9 +693,10 @@ def copy_spans(
     None when Triton could not build or launch the kernel (logged; nothing was queued: copy another way).
 
     ``keep``: a list the caller holds until the stream has passed this launch (it synchronises before it lets
-    go, cancelled or not). The kernel then reads its table straight from pinned host memory, which is appended
-    to ``keep``: no upload, one allocation and one copy fewer before the launch. Without ``keep`` the table is
-    uploaded on the stream (nothing to hold; for copies that are not waited for).
+    go, cancelled or not). The table is then copied into pinned host memory, which is appended to ``keep``: the
+    loop form reads it there (no upload), the grid form's upload reads it from there. Without ``keep`` the
+    table is uploaded on the stream from a block of torch's caching host allocator (nothing to hold; for copies
+    that are not waited for).
 
     ``grid``: pieces alike in length (:func:`grid_of`) are copied one program per block of
     :data:`GRID_BLOCK_BYTES` (the table then goes to device memory, held in ``keep`` with its pinned source);

@@ -312,6 +312,42 @@ def test_grid_of_launches_one_program_per_block_when_pieces_are_alike() -> None:
         assert x == 1 and y <= 65535 and y * z >= pieces > y * (z - 1)
 
 
+@cuda
+@pytest.mark.gpu
+def test_grid_tables_share_a_stream_buffer_in_stream_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back-to-back grid copies on one stream, not waited for in between, upload their tables into the same
+    kept device buffer: each kernel still reads its own table (the next upload runs after it), so every copy
+    lands where its spans say; a table too large for the buffer grows it."""
+    rng = np.random.default_rng(3)
+    span, rows_in = 4096, 512
+    src = torch.randint(0, 256, (rows_in * span,), dtype=torch.uint8, device="cuda")
+    offsets = np.arange(rows_in, dtype=np.int64) * span
+    lengths = np.full(rows_in, span, dtype=np.int64)
+    outputs, orders = [], []
+    keep: list[object] = []
+    grids = _grid_launches(monkeypatch)
+    for count in (16, 400, 16, 400, 32):  # 400 rows (1200 words) outgrow the first buffer (1024)
+        order = rng.permutation(rows_in)[:count]
+        dst = torch.zeros(count * span, dtype=torch.uint8, device="cuda")
+        pieces = span_copy.copy_spans(
+            src.device,
+            src.data_ptr() + offsets[order],
+            dst.data_ptr() + offsets[:count],
+            lengths[:count],
+            keep=keep,
+        )
+        assert pieces == count
+        outputs.append(dst)
+        orders.append(order)
+    buffers = {id(k) for k in keep if isinstance(k, torch.Tensor) and k.device.type == "cuda"}
+    assert len(buffers) <= 2  # the stream's one buffer (and the one it grew into, if it did)
+    assert grids == [(1, n, 1) for n in (16, 400, 16, 400, 32)]  # every one the grid form
+    torch.cuda.synchronize()
+    rows = src.view(rows_in, span)
+    for dst, order in zip(outputs, orders, strict=True):
+        assert torch.equal(dst.view(-1, span), rows[torch.from_numpy(order).cuda()])
+
+
 def _indexed_case(
     rng: np.random.Generator, base: int, alignment: int, slots: int, uniform: bool = False
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
