@@ -685,6 +685,11 @@ def main() -> int:
         action="store_true",
         help="record both processes' calls on one clock and print each mode's median timeline",
     )
+    parser.add_argument(
+        "--no-grid-recut",
+        action="store_true",
+        help="indexed tables of mixed row lengths keep the default cut (span_copy.GRID_RECUT off)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
@@ -695,6 +700,10 @@ def main() -> int:
         from kvferry.transports import _memory
 
         _memory.POLL_SECONDS = args.poll_us * 1e-6
+    if args.no_grid_recut:
+        from kvferry import span_copy
+
+        span_copy.GRID_RECUT = False
     if args.role == "sender":
         anyio.run(sender, args)
         return 0
@@ -712,6 +721,7 @@ def main() -> int:
             "max_mean_bytes": args.auto_max_mean_kib << 10,
         },
         "repeat": args.repeat,
+        "grid_recut": not args.no_grid_recut,
         "torch": torch.__version__,
         "statistic": "median seconds from sending the request to the last report (+ scatter); the sender maps "
         "its side of each request before the request comes (prepare_source, as the engine's context side does)",

@@ -51,6 +51,7 @@ __all__ = [
     "GRID",
     "GRID_BLOCK_BYTES",
     "GRID_NUM_WARPS",
+    "GRID_RECUT",
     "GRID_WASTE",
     "LONG_BLOCK_WORDS",
     "LONG_NUM_WARPS",
@@ -106,8 +107,13 @@ GRID_NUM_WARPS = 4
 #: The grid is used when it launches at most this many programs per block there is to copy (a piece shorter
 #: than the longest launches programs that do nothing).
 GRID_WASTE = 1.25
+#: An indexed table whose rows are too unlike for the grid is cut into shorter pieces (down to a block) where
+#: that makes them alike enough (:func:`indexed_table`; built once per template).
+GRID_RECUT = True
 #: The driver's bound on a grid's second and third dimensions.
 _GRID_ROWS = 65535
+#: the most pieces a shorter cut may make (a table of 3.5 MiB)
+_MAX_RECUT_PIECES = 1 << 16
 
 
 @functools.cache
@@ -935,6 +941,23 @@ def indexed_table(
     word, align = _word_and_align(combined)
     per_piece = max(word * align, piece_bytes // (word * align) * (word * align))
     count = -(-length // per_piece)
+    if (
+        GRID
+        and GRID_RECUT
+        and grid_of(int(count.sum()), min(longest, per_piece), total, GRID_BLOCK_BYTES) is None
+    ):
+        # rows of mixed lengths: cut shorter, where that makes the pieces alike enough for the grid (the table
+        # is built once per template, so its size costs nothing per launch)
+        cut = per_piece // 2
+        while cut >= max(GRID_BLOCK_BYTES, word * align) and cut % (word * align) == 0:
+            shorter = -(-length // cut)
+            pieces = int(shorter.sum())
+            if pieces > _MAX_RECUT_PIECES:
+                break
+            if grid_of(pieces, min(longest, cut), total, GRID_BLOCK_BYTES) is not None:
+                per_piece, count = cut, shorter
+                break
+            cut //= 2
     row = np.repeat(np.arange(len(length), dtype=np.int64), count)
     within = (np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)) * per_piece
     host = np.empty((len(row), 7), dtype=np.int64)
