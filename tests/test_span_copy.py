@@ -170,11 +170,14 @@ def _grid_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]
 @pytest.mark.parametrize("alignment", [1, 16])
 @pytest.mark.parametrize("length", [4096, 300_000, 1 << 20])
 @pytest.mark.parametrize("held", [False, True])
-def test_copy_spans_grid_form_matches_slices(
+def test_copy_spans_grid_or_loop_form_matches_slices(
     alignment: int, length: int, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Spans of one length (and a few short ones) launch the grid form, one program per block; the bytes are
-    the slices', whether the table was uploaded or held (``keep``: the pinned table and its device copy)."""
+    """Spans of one length that cut into equal pieces (4 KiB, 1 MiB: four of 256 KiB), with a few short ones,
+    launch the grid form, one program per block; spans of 300000 bytes cut into a 256 KiB piece and a 37 KB
+    rest, too unlike for the grid, launch the loop form, one program per piece. The bytes are the slices',
+    whether the table was uploaded or held (``keep``: the pinned table, and for the grid its device copy)."""
+    grid_expected = length != 300_000
     rng = np.random.default_rng(length + alignment)
     length = length // alignment * alignment + (3 if alignment == 1 else 0)  # odd lengths: masked tails
     lengths = np.full(96, length, dtype=np.int64)
@@ -191,13 +194,18 @@ def test_copy_spans_grid_form_matches_slices(
         src.device, src.data_ptr() + src_offsets, dst.data_ptr() + dst_offsets, lengths, keep=keep
     )
     torch.cuda.synchronize()
-    # blocks of the longest piece by pieces
+    # the grid: blocks of the longest piece by pieces; the loop: a program per piece
     longest = span_copy.piece_table(src_offsets, dst_offsets, lengths).longest
     assert pieces is not None and len(grids) == 1
-    assert grids[0] == (-(-longest // span_copy.GRID_BLOCK_BYTES), pieces, 1)
+    if grid_expected:
+        assert grids[0] == (-(-longest // span_copy.GRID_BLOCK_BYTES), pieces, 1)
+    else:
+        assert grids[0] == (pieces, 1, 1)
     if keep is not None:
-        assert len(keep) == 2 and torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
-        assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
+        assert len(keep) == (2 if grid_expected else 1)
+        assert torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
+        if grid_expected:
+            assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
     expected = torch.zeros_like(dst)
     for s, d, n in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
         expected[d : d + n] = src[s : s + n]
