@@ -146,8 +146,14 @@ class RegionTable:
             view = self._views[index] = byte_view(self.regions[index])
         return view
 
-    def locate(self, fragments: Fragments, what: str) -> npt.NDArray[np.int64]:
+    def locate(
+        self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None
+    ) -> npt.NDArray[np.int64]:
         """The index (into ``regions``) of a registered range holding each fragment.
+
+        ``bounds``: the fragments' lowest address and a bound on their highest end (no fragment ends past it),
+        when the caller has them: one range holding that span answers every fragment without a pass over
+        them.
 
         :raises ~kvferry.errors.RegionError: naming the first fragment outside every range.
         """
@@ -155,7 +161,7 @@ class RegionTable:
             return np.empty(0, dtype=np.int64)
         if not self.regions:
             raise RegionError(f"{what}: no memory is registered")
-        index = self.holding(fragments)
+        index = self.holding(fragments, bounds)
         if int(index.min()) < 0:
             bad = int(np.flatnonzero(index < 0)[0])
             raise RegionError(
@@ -164,13 +170,19 @@ class RegionTable:
             )
         return index
 
-    def holding(self, fragments: Fragments) -> npt.NDArray[np.int64]:
+    def holding(self, fragments: Fragments, bounds: tuple[int, int] | None = None) -> npt.NDArray[np.int64]:
         """As :meth:`locate`, with -1 for a fragment outside every range (no error)."""
         if len(fragments) == 0 or not self.regions:
             return np.full(len(fragments), -1, dtype=np.int64)
+        if len(fragments) > 1 and bounds is not None:
+            lowest, highest = bounds
+            first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
+            if int(self._best_end[first]) >= highest and lowest <= highest:
+                return np.broadcast_to(self._best[first], len(fragments))
+            bounds = None  # not in one range: the rows' own ends decide below
         addresses = fragments[:, 0]
         ends = addresses + fragments[:, 1]
-        if len(fragments) > 1:
+        if len(fragments) > 1 and bounds is None:
             # every row inside the range that holds the lowest address (one buffer, the common case): a
             # read-only broadcast of that range's index, without a search per row
             lowest, highest = int(addresses.min()), int(ends.max())

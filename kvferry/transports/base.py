@@ -153,6 +153,10 @@ class WriteRows(NamedTuple):
     #: the rows merged where contiguous on both sides (None: nothing merges, or merging was not asked for)
     merged_src: Fragments | None
     merged_dst: Fragments | None
+    #: where the rows lie when none merged, worked out on the way: (the lowest source address, a bound on the
+    #: highest source end, the same for the destination), each bound the highest address plus the longest
+    #: length; None where not worked out (few rows, or rows that merged)
+    bounds: tuple[int, int, int, int] | None = None
 
 
 #: below this many rows a write's rows are checked row by row (:func:`as_fragments`): as fast, and simpler
@@ -192,12 +196,19 @@ def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) ->
     ms, md = (s, d) if merged is None else merged
     if merged is not None:
         longest = int(ms[:, 1].max())
+    src_high, dst_high = int(ms[:, 0].max()), int(md[:, 0].max())
     # no row wraps when the highest address plus the longest length does not (else look row by row)
-    if max(int(ms[:, 0].max()), int(md[:, 0].max())) > _MAX_ADDRESS - longest and (
+    if max(src_high, dst_high) > _MAX_ADDRESS - longest and (
         bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any())
     ):
         raise ValueError("a fragment wraps around the address space")
-    return WriteRows(s, d, *(merged or (None, None)))
+    if merged is not None:
+        return WriteRows(s, d, *merged)
+    # what the registered ranges are checked against first (one range holding every row needs no search):
+    # rows that did not merge are mostly of one length (pages), where the highest address plus the longest
+    # length is the highest end; merged runs are not, and are few, so their own ends are cheap to look at
+    bounds = (int(s[:, 0].min()), src_high + longest, int(d[:, 0].min()), dst_high + longest)
+    return WriteRows(s, d, None, None, bounds)
 
 
 def joined_rows(

@@ -78,6 +78,13 @@ def test_write_rows_is_as_fragments_pairing_and_coalesce(
         assert got.merged_src is None and got.merged_dst is None
     unmerged = write_rows(src, dst, merge=False)
     assert unmerged.merged_src is None and unmerged.src.tolist() == want_s.tolist()
+    # the bounds of rows that did not merge (many of them): every row lies inside them
+    if got.bounds is not None:
+        assert got.merged_src is None
+        for rows_, (low, high) in ((got.src, got.bounds[:2]), (got.dst, got.bounds[2:])):
+            assert low == int(rows_[:, 0].min()) and high >= int((rows_[:, 0] + rows_[:, 1]).max())
+    else:
+        assert len(rows) < 64 or got.merged_src is not None
 
 
 @pytest.mark.parametrize("rows", [3, 200])
@@ -143,6 +150,39 @@ def test_region_table_answers_rows_in_one_range_at_once() -> None:
     assert table.holding(as_fragments([[5000, 10], [999, 2], [1099, 1]])).tolist() == [1, -1, 0]
     assert table.holding(as_fragments([[1, 1]])).tolist() == [-1]
     assert RegionTable([]).holding(as_fragments([[1, 1], [2, 1]])).tolist() == [-1, -1]
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 7000), st.integers(1, 1200)), min_size=2, max_size=40),
+    st.integers(0, 7000),
+    st.integers(0, 1200),
+)
+def test_region_table_bounds_answer_as_the_rows_do(rows: list[tuple[int, int]], low: int, extra: int) -> None:
+    """Given bounds (the rows' lowest address, a bound on their highest end) answer as the rows alone do: one
+    range holding the span answers every row at once; otherwise the rows are searched one by one (the same
+    answers, the same refusal naming the same row)."""
+    table = RegionTable(
+        [RegionInfo(1000, 100, "cpu"), RegionInfo(5000, 1000, "cpu"), RegionInfo(5200, 50, "cpu")]
+    )
+    fragments = as_fragments(rows)
+    lowest = int(fragments[:, 0].min())
+    highest = int((fragments[:, 0] + fragments[:, 1]).max())
+    exact = table.holding(fragments).tolist()
+    # tight bounds, and a looser high bound (as write_rows gives: highest address plus longest length)
+    for bounds in ((lowest, highest), (lowest, highest + extra)):
+        assert table.holding(fragments, bounds).tolist() == exact
+        try:
+            expected: object = table.locate(fragments, "x").tolist()
+        except RegionError as exc:
+            expected = str(exc)
+        try:
+            got: object = table.locate(fragments, "x", bounds).tolist()
+        except RegionError as exc:
+            got = str(exc)
+        assert got == expected
+    # bounds in one range answer every row of that range at once
+    inside = as_fragments([[5000 + low % 900, 1 + extra % 100], [5000, 1]])
+    assert table.locate(inside, "x", (5000, 5000 + low % 900 + 1 + extra % 100)).tolist() == [1, 1]
 
 
 @given(st.binary(max_size=64), st.binary(max_size=256), st.integers(0, 2**64 - 1))
