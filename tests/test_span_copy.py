@@ -259,6 +259,28 @@ def test_repeated_launches_skip_the_jit_and_copy_the_same() -> None:
         assert launcher.driver_launches >= driver + 2
 
 
+def test_device_tables_are_kept_per_stream_and_thread_and_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid form's device buffer: one per (device, stream, thread), handed out again while big enough,
+    replaced by one of the next power of two when a table outgrows it; another stream or thread gets its own
+    (two threads sharing one could queue both uploads before either kernel)."""
+    import threading
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # host memory here
+    tables = span_copy._DeviceTables()
+    first = tables.take(0, 7, 100)
+    assert first.numel() == 1024 and tables.take(0, 7, 1024) is first
+    grown = tables.take(0, 7, 3000)
+    assert grown.numel() == 4096 and tables.take(0, 7, 10) is grown and tables.allocated == 2
+    assert tables.take(0, 8, 10) is not grown and tables.take(1, 7, 10) is not grown
+    other: list[object] = []
+    thread = threading.Thread(target=lambda: other.append(tables.take(0, 7, 10)))
+    thread.start()
+    thread.join()
+    assert other[0] is not grown and tables.allocated == 5
+    assert repr(tables) == "<_DeviceTables 4 buffers, 5 allocated>"  # the outgrown one replaced
+
+
 def test_pinned_tables_are_reused_only_once_every_view_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
     """A table's block goes back for reuse when the table and every view of it are gone (the caller's ``keep``
     holds it until the copy ran), never while one lives; rows round up to a power of two (64 at least)."""
