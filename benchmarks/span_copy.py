@@ -3,8 +3,11 @@
 Each case (a fragment size in KiB over ``--total-mib``, or a mix of fragment lengths taken from one
 disaggregated request's writer, see :data:`MIXES`) is copied in each layout (``transfer``: the source in order
 and the destination's runs permuted, as ``kvferry bench transfer`` writes; ``scattered``: both sides permuted,
-the destination over twice the bytes) and timed against one contiguous ``copy_`` of the same number of bytes in
-the same run. The batched copy is tried with every combination of the options given, so the defaults of
+the destination over twice the bytes; ``contiguous``: both sides in order, one ``copy_``'s bytes cut into spans)
+and timed against one contiguous ``copy_`` of the same number of bytes, timed again right after each row (the
+kernels' times drift between rounds where ``copy_``'s do not). ``--grid 0 1`` tries the loop form (a program per
+piece) and the grid form (a program per block, where the pieces allow it; the row's ``launch`` says which ran).
+The batched copy is tried with every combination of the options given, so the defaults of
 :mod:`kvferry.span_copy` come from a measurement; each setting's bytes are checked before it is timed. Wall
 time includes building and uploading the piece table and waiting for the stream (what a transport write pays);
 device time is from CUDA events around the launch.
