@@ -179,10 +179,10 @@ class RegionTable:
             first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
             if int(self._best_end[first]) >= highest and lowest <= highest:
                 return np.broadcast_to(self._best[first], len(fragments))
-            bounds = None  # not in one range: the rows' own ends decide below
+            # not in one range (or the bound overshoots it): the rows' own ends decide below
         addresses = fragments[:, 0]
         ends = addresses + fragments[:, 1]
-        if len(fragments) > 1 and bounds is None:
+        if len(fragments) > 1:
             # every row inside the range that holds the lowest address (one buffer, the common case): a
             # read-only broadcast of that range's index, without a search per row
             lowest, highest = int(addresses.min()), int(ends.max())
