@@ -91,6 +91,7 @@ def _patch_stages(transport: Any) -> _Stages:
     stages.wrap(_memory.CopyPlan, "_device_rows", "device rows (queue)")
     stages.wrap(span_copy, "piece_table", "piece table")
     stages.wrap(span_copy, "copy_spans", "copy_spans (table + upload + launch)")
+    stages.wrap(span_copy, "copy_fragments", "copy_fragments (rows + upload + launch)")
     stages.wrap(span_copy, "_upload", "table upload")
     stages.wrap(span_copy, "_pinned_table", "pinned table")
     stages.wrap(span_copy, "_upload_held", "table upload (grid)")

@@ -8,13 +8,20 @@ peer's mapped one) in a single launch.
 The spans are cut on the host (numpy) into pieces of at most :data:`PIECE_BYTES` (fewer bytes when that gives
 about :data:`TARGET_PIECES` pieces), copied in words of the widest size (8, 4, 2 or 1 bytes) that divides every
 address and length. When every address and length is a multiple of 16 bytes the kernel is told so, and it moves
-16 bytes per load and store. Two forms of one kernel:
+16 bytes per load and store. Three forms of one kernel:
 
+- the *fragment rows* (:func:`copy_fragments`, what the transports' CUDA writes use): a transport's paired
+  ``[n, 2]`` (address, length) arrays go to the device as they are, one after the other; one program per
+  :data:`GRID_BLOCK_BYTES` block of the mean row, a row's programs taking one more round per multiple of it
+  (merged neighbours), in 16-byte words. No piece table: the host copies the rows into pinned memory, checks
+  their alignment and uploads them. On the H200 the kernel moves 1 GiB in 1-16 MiB rows at 0.90-0.94 of
+  ``copy_`` (``benchmarks/grid_kernel_probe.py --library --burst 5``, ``fragment_copy_h200.json``);
 - the *grid* (pieces alike in length, :func:`grid_of`): one program per :data:`GRID_BLOCK_BYTES` block of a
   piece, as a plain copy's programs; its table is in device memory (uploaded on the stream into a buffer kept
-  per stream and thread). On the H200 it moves 1 GiB in 1 MiB spans in 580-700 us, 1 MiB blocks of both sides
-  in order in 660-690 us, against 680-800 us for the loop form (``benchmarks/clock_probe.py``,
-  ``benchmarks/span_copy.py --grid``; ``copy_``: 510-530 us);
+  per stream and thread). Its kernel alone runs at 0.93-0.98 of ``copy_`` on the H200
+  (``grid_kernel_probe_h200.json``); CUDA events around a single call also count the host's table building
+  and launch while the device waits, which is what made it look like 580-700 us for 1 GiB before (``copy_``:
+  510-530 us);
 - the *loop*: one program per piece, looping over its blocks, for pieces of mixed lengths; the kernel reads its
   table straight from pinned host memory when the caller holds it until the copy ran (a transport write), else
   uploaded.
@@ -48,6 +55,7 @@ log = logging.getLogger("kvferry.span_copy")
 
 __all__ = [
     "BLOCK_WORDS",
+    "FRAGMENT_ROUNDS",
     "GRID",
     "GRID_BLOCK_BYTES",
     "GRID_NUM_WARPS",
@@ -66,8 +74,10 @@ __all__ = [
     "IndexedTable",
     "PieceTable",
     "available",
+    "copy_fragments",
     "copy_indexed",
     "copy_spans",
+    "fragment_grid",
     "grid_of",
     "indexed_table",
     "on_device",
@@ -135,6 +145,8 @@ def _kernel() -> Any:
         ROTATE: tl.constexpr,
         INDEXED: tl.constexpr,
         GRID: tl.constexpr,
+        FRAGMENTS: tl.constexpr,
+        ROUNDS: tl.constexpr,
     ):
         if WORD == 8:
             words = base_ptr.to(tl.pointer_type(tl.int64))
@@ -144,7 +156,32 @@ def _kernel() -> Any:
             words = base_ptr.to(tl.pointer_type(tl.int16))
         else:
             words = base_ptr
-        if GRID:
+        if GRID and FRAGMENTS:
+            # rows as a transport pairs them, every address and length a multiple of 16 bytes: the sources'
+            # (address, bytes) rows, then the destinations'; a row's programs copy its blocks program_id(0),
+            # + num_programs(0), ... (ROUNDS of them, unrolled: one for rows of the mean length). One code path
+            # of 16-byte words only: a byte path beside it costs every program registers (occupancy), 25-50%
+            # of the bandwidth on the H200
+            piece = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+            if piece < num_pieces:
+                row = table_ptr + 2 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                origin = base_ptr.to(tl.int64, bitcast=True)
+                src = (tl.load(row) - origin) // 8
+                count = tl.load(row + 1) // 8
+                dst = (tl.load(row + 2 * num_pieces.to(tl.int64)) - origin) // 8  # type: ignore[attr-defined]
+                first = tl.program_id(0).to(tl.int64) * BLOCK
+                stride = tl.num_programs(0).to(tl.int64) * BLOCK
+                for r in tl.static_range(ROUNDS):
+                    start = first + r * stride
+                    lanes = start + tl.arange(0, BLOCK)
+                    if start + BLOCK <= count:
+                        s = tl.max_contiguous(tl.multiple_of(src + lanes, 2), BLOCK)
+                        d = tl.max_contiguous(tl.multiple_of(dst + lanes, 2), BLOCK)
+                        tl.store(words + d, tl.load(words + s))
+                    elif start < count:
+                        mask = lanes < count
+                        tl.store(words + dst + lanes, tl.load(words + src + lanes, mask=mask), mask=mask)
+        elif GRID:
             # one program per block of a piece: block program_id(0) of piece program_id(1) (+ program_id(2)
             # times the pieces of one grid row, past the driver's 65535 in y), as a plain copy's programs each
             # copy one block; blocks past a shorter piece's end do nothing
@@ -755,6 +792,8 @@ def copy_spans(
         "ROTATE": rotate,
         "INDEXED": False,
         "GRID": launch is not None,
+        "FRAGMENTS": False,
+        "ROUNDS": 1,
         "num_warps": num_warps,
     }
     held: list[Any] = []
@@ -776,6 +815,111 @@ def copy_spans(
     if keep is not None:
         keep.extend(held)
     return count
+
+
+def fragment_grid(count: int, longest: int, total: int) -> tuple[int, int, int] | None:
+    """The launch of :func:`copy_fragments`'s kernel for ``count`` rows of ``total`` bytes, the longest
+    ``longest``: as many programs per row as the mean row has :data:`GRID_BLOCK_BYTES` blocks (rounded up),
+    each copying its row's blocks that far apart (rows of twice the mean, neighbours merged on both sides,
+    take two rounds), the rows folded past the driver's bound; None when the longest row would take
+    more than :data:`FRAGMENT_ROUNDS` rounds (a few long rows among short ones: the piece table cuts those)."""
+    if not count:
+        return None
+    per_row = max(1, -(-total // (count * GRID_BLOCK_BYTES)))
+    if -(-longest // (per_row * GRID_BLOCK_BYTES)) > FRAGMENT_ROUNDS:
+        return None
+    folds = -(-count // _GRID_ROWS)
+    return per_row, -(-count // folds), folds
+
+
+#: the most rounds a program of :func:`copy_fragments` makes over its row (a power of two: the kernel is
+#: compiled for 1, 2 and 4)
+FRAGMENT_ROUNDS = 4
+
+
+def _pinned_words(words: int) -> npt.NDArray[np.int64]:
+    """An empty int64 vector of ``words`` in pinned host memory (a view of a pinned block of 3-word rows)."""
+    return _pinned_table(-(-words // 3)).reshape(-1)[:words]
+
+
+def copy_fragments(
+    device: Any,
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    *,
+    keep: list[Any],
+    longest: int | None = None,
+    total: int | None = None,
+) -> int | None:
+    """Queue the copy of every fragment row ``src[i]`` to ``dst[i]`` (``[n, 2]`` arrays of (address, length),
+    the lengths equal row by row, as a transport's paired fragments are) on the current stream of ``device``;
+    returns the number of rows launched, or None when Triton could not build or launch the kernel (logged;
+    nothing was queued: copy another way). ``longest``/``total``: the longest row's bytes and all rows' bytes,
+    when the caller has them.
+
+    Rows of lengths near each other (:func:`fragment_grid`) go to the kernel as they are: both arrays, one
+    after the other, in pinned host memory, uploaded on the stream; each program copies blocks of its row in
+    16-byte words (rows with an address or length that is not a multiple of 16 go to :func:`copy_spans`, which
+    copies in the widest word they allow). The host does two copies and one pass over the rows (their
+    alignment): on the H200's host each pass costs 10-50 us right after a write waited for its peer, and the
+    piece table took 80-200 us there. Rows of lengths too unlike go to :func:`copy_spans` too.
+
+    The caller's contract is :func:`copy_spans`'s (every span checked, no destination overlapping another);
+    ``keep`` gets the pinned rows and the device buffer they are uploaded into, to hold until the stream has
+    passed this launch (also when the caller is cancelled: nothing here waits)."""
+    count = len(src)
+    if not count:
+        return 0
+    if longest is None:
+        longest = int(src[:, 1].max())
+    if total is None:
+        total = int(src[:, 1].sum())
+    grid = fragment_grid(count, longest, total) if GRID else None
+    if grid is None:
+        return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)
+    held: list[Any] = []
+    try:
+        words = _pinned_words(4 * count)
+        bits = words.view(np.uint64) if src.dtype == np.uint64 else words
+        bits[: 2 * count] = src.reshape(-1)
+        bits[2 * count :] = dst.reshape(-1)
+        if int(np.bitwise_or.reduce(bits)) % 16:  # a row not in 16-byte words: the piece table's word size
+            return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)
+        address = _upload_held(words, device, held)
+        rounds = -(-longest // (grid[0] * GRID_BLOCK_BYTES))
+        constants, key = _fragment_launch(_ordinal(device), 1 << max(rounds - 1, 0).bit_length())
+        _launcher.launch(device, grid, address, count, int(src[0, 0]) & ~255, constants, key=key)
+    except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
+        log.warning("the batched fragment copy failed (%s); copying another way", exc)
+        _kernel.cache_clear()
+        return None
+    keep.extend(held)
+    return count
+
+
+def _ordinal(device: Any) -> int:
+    import torch
+
+    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
+
+
+@functools.cache
+def _fragment_launch(ordinal: int, rounds: int) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """The constants of :func:`copy_fragments`'s launch of ``rounds`` rounds and their launcher key (made once
+    per device and rounds)."""
+    constants = {
+        "WORD": 8,
+        "ALIGN": 2,
+        "BLOCK": GRID_BLOCK_BYTES // 8,
+        "STREAM": False,
+        "ROTATE": 0,
+        "INDEXED": False,
+        "GRID": True,
+        "FRAGMENTS": True,
+        "ROUNDS": rounds,
+        "num_warps": GRID_NUM_WARPS,
+    }
+    return constants, _Launcher.key(ordinal, constants)
 
 
 def _upload_held(table: npt.NDArray[np.int64], device: Any, held: list[Any]) -> int:
@@ -886,6 +1030,8 @@ class IndexedTable:
             "ROTATE": ROTATE,
             "INDEXED": True,
             "GRID": False,
+            "FRAGMENTS": False,
+            "ROUNDS": 1,
             "num_warps": LONG_NUM_WARPS if long_pieces else NUM_WARPS,
         }
         self.key = _Launcher.key(device.index, self.constants) if device.type == "cuda" else ()

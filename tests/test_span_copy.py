@@ -212,6 +212,100 @@ def test_copy_spans_grid_or_loop_form_matches_slices(
     assert torch.equal(dst, expected)
 
 
+def test_fragment_grid_gives_each_row_the_mean_rows_blocks() -> None:
+    """As many programs per row as the mean row has blocks (rounded up), the rows folded past the driver's
+    bound; a row longer than FRAGMENT_ROUNDS rounds of them leaves the rows to the piece table."""
+    block = span_copy.GRID_BLOCK_BYTES
+    mib = 1 << 20
+    assert span_copy.fragment_grid(1024, mib, 1024 * mib) == (mib // block, 1024, 1)
+    # one row of two merged among 1 MiB rows: a block more per row, the merged row in two rounds
+    assert span_copy.fragment_grid(1023, 2 * mib, 1024 * mib) == (mib // block + 1, 1023, 1)
+    # short rows pull the mean down: rows of the common length take a second round
+    per_row = -(-(60 * mib + 4 * 5) // (64 * block))
+    assert span_copy.fragment_grid(64, mib, 60 * mib + 4 * 5) == (per_row, 64, 1)
+    assert span_copy.fragment_grid(100_000, block, 100_000 * block) == (1, 50_000, 2)
+    assert span_copy.fragment_grid(3, 5, 7) == (1, 3, 1)
+    # a long row among short ones: more rounds than allowed
+    assert span_copy.fragment_grid(61, 40 << 20, (40 << 20) + 60 * 512) is None
+    rounds = span_copy.FRAGMENT_ROUNDS
+    # one row of bytes among empty ones: its programs are the mean's, so it takes as many rounds as rows
+    assert span_copy.fragment_grid(rounds, 8 * rounds * block, 8 * rounds * block) == (8, rounds, 1)
+    assert span_copy.fragment_grid(rounds + 1, 8 * rounds * block, 8 * rounds * block) is None
+    assert span_copy.fragment_grid(0, 0, 0) is None
+
+
+def _fragment_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int, int], bool]]:
+    """The grid of each launch from now on, and whether it read fragment rows."""
+    launches: list[tuple[tuple[int, int, int], bool]] = []
+    launch = span_copy._Launcher.launch
+
+    def recorded(
+        self: span_copy._Launcher,
+        device: object,
+        grid: tuple[int, int, int],
+        table: int,
+        count: int,
+        base: int,
+        constants: dict[str, object],
+        **kwargs: object,
+    ) -> None:
+        launches.append((grid, bool(constants["FRAGMENTS"])))
+        launch(self, device, grid, table, count, base, constants, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(span_copy._Launcher, "launch", recorded)
+    return launches
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", [1, 2, 8, 16])
+@pytest.mark.parametrize("length", [4096, 1 << 20])
+@pytest.mark.parametrize("rows", ["alike", "merged", "unlike"])
+def test_copy_fragments_reads_the_rows_or_falls_back(
+    alignment: int, length: int, rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fragment rows of lengths near each other launch the kernel straight over the rows when every address
+    and length is a multiple of 16 (destinations below the sources and rows of no bytes included), also with
+    two rows of twice the length (two rounds of their programs); rows with a smaller alignment, or too unlike
+    (one row 40 times the others), go through the piece table. Either way the bytes are the slices'."""
+    mixed = rows == "unlike"
+    rng = np.random.default_rng(length + alignment + len(rows))
+    n = 64
+    lengths = np.full(n, length // alignment * alignment + (3 if alignment == 1 else 0), dtype=np.int64)
+    lengths[rng.choice(n, 2, replace=False)] = alignment * 5
+    lengths[rng.integers(n)] = 0
+    if mixed:
+        lengths[rng.integers(n)] = 40 * length
+    elif rows == "merged":
+        lengths[:2] = 2 * lengths.max()
+    total = int(lengths.sum())
+    memory = torch.randint(0, 256, (2 * total + 4096,), dtype=torch.uint8, device="cuda")
+    # the destination first, below every source
+    dst_offsets = np.empty(n, dtype=np.int64)
+    order = rng.permutation(n)
+    dst_offsets[order] = np.cumsum(lengths[order]) - lengths[order]
+    src_offsets = total + 4096 + np.cumsum(lengths) - lengths
+    base = memory.data_ptr()
+    src = np.stack([base + src_offsets, lengths], axis=1).astype(np.uint64)
+    dst = np.stack([base + dst_offsets, lengths], axis=1).astype(np.uint64)
+    before = memory.clone()
+    launches = _fragment_launches(monkeypatch)
+    keep: list[object] = []
+    assert span_copy.copy_fragments(memory.device, src, dst, keep=keep) is not None
+    torch.cuda.synchronize()
+    assert len(launches) == 1
+    grid, fragments = launches[0]
+    assert fragments is (not mixed and alignment == 16)
+    if fragments:
+        assert grid == span_copy.fragment_grid(n, int(lengths.max()), total)
+        assert torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
+        assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
+    expected = before.clone()
+    for s, d, k in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
+        expected[d : d + k] = before[s : s + k]
+    assert torch.equal(memory, expected)
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("alignment", [1, 2, 4, 8, 16, 64])
