@@ -965,20 +965,21 @@ class ChannelTransport(Transport):
         each lies in a range but a merged one spans two adjacent ranges, are written unmerged.
         """
         src, dst = rows.src, rows.dst
+        # where write_rows saw the rows lie (many rows; the same bytes merged or not)
+        b = rows.bounds
+        src_bounds, dst_bounds = (None, None) if b is None else ((b[0], b[1]), (b[2], b[3]))
         if rows.merged_src is not None and rows.merged_dst is not None:
             try:
-                src_index = self._own.locate(rows.merged_src, "source")
-                dst_index = p.regions.locate(rows.merged_dst, f"destination at {p.address}")
+                src_index = self._own.locate(rows.merged_src, "source", src_bounds)
+                dst_index = p.regions.locate(rows.merged_dst, f"destination at {p.address}", dst_bounds)
             except RegionError:
                 pass
             else:
                 return CheckedRows(rows.merged_src, rows.merged_dst, src_index, dst_index)
             # the wrap-around check ran on the merged rows: the rows as given get it row by row now
             src, dst = as_fragments(src), as_fragments(dst)
-        # where write_rows saw the rows lie (many rows, none merged)
-        b = rows.bounds
-        src_index = self._own.locate(src, "source", None if b is None else (b[0], b[1]))
-        dst_index = p.regions.locate(dst, f"destination at {p.address}", None if b is None else (b[2], b[3]))
+        src_index = self._own.locate(src, "source", src_bounds)
+        dst_index = p.regions.locate(dst, f"destination at {p.address}", dst_bounds)
         return CheckedRows(src, dst, src_index, dst_index)
 
     @property

@@ -153,9 +153,10 @@ class WriteRows(NamedTuple):
     #: the rows merged where contiguous on both sides (None: nothing merges, or merging was not asked for)
     merged_src: Fragments | None
     merged_dst: Fragments | None
-    #: where the rows lie when none merged, worked out on the way: (the lowest source address, a bound on the
-    #: highest source end, the same for the destination), each bound the highest address plus the longest
-    #: length; None where not worked out (few rows, or rows that merged)
+    #: where the rows lie, worked out on the way: (the lowest source address, a bound on the highest source
+    #: end, the same for the destination), each bound the highest address plus the longest length; the same
+    #: for the rows as given and merged (the same bytes); None where not worked out (few rows, or lengths so
+    #: long that they were checked row by row)
     bounds: tuple[int, int, int, int] | None = None
 
 
@@ -202,12 +203,13 @@ def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) ->
         bool((ms[:, 0] > ~ms[:, 1]).any()) or bool((md[:, 0] > ~md[:, 1]).any())
     ):
         raise ValueError("a fragment wraps around the address space")
+    # what the registered ranges are checked against first (one range holding every row needs no search): the
+    # lowest address and the highest address plus the longest length, on the merged rows where rows merged
+    # (the same bytes as the rows as given, so the bounds hold for both; a write of random pages merges a
+    # pair or two among a thousand rows, which are as many rows to search)
+    bounds = (int(ms[:, 0].min()), src_high + longest, int(md[:, 0].min()), dst_high + longest)
     if merged is not None:
-        return WriteRows(s, d, *merged)
-    # what the registered ranges are checked against first (one range holding every row needs no search):
-    # rows that did not merge are mostly of one length (pages), where the highest address plus the longest
-    # length is the highest end; merged runs are not, and are few, so their own ends are cheap to look at
-    bounds = (int(s[:, 0].min()), src_high + longest, int(d[:, 0].min()), dst_high + longest)
+        return WriteRows(s, d, *merged, bounds)
     return WriteRows(s, d, None, None, bounds)
 
 

@@ -590,9 +590,12 @@ async def test_write_many_checks_good_writes_as_one(monkeypatch: pytest.MonkeyPa
         assert checks == [3, 1, 1, 1]  # the joined check refused: each on its own
 
 
-async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None:
+@pytest.mark.parametrize("count", [4, 128])
+async def test_rows_across_adjacent_registrations_are_written_unmerged(count: int) -> None:
     """Rows contiguous on both sides whose merge would span two adjacent registered ranges are each inside one
-    range: the write goes through, unmerged, and rows outside every range are still refused by index."""
+    range: the write goes through, unmerged, and rows outside every range are still refused by index; with
+    few rows (checked row by row) and many (checked against the bounds write_rows worked out, which span both
+    ranges)."""
     async with get_transport("local")() as a, get_transport("local")() as b:
         pa = await a.connect(b.address)
         pb = await b.accept()
@@ -601,13 +604,13 @@ async def test_rows_across_adjacent_registrations_are_written_unmerged() -> None
         await b.register([dst[:MiB], dst[MiB:]])
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
-        half = MiB // 2
-        rows = [[src.data_ptr() + half * i, half] for i in range(4)]
-        into = [[dst.data_ptr() + half * i, half] for i in range(4)]
+        part = 2 * MiB // count
+        rows = [[src.data_ptr() + part * i, part] for i in range(count)]
+        into = [[dst.data_ptr() + part * i, part] for i in range(count)]
         await a.write(pa, rows, into)
         assert torch.equal(dst, src)
-        outside = [[dst.data_ptr() + half * i, half] for i in range(3)] + [[dst.data_ptr() + 2 * MiB, half]]
-        with pytest.raises(RegionError, match="fragment 3"):
+        outside = [*into[:-1], [dst.data_ptr() + 2 * MiB, part]]
+        with pytest.raises(RegionError, match=f"fragment {count - 1}"):
             await a.write(pa, rows, outside)
 
 
