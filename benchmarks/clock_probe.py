@@ -1,6 +1,8 @@
 """Whether the GPU's clocks explain the span copy's ratio to ``copy_``: the SM clock (NVML, through nvidia-smi)
 sampled while the span copy and ``copy_`` of 1 GiB in 1 MiB spans (both sides in order) are timed, once from
-idle and once right after a second of sustained load.
+idle and once right after a second of sustained load. (The answer was no; the gap it chased was mostly the host's
+table building and launch, which CUDA events around one call count as device time:
+``benchmarks/grid_kernel_probe.py``.)
 
     python benchmarks/clock_probe.py --json $OUT/clock_probe_h200.json
 """

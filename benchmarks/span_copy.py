@@ -10,7 +10,9 @@ piece) and the grid form (a program per block, where the pieces allow it; the ro
 The batched copy is tried with every combination of the options given, so the defaults of
 :mod:`kvferry.span_copy` come from a measurement; each setting's bytes are checked before it is timed. Wall
 time includes building and uploading the piece table and waiting for the stream (what a transport write pays);
-device time is from CUDA events around the launch.
+device time is from CUDA events around the call, so it also counts what the host spends building, uploading
+and launching while the device waits (the kernel alone, five launches between the events:
+``benchmarks/grid_kernel_probe.py --library --burst 5``).
 
     python benchmarks/span_copy.py --json benchmarks/results/span_copy_h200.json
 """
