@@ -211,15 +211,16 @@ def _kernel() -> Any:
             # program p copies pieces p, p + G, p + 2G...: the programs running at one time work on neighbouring
             # pieces (neighbouring bytes of a span), as a plain copy would
             for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
+                # tl.cast, not piece.to: Triton's interpreter gives the loop's index as a Python int
                 if INDEXED:
                     # (source slot, source word at id 0, source stride, the same for the destination, words):
                     # the addresses come from the write's ids
-                    row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    row = table_ptr + 7 * tl.cast(piece, tl.int64)
                     src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
                     dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
                     count = tl.load(row + 6)
                 else:
-                    row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    row = table_ptr + 3 * tl.cast(piece, tl.int64)
                     src = tl.load(row)
                     dst = tl.load(row + 1)
                     count = tl.load(row + 2)
@@ -1080,7 +1081,8 @@ def indexed_table(
     if longest > MIN_PIECE_BYTES and piece_bytes > MIN_PIECE_BYTES:
         share = total // TARGET_PIECES
         piece_bytes = min(piece_bytes, max(MIN_PIECE_BYTES, 1 << max(share - 1, 1).bit_length()))
-    base = min(int(src_address.min(initial=0)), int(dst_address.min(initial=0))) & ~255
+    # the lowest address (min(initial=0) would always give 0: words counted from address 0 instead)
+    base = (min(int(src_address.min()), int(dst_address.min())) if len(length) else 0) & ~255
     combined = base | piece_bytes
     for column in (src_address, dst_address, src_stride, dst_stride, length):
         combined |= int(np.bitwise_or.reduce(column)) if len(column) else 0
