@@ -16,6 +16,10 @@ The variants, each a constexpr of one kernel:
 
 Cases are fragment sizes (KiB) over ``--mib``; layouts ``contiguous`` (both sides in order) and ``transfer``
 (the destination's runs permuted, as ``kvferry bench transfer`` writes). Every variant's bytes are checked.
+``--library`` also times :mod:`kvferry.span_copy`'s own launches of the same pages (``copy_spans`` with its
+piece table, ``copy_fragments`` with the fragment rows, ``copy_indexed`` with an indexed table built once and
+ids per launch). CUDA events around one launch also count the host's work before it while the device waits;
+``--burst 5`` puts five launches between the events, which leaves the kernels' own time.
 
     python benchmarks/grid_kernel_probe.py --json $OUT/grid_kernel_probe_h200.json
 """
@@ -135,7 +139,11 @@ def main() -> int:
     parser.add_argument("--uniform", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--tables", nargs="*", default=["device"], help="device, pinned")
     parser.add_argument("--burst", type=int, default=1, help="launches between the events (kernel time only)")
-    parser.add_argument("--library", action="store_true", help="also time kvferry.span_copy.copy_spans")
+    parser.add_argument(
+        "--library",
+        action="store_true",
+        help="also time kvferry.span_copy's copy_spans, copy_fragments and copy_indexed (same pages)",
+    )
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument(
         "--device", default="cuda", help="cpu: a check of the variants under TRITON_INTERPRET=1"
@@ -212,7 +220,32 @@ def main() -> int:
                 for _ in range(args.burst):
                     span_copy.copy_fragments(both.device, *fragments, keep=keep)
 
-            for kind, fn in (("library copy_spans", library), ("library copy_fragments", library_fragments)):
+            # an indexed copy of the same pages (as a disaggregated writer's): row i copies page ids[i] of the
+            # source to page ids[n + i] of the destination, its table built once, every launch passing the ids
+            indexed = span_copy.indexed_table(
+                both.device,
+                np.arange(n),
+                np.full(n, both.data_ptr()),
+                np.full(n, length),
+                n + np.arange(n),
+                np.full(n, both.data_ptr() + total),
+                np.full(n, length),
+                np.full(n, length),
+                ids=2 * n,
+            )
+            ids = np.concatenate([np.arange(n), order]).astype(np.int64)
+            device_ids = torch.empty(2 * n, dtype=torch.int64, device=both.device)
+
+            def library_indexed(ids: Any = ids, device_ids: Any = device_ids, table: Any = indexed) -> None:
+                keep: list[Any] = []
+                for _ in range(args.burst):
+                    span_copy.copy_indexed(table, ids, keep=keep, device_ids=device_ids)
+
+            for kind, fn in (
+                ("library copy_spans", library),
+                ("library copy_fragments", library_fragments),
+                ("library copy_indexed", library_indexed),
+            ):
                 dst8.zero_()
                 fn()
                 torch.cuda.synchronize()
