@@ -386,8 +386,15 @@ def grid_of(pieces: int, longest: int, total: int, block_bytes: int) -> tuple[in
     blocks = -(-longest // block_bytes)
     if blocks * pieces > GRID_WASTE * (total // block_bytes + pieces):
         return None
-    folds = -(-pieces // _GRID_ROWS)
-    return blocks, -(-pieces // folds), folds
+    return _folded(blocks, pieces)
+
+
+def _folded(x: int, rows: int) -> tuple[int, int, int]:
+    """A launch grid of ``x`` programs for each of ``rows`` rows: the rows folded into a third dimension past
+    the driver's bound on the second (the kernel's row is ``program_id(1) + program_id(2) * num_programs(1)``;
+    rows past the last do nothing)."""
+    folds = -(-rows // _GRID_ROWS)
+    return x, -(-rows // folds), folds
 
 
 #: up to this many spans longer than a piece are cut one by one (a few calls each), more all at once
@@ -638,7 +645,7 @@ class _Launcher:
         ``constants``, when the caller keeps it."""
         import torch
 
-        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        ordinal = _ordinal(device)
         key = self.key(ordinal, constants) if key is None else key
         entry = self._compiled.get(key)
         if entry is not None:
@@ -710,11 +717,16 @@ def _on_device(index: int) -> Any:
     return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
 
 
-def on_device(device: Any) -> Any:
-    """:func:`_on_device` of a torch CUDA device (its index, or the current device)."""
+def _ordinal(device: Any) -> int:
+    """The ordinal of a torch CUDA device: its index, or the current device's."""
     import torch
 
-    return _on_device(device.index if device.index is not None else torch.cuda.current_device())
+    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
+
+
+def on_device(device: Any) -> Any:
+    """:func:`_on_device` of a torch CUDA device (its index, or the current device)."""
+    return _on_device(_ordinal(device))
 
 
 def copy_spans(
@@ -829,8 +841,7 @@ def fragment_grid(count: int, longest: int, total: int) -> tuple[int, int, int] 
     per_row = max(1, -(-total // (count * GRID_BLOCK_BYTES)))
     if -(-longest // (per_row * GRID_BLOCK_BYTES)) > FRAGMENT_ROUNDS:
         return None
-    folds = -(-count // _GRID_ROWS)
-    return per_row, -(-count // folds), folds
+    return _folded(per_row, count)
 
 
 #: the most rounds a program of :func:`copy_fragments` makes over its row (a power of two: the kernel is
@@ -898,12 +909,6 @@ def copy_fragments(
     return count
 
 
-def _ordinal(device: Any) -> int:
-    import torch
-
-    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
-
-
 @functools.cache
 def _fragment_launch(ordinal: int, rounds: int) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """The constants of :func:`copy_fragments`'s launch of ``rounds`` rounds and their launcher key (made once
@@ -930,7 +935,7 @@ def _upload_held(table: npt.NDArray[np.int64], device: Any, held: list[Any]) -> 
     import torch
 
     held.append(table)
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    ordinal = _ordinal(device)
     stream = _current_stream(ordinal)
     with _on_device(ordinal):
         buffer = _device_tables.take(ordinal, stream, table.size)
@@ -1151,7 +1156,7 @@ def copy_indexed(
         return True
     try:
         if not pinned:
-            copy = _pinned_table(-(-len(ids) // 3)).reshape(-1)[: len(ids)]
+            copy = _pinned_words(len(ids))
             copy[...] = ids
             keep.append(copy)
             ids = copy
@@ -1194,10 +1199,7 @@ def _upload(table: npt.NDArray[np.int64], device: Any) -> Any:
 
 
 def _multiprocessors(device: Any) -> int:
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _multiprocessors_of(index)
+    return _multiprocessors_of(_ordinal(device))
 
 
 @functools.cache

@@ -150,19 +150,26 @@ def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
     assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
 
 
-def _grid_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
-    """The grids of the launcher's launches from now on."""
-    grids: list[tuple[int, int, int]] = []
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int, int], dict[str, object]]]:
+    """The grid and the constants of each of the launcher's launches from now on."""
+    launches: list[tuple[tuple[int, int, int], dict[str, object]]] = []
     launch = span_copy._Launcher.launch
 
     def recorded(
-        self: span_copy._Launcher, device: object, grid: tuple[int, int, int], *args: object, **kwargs: object
+        self: span_copy._Launcher,
+        device: object,
+        grid: tuple[int, int, int],
+        table: int,
+        count: int,
+        base: int,
+        constants: dict[str, object],
+        **kwargs: object,
     ) -> None:
-        grids.append(grid)
-        launch(self, device, grid, *args, **kwargs)  # type: ignore[arg-type]
+        launches.append((grid, constants))
+        launch(self, device, grid, table, count, base, constants, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(span_copy._Launcher, "launch", recorded)
-    return grids
+    return launches
 
 
 @cuda
@@ -188,12 +195,13 @@ def test_copy_spans_grid_or_loop_form_matches_slices(
     order = rng.permutation(len(lengths))
     dst_offsets = np.empty_like(src_offsets)
     dst_offsets[order] = np.cumsum(lengths[order]) - lengths[order]
-    grids = _grid_launches(monkeypatch)
+    launches = _launches(monkeypatch)
     keep: list[object] | None = [] if held else None
     pieces = span_copy.copy_spans(
         src.device, src.data_ptr() + src_offsets, dst.data_ptr() + dst_offsets, lengths, keep=keep
     )
     torch.cuda.synchronize()
+    grids = [grid for grid, _ in launches]
     # the grid: blocks of the longest piece by pieces; the loop: a program per piece
     longest = span_copy.piece_table(src_offsets, dst_offsets, lengths).longest
     assert pieces is not None and len(grids) == 1
@@ -234,28 +242,6 @@ def test_fragment_grid_gives_each_row_the_mean_rows_blocks() -> None:
     assert span_copy.fragment_grid(0, 0, 0) is None
 
 
-def _fragment_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int, int], bool]]:
-    """The grid of each launch from now on, and whether it read fragment rows."""
-    launches: list[tuple[tuple[int, int, int], bool]] = []
-    launch = span_copy._Launcher.launch
-
-    def recorded(
-        self: span_copy._Launcher,
-        device: object,
-        grid: tuple[int, int, int],
-        table: int,
-        count: int,
-        base: int,
-        constants: dict[str, object],
-        **kwargs: object,
-    ) -> None:
-        launches.append((grid, bool(constants["FRAGMENTS"])))
-        launch(self, device, grid, table, count, base, constants, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(span_copy._Launcher, "launch", recorded)
-    return launches
-
-
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("alignment", [1, 2, 8, 16])
@@ -289,10 +275,11 @@ def test_copy_fragments_reads_the_rows_or_falls_back(
     src = np.stack([base + src_offsets, lengths], axis=1).astype(np.uint64)
     dst = np.stack([base + dst_offsets, lengths], axis=1).astype(np.uint64)
     before = memory.clone()
-    launches = _fragment_launches(monkeypatch)
+    recorded = _launches(monkeypatch)
     keep: list[object] = []
     assert span_copy.copy_fragments(memory.device, src, dst, keep=keep) is not None
     torch.cuda.synchronize()
+    launches = [(grid, bool(constants["FRAGMENTS"])) for grid, constants in recorded]
     assert len(launches) == 1
     grid, fragments = launches[0]
     assert fragments is (not mixed and alignment == 16)
@@ -449,7 +436,7 @@ def test_grid_tables_share_a_stream_buffer_in_stream_order(monkeypatch: pytest.M
     lengths = np.full(rows_in, span, dtype=np.int64)
     outputs, orders = [], []
     keep: list[object] = []
-    grids = _grid_launches(monkeypatch)
+    launches = _launches(monkeypatch)
     for count in (16, 400, 16, 400, 32):  # 400 rows (1200 words) outgrow the first buffer (1024)
         order = rng.permutation(rows_in)[:count]
         dst = torch.zeros(count * span, dtype=torch.uint8, device="cuda")
@@ -465,6 +452,7 @@ def test_grid_tables_share_a_stream_buffer_in_stream_order(monkeypatch: pytest.M
         orders.append(order)
     buffers = {id(k) for k in keep if isinstance(k, torch.Tensor) and k.device.type == "cuda"}
     assert len(buffers) <= 2  # the stream's one buffer (and the one it grew into, if it did)
+    grids = [grid for grid, _ in launches]
     assert grids == [(1, n, 1) for n in (16, 400, 16, 400, 32)]  # every one the grid form
     torch.cuda.synchronize()
     rows = src.view(rows_in, span)
@@ -578,7 +566,7 @@ def test_copy_indexed_matches_the_rows(
     on_device = torch.empty(len(ids), dtype=torch.int64, device="cuda")
     keep: list[object] = []
     assert table.grid is not None or not uniform
-    grids = _grid_launches(monkeypatch)
+    launches = _launches(monkeypatch)
     # the JIT's launch reading a pinned copy; then the driver's, from the pinned vector, and from its copy on the
     # device (poisoned first: the kernel must read the copy made on the stream)
     for kwargs in ({}, {"pinned": True}, {"pinned": True, "device_ids": on_device.fill_(-1)}):
@@ -588,5 +576,6 @@ def test_copy_indexed_matches_the_rows(
         assert torch.equal(memory, expected), kwargs
     assert torch.equal(on_device.cpu(), torch.from_numpy(ids))
     # one program per piece while the ids were in host memory; the grid with them on the device
+    grids = [grid for grid, _ in launches]
     assert grids[:2] == [(table.pieces, 1, 1)] * 2
     assert grids[2] == (table.grid or (table.pieces, 1, 1))

@@ -175,23 +175,28 @@ class RegionTable:
         if len(fragments) == 0 or not self.regions:
             return np.full(len(fragments), -1, dtype=np.int64)
         if len(fragments) > 1 and bounds is not None:
-            lowest, highest = bounds
-            first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
-            if int(self._best_end[first]) >= highest and lowest <= highest:
-                return np.broadcast_to(self._best[first], len(fragments))
+            one = self._one_range(*bounds, len(fragments))
+            if one is not None:
+                return one
             # not in one range (or the bound overshoots it): the rows' own ends decide below
         addresses = fragments[:, 0]
         ends = addresses + fragments[:, 1]
         if len(fragments) > 1:
-            # every row inside the range that holds the lowest address (one buffer, the common case): a
-            # read-only broadcast of that range's index, without a search per row
-            lowest, highest = int(addresses.min()), int(ends.max())
-            first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
-            if int(self._best_end[first]) >= highest and lowest <= highest:
-                return np.broadcast_to(self._best[first], len(fragments))
+            # every row inside the range that holds the lowest address (one buffer, the common case)
+            one = self._one_range(int(addresses.min()), int(ends.max()), len(fragments))
+            if one is not None:
+                return one
         pos = np.searchsorted(self._starts, addresses, side="right")
         pos -= 1  # at least 0: the sentinel (whose end, 0, holds no fragment: -1)
         return np.where(self._best_end[pos] >= ends, self._best[pos], -1)
+
+    def _one_range(self, lowest: int, highest: int, count: int) -> npt.NDArray[np.int64] | None:
+        """The index of the range holding ``[lowest, highest)`` for each of ``count`` rows (a read-only
+        broadcast, no search per row), or None when no range holds all of it."""
+        first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
+        if int(self._best_end[first]) >= highest and lowest <= highest:
+            return np.broadcast_to(self._best[first], count)
+        return None
 
 
 class _CudaArray:

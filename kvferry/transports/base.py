@@ -208,9 +208,8 @@ def write_rows(src: npt.ArrayLike, dst: npt.ArrayLike, *, merge: bool = True) ->
     # (the same bytes as the rows as given, so the bounds hold for both; a write of random pages merges a
     # pair or two among a thousand rows, which are as many rows to search)
     bounds = (int(ms[:, 0].min()), src_high + longest, int(md[:, 0].min()), dst_high + longest)
-    if merged is not None:
-        return WriteRows(s, d, *merged, bounds)
-    return WriteRows(s, d, None, None, bounds)
+    merged_src, merged_dst = merged if merged is not None else (None, None)
+    return WriteRows(s, d, merged_src, merged_dst, bounds)
 
 
 def joined_rows(
