@@ -18,7 +18,8 @@ Cases are fragment sizes (KiB) over ``--mib``; layouts ``contiguous`` (both side
 (the destination's runs permuted, as ``kvferry bench transfer`` writes). Every variant's bytes are checked.
 ``--library`` also times :mod:`kvferry.span_copy`'s own launches of the same pages (``copy_spans`` with its
 piece table, ``copy_fragments`` with the fragment rows, ``copy_indexed`` with an indexed table built once and
-ids per launch). CUDA events around one launch also count the host's work before it while the device waits;
+ids per launch), and ``copy_fragments`` over the rows ``kvferry bench transfer``'s writer gives it (its layout,
+neighbouring runs merged where they join). CUDA events around one launch also count the host's work before it while the device waits;
 ``--burst 5`` puts five launches between the events, which leaves the kernels' own time.
 
     python benchmarks/grid_kernel_probe.py --json $OUT/grid_kernel_probe_h200.json
@@ -241,15 +242,30 @@ def main() -> int:
                 for _ in range(args.burst):
                     span_copy.copy_indexed(table, ids, keep=keep, device_ids=device_ids)
 
-            for kind, fn in (
-                ("library copy_spans", library),
-                ("library copy_fragments", library_fragments),
-                ("library copy_indexed", library_indexed),
+            # the rows as kvferry bench transfer's writer hands them to the kernel: its layout (runs permuted with
+            # the fragment size as the seed), neighbouring runs merged where both sides are contiguous
+            transfer_order = np.random.default_rng(length).permutation(n)
+            starts = np.flatnonzero(np.diff(transfer_order, prepend=-2) != 1)
+            runs = np.diff(starts, append=n).astype(np.uint64) * np.uint64(length)
+            dst_runs = (both.data_ptr() + total + transfer_order[starts] * length).astype(np.uint64)
+            merged = (np.stack([spans[0][starts], runs], axis=1), np.stack([dst_runs, runs], axis=1))
+
+            def library_merged(merged: tuple[Any, ...] = merged) -> None:
+                keep: list[Any] = []
+                for _ in range(args.burst):
+                    span_copy.copy_fragments(both.device, *merged, keep=keep)
+
+            for kind, fn, expected_order in (
+                ("library copy_spans", library, order),
+                ("library copy_fragments", library_fragments, order),
+                ("library copy_indexed", library_indexed, order),
+                (f"library copy_fragments {len(starts)} rows, merged", library_merged, transfer_order),
             ):
                 dst8.zero_()
                 fn()
                 torch.cuda.synchronize()
-                assert torch.equal(dst8.view(n, length)[torch.from_numpy(order).cuda()], src8.view(n, length))
+                landing = torch.from_numpy(expected_order).cuda()
+                assert torch.equal(dst8.view(n, length)[landing], src8.view(n, length))
                 seconds, copy, flat = measured(fn, case_kib=case, layout=layout, fragments=n, kind=kind)
                 print(
                     f"{case:>6} KiB {layout:<10} {kind}: {seconds * 1e6:7.1f} us ratio {copy / seconds:.3f}"

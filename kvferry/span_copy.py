@@ -41,6 +41,7 @@ an allocation is a device fault that kills the process. Triton is imported lazil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -71,13 +72,14 @@ __all__ = [
     "ROTATE",
     "STREAMING",
     "TARGET_PIECES",
+    "FragmentTable",
     "IndexedTable",
     "PieceTable",
     "available",
     "copy_fragments",
     "copy_indexed",
     "copy_spans",
-    "fragment_grid",
+    "fragment_table",
     "grid_of",
     "indexed_table",
     "on_device",
@@ -639,10 +641,12 @@ class _Launcher:
         constants: dict[str, Any],
         ids: int = 0,
         key: tuple[Any, ...] | None = None,
+        stream: int | None = None,
     ) -> None:
         """Launch ``grid`` programs (x, y, z) over the ``count`` rows of the table at device address ``table``
         (and, for an indexed table, the ids at device address ``ids``). ``key``: :meth:`key` of the device and
-        ``constants``, when the caller keeps it."""
+        ``constants``, when the caller keeps it; ``stream``: the device's current stream, when the caller has
+        it (and made the device current: :func:`_on_device`)."""
         import torch
 
         ordinal = _ordinal(device)
@@ -650,8 +654,9 @@ class _Launcher:
         entry = self._compiled.get(key)
         if entry is not None:
             compiled, driver = entry
-            stream = _current_stream(ordinal)
-            with _on_device(ordinal):
+            if stream is None:
+                stream = _current_stream(ordinal)
+            with contextlib.nullcontext() if stream is not None else _on_device(ordinal):
                 if driver is not None and driver(grid, stream, base, table, ids, count):
                     self.driver_launches += 1
                     return
@@ -816,7 +821,9 @@ def copy_spans(
             address = held[-1].data_ptr()
         elif launch is not None:
             # the grid's programs each read their piece's row: from device memory, not over PCIe
-            address = _upload_held(table, device, held)
+            ordinal = _ordinal(device)
+            with _on_device(ordinal):
+                address = _upload_held(table, ordinal, _current_stream(ordinal), held)
         else:  # pinned: its host address is its device address
             held.append(table)
             address = table.ctypes.data
@@ -830,23 +837,56 @@ def copy_spans(
     return count
 
 
-def fragment_grid(count: int, longest: int, total: int) -> tuple[int, int, int] | None:
-    """The launch of :func:`copy_fragments`'s kernel for ``count`` rows of ``total`` bytes, the longest
-    ``longest``: as many programs per row as the mean row has :data:`GRID_BLOCK_BYTES` blocks (rounded up),
-    each copying its row's blocks that far apart (rows of twice the mean, neighbours merged on both sides,
-    take two rounds), the rows folded past the driver's bound; None when the longest row would take
-    more than :data:`FRAGMENT_ROUNDS` rounds (a few long rows among short ones: the piece table cuts those)."""
-    if not count:
-        return None
-    per_row = max(1, -(-total // (count * GRID_BLOCK_BYTES)))
-    if -(-longest // (per_row * GRID_BLOCK_BYTES)) > FRAGMENT_ROUNDS:
-        return None
-    return _folded(per_row, count)
-
-
 #: the most rounds a program of :func:`copy_fragments` makes over its row (a power of two: the kernel is
 #: compiled for 1, 2 and 4)
 FRAGMENT_ROUNDS = 4
+
+
+class FragmentTable(NamedTuple):
+    """What :func:`copy_fragments` launches: the table (the sources' (address, bytes) rows, then the
+    destinations', as 64-bit words), its rows, the grid and the rounds the kernel is compiled for."""
+
+    words: npt.NDArray[np.int64]
+    rows: int
+    grid: tuple[int, int, int]
+    rounds: int
+
+
+def fragment_table(
+    src: npt.NDArray[Any],
+    dst: npt.NDArray[Any],
+    *,
+    longest: int,
+    total: int,
+    allocate: Callable[[int], npt.NDArray[np.int64]],
+) -> FragmentTable | None:
+    """The table and launch of :func:`copy_fragments`'s kernel over the paired rows ``src``/``dst`` (``[n, 2]``
+    (address, bytes), int64 or uint64; ``longest``/``total`` their longest row's and all rows' bytes), in
+    words from ``allocate(n)``; None when a row is not in 16-byte words (an address or length), or when the
+    rows are too unlike in length for the kernel.
+
+    Every row has as many programs as the mean row has blocks (:data:`GRID_BLOCK_BYTES`, rounded up), each
+    copying its row's blocks that far apart: a longer row (a run of merged neighbours) in more rounds, up to
+    :data:`FRAGMENT_ROUNDS` (a few long rows among short ones: the piece table cuts those). The grid's rows
+    are folded past the driver's bound.
+
+    Cutting the few merged rows of a write of pages instead (one round for every program) made no difference
+    on the H200 (``benchmarks/results/fragment_rounds_h200.json``): a second round that copies nothing costs
+    no time there."""
+    count = len(src)
+    if not count:
+        return None
+    if (int(np.bitwise_or.reduce(src.reshape(-1))) | int(np.bitwise_or.reduce(dst.reshape(-1)))) % 16:
+        return None  # the alignment read from ordinary memory: pinned reads cost twice as much
+    per_row = max(1, -(-total // (count * GRID_BLOCK_BYTES)))
+    rounds = -(-longest // (per_row * GRID_BLOCK_BYTES))
+    if rounds > FRAGMENT_ROUNDS:
+        return None
+    words = allocate(4 * count)
+    bits = words.view(np.uint64) if src.dtype == np.uint64 else words
+    bits[: 2 * count] = src.reshape(-1)
+    bits[2 * count :] = dst.reshape(-1)
+    return FragmentTable(words, count, _folded(per_row, count), 1 << max(rounds - 1, 0).bit_length())
 
 
 def _pinned_words(words: int) -> npt.NDArray[np.int64]:
@@ -869,7 +909,7 @@ def copy_fragments(
     nothing was queued: copy another way). ``longest``/``total``: the longest row's bytes and all rows' bytes,
     when the caller has them.
 
-    Rows of lengths near each other (:func:`fragment_grid`) go to the kernel as they are: both arrays, one
+    Rows of lengths near each other go to the kernel as they are (:func:`fragment_table`): both arrays, one
     after the other, in pinned host memory, uploaded on the stream; each program copies blocks of its row in
     16-byte words (rows with an address or length that is not a multiple of 16 go to :func:`copy_spans`, which
     copies in the widest word they allow). The host does two copies and one pass over the rows (their
@@ -886,25 +926,27 @@ def copy_fragments(
         longest = int(src[:, 1].max())
     if total is None:
         total = int(src[:, 1].sum())
-    grid = fragment_grid(count, longest, total) if GRID else None
-    if grid is None:
-        return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)
     held: list[Any] = []
     try:
-        words = _pinned_words(4 * count)
-        bits = words.view(np.uint64) if src.dtype == np.uint64 else words
-        bits[: 2 * count] = src.reshape(-1)
-        bits[2 * count :] = dst.reshape(-1)
-        if int(np.bitwise_or.reduce(bits)) % 16:  # a row not in 16-byte words: the piece table's word size
-            return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)
-        address = _upload_held(words, device, held)
-        rounds = -(-longest // (grid[0] * GRID_BLOCK_BYTES))
-        constants, key = _fragment_launch(_ordinal(device), 1 << max(rounds - 1, 0).bit_length())
-        _launcher.launch(device, grid, address, count, int(src[0, 0]) & ~255, constants, key=key)
+        table = (
+            fragment_table(src, dst, longest=longest, total=total, allocate=_pinned_words) if GRID else None
+        )
+        if table is not None:
+            ordinal = _ordinal(device)
+            constants, key = _fragment_launch(ordinal, table.rounds)
+            with _on_device(ordinal):
+                stream = _current_stream(ordinal)
+                address = _upload_held(table.words, ordinal, stream, held)
+                base = int(src[0, 0]) & ~255
+                _launcher.launch(
+                    device, table.grid, address, table.rows, base, constants, key=key, stream=stream
+                )
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched fragment copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
         return None
+    if table is None:
+        return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)
     keep.extend(held)
     return count
 
@@ -928,20 +970,18 @@ def _fragment_launch(ordinal: int, rounds: int) -> tuple[dict[str, Any], tuple[A
     return constants, _Launcher.key(ordinal, constants)
 
 
-def _upload_held(table: npt.NDArray[np.int64], device: Any, held: list[Any]) -> int:
-    """The device address of a copy of ``table`` (pinned host memory) queued on ``device``'s current stream, in
-    that stream's table buffer (:class:`_DeviceTables`); ``held`` gets the table and the buffer, to hold until
-    the stream has passed what reads them."""
+def _upload_held(table: npt.NDArray[np.int64], ordinal: int, stream: int, held: list[Any]) -> int:
+    """The device address of a copy of ``table`` (pinned host memory) queued on ``stream``, the current stream of
+    device ``ordinal`` (the current device: :func:`_on_device`), in that stream's table buffer
+    (:class:`_DeviceTables`); ``held`` gets the table and the buffer, to hold until the stream has passed what
+    reads them."""
     import torch
 
     held.append(table)
-    ordinal = _ordinal(device)
-    stream = _current_stream(ordinal)
-    with _on_device(ordinal):
-        buffer = _device_tables.take(ordinal, stream, table.size)
-        held.append(buffer)
-        if not _upload_async(buffer.data_ptr(), table.ctypes.data, table.nbytes, stream):
-            buffer[: table.size].copy_(torch.from_numpy(table.reshape(-1)), non_blocking=True)
+    buffer = _device_tables.take(ordinal, stream, table.size)
+    held.append(buffer)
+    if not _upload_async(buffer.data_ptr(), table.ctypes.data, table.nbytes, stream):
+        buffer[: table.size].copy_(torch.from_numpy(table.reshape(-1)), non_blocking=True)
     return int(buffer.data_ptr())
 
 

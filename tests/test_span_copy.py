@@ -220,26 +220,111 @@ def test_copy_spans_grid_or_loop_form_matches_slices(
     assert torch.equal(dst, expected)
 
 
-def test_fragment_grid_gives_each_row_the_mean_rows_blocks() -> None:
+def _words(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.int64)
+
+
+def _rows(lengths: list[int] | np.ndarray, dtype: type = np.uint64) -> tuple[np.ndarray, np.ndarray]:
+    """Paired fragment rows of ``lengths``: sources packed from 1 TiB, destinations packed in reverse order
+    from 2 TiB."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    src = (1 << 40) + np.cumsum(lengths) - lengths
+    reverse = lengths[::-1]
+    dst = ((2 << 40) + np.cumsum(reverse) - reverse)[::-1]
+    return (np.stack([src, lengths], axis=1).astype(dtype), np.stack([dst, lengths], axis=1).astype(dtype))
+
+
+def _table(lengths: list[int] | np.ndarray, dtype: type = np.uint64) -> span_copy.FragmentTable | None:
+    src, dst = _rows(lengths, dtype)
+    return span_copy.fragment_table(
+        src, dst, longest=int(src[:, 1].max()), total=int(src[:, 1].sum()), allocate=_words
+    )
+
+
+def _moves(table: span_copy.FragmentTable) -> list[tuple[int, int]]:
+    """Every (source, destination) block the kernel's programs copy, sorted: a row's programs copy its blocks
+    ``p, p + x, ...`` (``rounds`` of them) of GRID_BLOCK_BYTES."""
+    block = span_copy.GRID_BLOCK_BYTES
+    words = table.words.view(np.uint64)
+    src, dst = words[: 2 * table.rows].reshape(-1, 2), words[2 * table.rows :].reshape(-1, 2)
+    moves = []
+    for (s, n), (d, _) in zip(src.tolist(), dst.tolist(), strict=True):
+        assert n <= table.rounds * table.grid[0] * block  # the programs reach the row's end
+        moves.extend((s + start, d + start) for start in range(0, n, block))
+    return sorted(moves)
+
+
+def _expected_moves(lengths: list[int], dtype: type = np.uint64) -> list[tuple[int, int]]:
+    """The blocks of the given rows, as :func:`_moves` lists them."""
+    src, dst = _rows(lengths, dtype)
+    block = span_copy.GRID_BLOCK_BYTES
+    return sorted(
+        (int(s) + start, int(d) + start)
+        for (s, n), (d, _) in zip(src.tolist(), dst.tolist(), strict=True)
+        for start in range(0, n, block)
+    )
+
+
+def test_fragment_table_gives_each_row_the_mean_rows_blocks() -> None:
     """As many programs per row as the mean row has blocks (rounded up), the rows folded past the driver's
-    bound; a row longer than FRAGMENT_ROUNDS rounds of them leaves the rows to the piece table."""
+    bound; the table is the source rows then the destination rows, as given."""
     block = span_copy.GRID_BLOCK_BYTES
     mib = 1 << 20
-    assert span_copy.fragment_grid(1024, mib, 1024 * mib) == (mib // block, 1024, 1)
+    table = _table([mib] * 1024)
+    assert table is not None and (table.grid, table.rows, table.rounds) == ((mib // block, 1024, 1), 1024, 1)
+    src, dst = _rows([mib] * 1024)
+    assert np.array_equal(table.words.view(np.uint64), np.concatenate([src.reshape(-1), dst.reshape(-1)]))
     # one row of two merged among 1 MiB rows: a block more per row, the merged row in two rounds
-    assert span_copy.fragment_grid(1023, 2 * mib, 1024 * mib) == (mib // block + 1, 1023, 1)
-    # short rows pull the mean down: rows of the common length take a second round
-    per_row = -(-(60 * mib + 4 * 5) // (64 * block))
-    assert span_copy.fragment_grid(64, mib, 60 * mib + 4 * 5) == (per_row, 64, 1)
-    assert span_copy.fragment_grid(100_000, block, 100_000 * block) == (1, 50_000, 2)
-    assert span_copy.fragment_grid(3, 5, 7) == (1, 3, 1)
-    # a long row among short ones: more rounds than allowed
-    assert span_copy.fragment_grid(61, 40 << 20, (40 << 20) + 60 * 512) is None
+    lengths = [mib] * 1022 + [2 * mib]
+    table = _table(lengths, np.int64)
+    assert table is not None and (table.grid, table.rounds) == ((mib // block + 1, 1023, 1), 2)
+    assert _moves(table) == _expected_moves(lengths, np.int64)
+    table = _table([block] * 100_000, np.int64)
+    assert table is not None and table.grid == (1, 50_000, 2) and table.rounds == 1
+    table = _table([16, 32, 48])
+    assert table is not None and table.grid == (1, 3, 1)
+
+
+def test_fragment_table_takes_rounds_or_leaves_rows_too_unlike() -> None:
+    """Short rows pull the mean down: rows of the common length take a second round, longer ones more (a power
+    of two of them), up to FRAGMENT_ROUNDS; past that, and for rows not in 16-byte words, no table (the piece
+    table's work)."""
+    mib = 1 << 20
+    lengths = [mib] * 60 + [16] * 4
+    table = _table(lengths)
+    assert table is not None and table.rounds == 2
+    assert _moves(table) == _expected_moves(lengths)
+    lengths = [3 * mib] * 8 + [16] * 16
+    table = _table(lengths)  # three rounds: the kernel's four
+    assert table is not None and table.rounds == 4
+    assert _moves(table) == _expected_moves(lengths)
     rounds = span_copy.FRAGMENT_ROUNDS
-    # one row of bytes among empty ones: its programs are the mean's, so it takes as many rounds as rows
-    assert span_copy.fragment_grid(rounds, 8 * rounds * block, 8 * rounds * block) == (8, rounds, 1)
-    assert span_copy.fragment_grid(rounds + 1, 8 * rounds * block, 8 * rounds * block) is None
-    assert span_copy.fragment_grid(0, 0, 0) is None
+    assert _table([mib] * 8 + [16] * 8 * rounds) is None  # one more round than the kernel makes
+    assert _table([40 * mib] + [512] * 60) is None  # one long row among short ones
+    assert _table([mib, mib + 8]) is None  # a length not in 16-byte words
+    src, dst = _rows([mib, mib])
+    dst[1, 0] += 8  # an address not in 16-byte words
+    assert span_copy.fragment_table(src, dst, longest=mib, total=2 * mib, allocate=_words) is None
+    empty = np.zeros((0, 2), dtype=np.uint64)
+    assert span_copy.fragment_table(empty, empty, longest=0, total=0, allocate=_words) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 1000), min_size=1, max_size=60),
+    scale=st.sampled_from([16, 256, 4096]),
+)
+def test_fragment_table_copies_exactly_the_rows(lengths: list[int], scale: int) -> None:
+    """Whatever the rows' lengths (in 16-byte words), the table the kernel runs over copies each block of
+    every given row once, within the rounds its programs make."""
+    block = span_copy.GRID_BLOCK_BYTES
+    lengths = [n * scale // 16 * 16 for n in lengths]
+    table = _table(lengths)
+    if table is None:  # too unlike: more rounds of the mean row's programs than the kernel makes
+        reach = max(1, -(-sum(lengths) // (len(lengths) * block))) * block
+        assert max(lengths) > span_copy.FRAGMENT_ROUNDS * reach
+        return
+    assert _moves(table) == _expected_moves(lengths)
 
 
 @cuda
@@ -254,16 +339,15 @@ def test_copy_fragments_reads_the_rows_or_falls_back(
     and length is a multiple of 16 (destinations below the sources and rows of no bytes included), also with
     two rows of twice the length (two rounds of their programs); rows with a smaller alignment, or too unlike
     (one row 40 times the others), go through the piece table. Either way the bytes are the slices'."""
-    mixed = rows == "unlike"
     rng = np.random.default_rng(length + alignment + len(rows))
     n = 64
     lengths = np.full(n, length // alignment * alignment + (3 if alignment == 1 else 0), dtype=np.int64)
-    lengths[rng.choice(n, 2, replace=False)] = alignment * 5
-    lengths[rng.integers(n)] = 0
-    if mixed:
-        lengths[rng.integers(n)] = 40 * length
-    elif rows == "merged":
-        lengths[:2] = 2 * lengths.max()
+    if rows == "merged":
+        lengths[:2] *= 2
+    elif rows == "unlike":
+        lengths[0] *= 40
+    lengths[[n - 1, n - 3]] = alignment * 5
+    lengths[n - 2] = 0
     total = int(lengths.sum())
     memory = torch.randint(0, 256, (2 * total + 4096,), dtype=torch.uint8, device="cuda")
     # the destination first, below every source
@@ -279,12 +363,17 @@ def test_copy_fragments_reads_the_rows_or_falls_back(
     keep: list[object] = []
     assert span_copy.copy_fragments(memory.device, src, dst, keep=keep) is not None
     torch.cuda.synchronize()
-    launches = [(grid, bool(constants["FRAGMENTS"])) for grid, constants in recorded]
+    launches = [(grid, bool(constants["FRAGMENTS"]), constants["ROUNDS"]) for grid, constants in recorded]
     assert len(launches) == 1
-    grid, fragments = launches[0]
-    assert fragments is (not mixed and alignment == 16)
-    if fragments:
-        assert grid == span_copy.fragment_grid(n, int(lengths.max()), total)
+    grid, fragments, rounds = launches[0]
+    table = span_copy.fragment_table(
+        src, dst, longest=int(lengths.max()), total=int(lengths.sum()), allocate=_words
+    )
+    assert fragments is (table is not None)
+    if alignment == 16 and length > span_copy.GRID_BLOCK_BYTES:  # each path taken where it is meant to be
+        assert fragments is (rows != "unlike")
+    if table is not None:
+        assert (grid, rounds) == (table.grid, table.rounds)
         assert torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
         assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
     expected = before.clone()
