@@ -74,7 +74,7 @@ def main() -> int:
                 empty.data_ptr(), table.table.ctypes.data, table.table.nbytes, stream
             ),
         )
-        timed("_upload_held", lambda: span_copy._upload_held(table.table, device, held))
+        timed("_upload_held", lambda: span_copy._upload_held(table.table, 0, stream, held))
         timed(
             "copy_spans grid (keep)", lambda: span_copy.copy_spans(device, s_addr, d_addr, lengths, keep=keep)
         )

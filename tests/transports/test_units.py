@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvferry.errors import MissingExtraError, RegionError, WireFormatError
 from kvferry.transports import as_fragments, coalesce, get_transport, page_fragments, wire
 from kvferry.transports._memory import RegionTable
-from kvferry.transports.base import check_pairing, write_rows
+from kvferry.transports.base import MERGE_SHARE, check_pairing, write_rows
 from kvferry.transports.wire import RegionInfo
 
 
@@ -59,7 +59,7 @@ def test_write_rows_is_as_fragments_pairing_and_coalesce(
     rows: list[tuple[int, bool, bool]], dtype: type
 ) -> None:
     """The fused preparation of a write returns what the three functions return one after the other, above and
-    below the row count where it switches to checking row by row."""
+    below the row count where it switches to checking row by row; it merges only where enough rows join."""
     lengths = np.array([n for n, _, _ in rows], dtype=np.int64)
     # a gap before a row on either side (or both) decides whether it merges with the one before
     s_gap = np.array([g for _, g, _ in rows], dtype=np.int64)
@@ -71,7 +71,8 @@ def test_write_rows_is_as_fragments_pairing_and_coalesce(
     check_pairing(want_s, want_d)
     assert got.src.tolist() == want_s.tolist() and got.dst.tolist() == want_d.tolist()
     merged_s, merged_d = coalesce(want_s, want_d)
-    if len(merged_s) < len(want_s):
+    # merged where at least one row in MERGE_SHARE joins the row before
+    if len(want_s) - len(merged_s) >= max(1, len(want_s) // MERGE_SHARE):
         assert got.merged_src is not None and got.merged_dst is not None
         assert got.merged_src.tolist() == merged_s.tolist() and got.merged_dst.tolist() == merged_d.tolist()
     else:
@@ -88,6 +89,26 @@ def test_write_rows_is_as_fragments_pairing_and_coalesce(
             assert low == int(rows_[:, 0].min()) and high >= int((rows_[:, 0] + rows_[:, 1]).max())
     else:
         assert len(rows) < 64
+
+
+@pytest.mark.parametrize("joined", [0, 1, 127, 128, 1023])
+def test_write_rows_merges_only_when_enough_rows_join(joined: int) -> None:
+    """A write of 1024 pages, the first ``joined`` of them landing after the page before: merged from one join
+    in MERGE_SHARE on (fewer save less than the merge costs), the rows as given otherwise."""
+    n = 1024
+    order = np.random.default_rng(joined).permutation(np.arange(joined + 1, n) * 2)  # no two neighbours
+    dst_pages = np.concatenate([np.arange(joined + 1) + 2 * n, order])
+    src, dst = page_fragments(1 << 30, 4096, np.arange(n)), page_fragments(1 << 40, 4096, dst_pages)
+    rows = write_rows(src, dst)
+    assert rows.src is src or np.array_equal(rows.src, src)
+    if joined >= n // MERGE_SHARE:
+        assert rows.merged_src is not None and rows.merged_dst is not None
+        assert len(rows.merged_src) == n - joined
+        merged_s, merged_d = coalesce(src, dst)
+        assert np.array_equal(rows.merged_src, merged_s) and np.array_equal(rows.merged_dst, merged_d)
+    else:
+        assert rows.merged_src is None and rows.merged_dst is None
+    assert len(coalesce(src, dst)[0]) == n - joined  # coalesce itself merges whatever joins
 
 
 @pytest.mark.parametrize("rows", [3, 200])
