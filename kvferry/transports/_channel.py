@@ -215,7 +215,8 @@ class ChannelTransport(Transport):
     :param stall_timeout: default stall deadline of writes
     :param same_process: ``"copy"``: writes to a peer in this process are plain copies (never through the
         library; NIXL inside one process on a GPU runs at 0.4 GB/s); ``"transport"``: use the library anyway
-    :param coalesce: merge fragments that are contiguous on both sides before writing
+    :param coalesce: merge fragments that are contiguous on both sides before writing, where at least one in
+        :data:`~kvferry.transports.base.MERGE_SHARE` is (fewer save less than merging costs)
     """
 
     _uses_tag_prefix: ClassVar[bool] = False

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MERGE_SHARE",
     "Capabilities",
     "Fragments",
     "Peer",
