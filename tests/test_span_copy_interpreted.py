@@ -34,7 +34,8 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _loops_over_program_ids() -> bool:
     """Whether this Triton's interpreter runs a loop that starts at a program id (the loop form's): older
-    interpreters give ``program_id`` as a one-element array, which numpy 2.5 no longer turns into an int (Triton 3.6 with numpy 2.5.2 on the H200 machine)."""
+    interpreters give ``program_id`` as a one-element array, which numpy 2.5 no longer turns into an int
+    (Triton 3.6 with numpy 2.5.2 on the H200 machine)."""
     import triton
     import triton.language as tl
 
