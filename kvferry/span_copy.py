@@ -654,9 +654,10 @@ class _Launcher:
         entry = self._compiled.get(key)
         if entry is not None:
             compiled, driver = entry
+            current = contextlib.nullcontext() if stream is not None else _on_device(ordinal)
             if stream is None:
                 stream = _current_stream(ordinal)
-            with contextlib.nullcontext() if stream is not None else _on_device(ordinal):
+            with current:
                 if driver is not None and driver(grid, stream, base, table, ids, count):
                     self.driver_launches += 1
                     return
@@ -906,8 +907,8 @@ def copy_fragments(
     """Queue the copy of every fragment row ``src[i]`` to ``dst[i]`` (``[n, 2]`` arrays of (address, length),
     the lengths equal row by row, as a transport's paired fragments are) on the current stream of ``device``;
     returns the number of rows launched, or None when Triton could not build or launch the kernel (logged;
-    nothing was queued: copy another way). ``longest``/``total``: the longest row's bytes and all rows' bytes,
-    when the caller has them.
+    no byte was copied, only perhaps the table's upload queued, its memory in ``keep``: copy another way).
+    ``longest``/``total``: the longest row's bytes and all rows' bytes, when the caller has them.
 
     Rows of lengths near each other go to the kernel as they are (:func:`fragment_table`): both arrays, one
     after the other, in pinned host memory, uploaded on the stream; each program copies blocks of its row in
@@ -944,6 +945,7 @@ def copy_fragments(
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched fragment copy failed (%s); copying another way", exc)
         _kernel.cache_clear()
+        keep.extend(held)  # an upload queued before the failure still reads its table
         return None
     if table is None:
         return copy_spans(device, src[:, 0], dst[:, 0], src[:, 1], keep=keep)

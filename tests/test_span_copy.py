@@ -668,3 +668,37 @@ def test_copy_indexed_matches_the_rows(
     grids = [grid for grid, _ in launches]
     assert grids[:2] == [(table.pieces, 1, 1)] * 2
     assert grids[2] == (table.grid or (table.pieces, 1, 1))
+
+
+def test_launch_makes_the_device_current_unless_the_caller_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch without a stream looks up the device's current stream and makes the device current around the
+    driver call; one given the stream (the caller made the device current) does neither. No CUDA needed: the
+    compiled kernel is a stand-in that records the driver call."""
+    entered: list[int] = []
+    streams: list[int] = []
+
+    class Current:
+        def __init__(self, ordinal: int) -> None:
+            self.ordinal = ordinal
+
+        def __enter__(self) -> None:
+            entered.append(self.ordinal)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def driver(grid: object, stream: int, *args: object) -> bool:
+        streams.append(stream)
+        return True
+
+    monkeypatch.setattr(span_copy, "_on_device", Current)
+    monkeypatch.setattr(span_copy, "_current_stream", lambda ordinal: 100 + ordinal)
+    launcher = span_copy._Launcher()
+    constants = {"WORD": 8, "num_warps": 4}
+    device = torch.device("cuda", 1)
+    launcher._compiled[launcher.key(1, constants)] = (object(), driver)  # type: ignore[assignment]
+    launcher.launch(device, (1, 1, 1), 0, 1, 0, constants)
+    assert (entered, streams) == ([1], [101])
+    launcher.launch(device, (1, 1, 1), 0, 1, 0, constants, stream=7)
+    assert (entered, streams) == ([1], [101, 7])
+    assert launcher.driver_launches == 2
