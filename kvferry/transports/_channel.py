@@ -361,6 +361,10 @@ class ChannelTransport(Transport):
 
     async def _scoped(self, function: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         with anyio.CancelScope() as scope:
+            if self._state in ("closing", "closed"):
+                # started after aclose() cancelled the scopes it knew of (a close right after start): end now,
+                # or the task group would wait for it forever
+                scope.cancel()
             self._task_scopes.add(scope)
             try:
                 await function(*args)

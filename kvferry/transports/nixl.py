@@ -642,6 +642,10 @@ class NixlTransport(ChannelTransport):
             for lo, hi in itertools.pairwise(bounds):
                 try:
                     await anyio.to_thread.run_sync(_cma.write, peer.hello.pid, src[lo:hi], dst[lo:hi])
+                except ProcessLookupError as exc:
+                    # the peer's process is gone: NIXL's own path (UCX's CMA, error handling off) would abort
+                    # this process on the same call
+                    raise PeerDisconnected(f"the process of {peer.address} is gone ({exc})") from exc
                 except OSError as exc:
                     log.info(
                         "cannot write %s by process_vm_writev (%s); writing through NIXL", peer.address, exc

@@ -686,6 +686,46 @@ async def test_stall_deadline_cma(
         assert digest["sha"] == sha(src.numpy().tobytes())
 
 
+@pytest.mark.parametrize("transport_name", ["nixl"])
+async def test_cma_write_to_a_gone_process(
+    transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """process_vm_writev finds no such process (the peer died): PeerDisconnected, not a retry through NIXL's
+    own path, whose CMA (error handling off) would abort this process on the same call."""
+    import errno
+
+    from kvferry.transports import _cma
+
+    async with connected(transport_name, remote) as (transport, peer):
+        dst = await remote_buffer(transport, peer, remote, "gone", MiB)
+        src = random_tensor(MiB, seed=12)
+        await transport.register(src)
+
+        def gone(pid: int, s: object, d: object) -> None:
+            raise OSError(errno.ESRCH, f"process_vm_writev to pid {pid}: No such process")
+
+        def through_nixl(*args: object) -> str:
+            raise AssertionError("the write went on through NIXL")
+
+        monkeypatch.setattr(_cma, "write", gone)
+        monkeypatch.setattr(transport._agent, "transfer", through_nixl)  # type: ignore[attr-defined]
+        with anyio.fail_after(10), pytest.raises(PeerDisconnected, match="is gone"):
+            await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"n")
+        assert not transport._cma_refused  # type: ignore[attr-defined]
+        assert transport.statistics().writes_in_flight == 0
+
+
+async def test_closed_right_after_start(transport_name: str) -> None:
+    """A transport closed before its background tasks first ran (nothing awaited in between) closes: a task that
+    starts after aclose() cancelled the others ends at once instead of keeping the task group open forever."""
+    with anyio.fail_after(10):
+        async with get_transport(transport_name)():
+            pass
+        async with get_transport(transport_name)() as transport:
+            await transport.aclose()
+    assert not our_tasks()
+
+
 async def test_use_after_aclose(transport_name: str, remote: Remote) -> None:
     transport = get_transport(transport_name)()
     with pytest.raises(ClosedResourceError):

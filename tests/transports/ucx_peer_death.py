@@ -1,0 +1,85 @@
+"""Both ends of test_ucx_peer_death.py, each run as a script in its own process (UCX state stays per process):
+
+- ``python ucx_peer_death.py receive MOMENT [cma]``: a ucx transport that starts a writer process, takes one
+  whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one (one rendezvous message, which
+  UCX on this host reads from the writer's memory), then checks that the peer is lost with a typed error and the
+  write it was receiving has ended; prints ``survived`` and exits 0. With ``cma`` both ends let UCX use CMA, and
+  UCX 1.21 aborts this process instead (exit status 134);
+- ``python ucx_peer_death.py write ADDRESS [cma]``: the writer, writing ``NBYTES`` as one fragment until killed;
+- ``python ucx_peer_death.py config [cma]``: starts a ucx transport and prints the UCX transports (``TLS``) of
+  the UCXX context it started.
+
+Through the transport the abort is a race (the receiver's control channel usually notices the dead writer and
+aborts the endpoint before UCX reads again); with ucxx alone, a receive posted while the writer sends
+continuously and a kill right after it aborted the receiver in 3 runs of 3 with CMA, and in none of 6 without.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import anyio
+import torch
+
+from kvferry.errors import PeerDisconnected
+from kvferry.transports import PeerState, get_transport
+
+NBYTES = 128 << 20
+
+
+async def write(address: str, cma: bool) -> None:
+    async with get_transport("ucx")(cma=cma) as transport:
+        peer = await transport.connect(address)
+        src = torch.ones(NBYTES, dtype=torch.uint8)
+        await transport.register(src)
+        dst = int(await transport.receive_message(peer))
+        while True:
+            await transport.write(peer, [[src.data_ptr(), NBYTES]], [[dst, NBYTES]], b"written")
+
+
+async def receive(moment: float, cma: bool) -> None:
+    async with get_transport("ucx")(cma=cma) as transport:
+        mode = "cma" if cma else "no-cma"
+        writer = await anyio.open_process([sys.executable, __file__, "write", transport.address, mode])
+        try:
+            with anyio.fail_after(60):
+                peer = await transport.accept()
+                dst = torch.zeros(NBYTES, dtype=torch.uint8)
+                await transport.register(dst)
+                await transport.send_message(peer, str(dst.data_ptr()).encode())
+                assert await transport.receive_notification(peer) == b"written"
+                assert bool((dst == 1).all())
+                # the next write follows at once: kill the writer while its message is on the way
+                await anyio.sleep(moment)
+                writer.kill()
+                try:
+                    while True:
+                        await transport.receive_notification(peer)
+                except PeerDisconnected:
+                    pass
+                assert peer.state is PeerState.LOST
+                while transport.statistics().incoming_writes:  # noqa: ASYNC110 (the write it was receiving ends)
+                    await anyio.sleep(0.01)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if writer.returncode is None:
+                    writer.kill()
+                await writer.wait()
+    print("survived", flush=True)
+
+
+async def config(cma: bool) -> None:
+    import ucxx
+
+    async with get_transport("ucx")(cma=cma):
+        print(ucxx.get_config().get("TLS", ""), flush=True)
+
+
+if __name__ == "__main__":
+    cma = sys.argv[-1] == "cma"
+    if sys.argv[1] == "config":
+        anyio.run(config, cma)
+    elif sys.argv[1] == "write":
+        anyio.run(write, sys.argv[2], cma)
+    else:
+        anyio.run(receive, float(sys.argv[2]), cma)
