@@ -17,11 +17,13 @@ Endpoints are made from worker addresses with UCX error handling off, which is w
 itself (feasibility.md §3), so every wait here is raced against the peer's control connection (the kernel closes
 a dead process's sockets) and against a stall deadline.
 
-CMA is left out of the UCX context this transport starts (``TLS=^cma``, unless ``cma=True`` or ``UCX_TLS`` is
-set): with error handling off, UCX 1.21 aborts the whole process when a peer dies while it reads the peer's
-memory by ``process_vm_readv`` (``cma_ep.c``: the failed call is fatal), which a receiver does for every
-rendezvous message from a peer on this host. Without CMA those bytes go through UCX's shared-memory FIFOs, and
-a dead peer only stops them.
+With error handling off, UCX 1.21 aborts the whole process when a peer dies while UCX reads the peer's memory by
+``process_vm_readv`` (CMA; ``cma_ep.c``: the failed call is fatal), which a receiver does for every rendezvous
+message from a peer on this host: a rare race here (the control channel usually notices the death and aborts the
+endpoint first), but it ended one test run. ``cma=False`` leaves CMA out of the UCX context this transport starts
+(``TLS=^cma``): those bytes then go through UCX's shared-memory FIFOs, a dead peer only stops them, and 1 MiB
+messages move at 0.67-0.72 of a contiguous write instead of 0.82 (2-core CPU). Not the default: with it, ucxx
+0.52's hook on the event loop's close spins forever after a stalled write (its ``_arm_worker`` never yields).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from kvferry.transports._channel import (
 from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
 
-__all__ = ["UcxTransport", "may_use_cma", "transport_class"]
+__all__ = ["UcxTransport", "transport_class"]
 
 log = logging.getLogger("kvferry.transports.ucx")
 
@@ -274,14 +276,6 @@ async def _windowed(
                 await future
 
 
-def may_use_cma(tls: str) -> bool:
-    """Whether a UCX ``TLS`` setting (``"all"``, a list, or ``"^"`` and a list left out) lets UCX use CMA."""
-    names = [name.strip() for name in tls.lstrip("^").split(",")]
-    if tls.startswith("^"):
-        return "cma" not in names
-    return any(name in ("all", "cma", "sm", "shm") for name in names)
-
-
 class UcxTransport(ChannelTransport):
     """UCXX between processes, two-sided; the receiver checks and places every write.
 
@@ -289,10 +283,9 @@ class UcxTransport(ChannelTransport):
 
     :param endpoint_error_handling: UCX endpoint error handling. Off (default) allows shared memory; dead peers
         are noticed through the control channel either way.
-    :param cma: let UCX read the memory of peers on this host by CMA (``process_vm_readv``) where this transport
-        starts UCXX and ``UCX_TLS`` is not set. Faster for 0.25-1 MiB messages on one host (2-core CPU: 0.82
-        against 0.67-0.72 of a contiguous write in 1 MiB fragments), but UCX then aborts this process when a
-        peer dies in the middle of a message (see the module docstring); off by default
+    :param cma: let UCX read the memory of peers on this host by CMA (``process_vm_readv``; default). False
+        leaves CMA out of the UCX context where this transport starts UCXX and ``UCX_TLS`` is not set, so that a
+        peer dying in the middle of a message cannot abort this process (see the module docstring)
     :param progress_mode: UCXX progress mode if this transport initialises UCXX (default: ``UCXPY_PROGRESS_MODE``
         or ``"blocking"``, which costs no CPU while idle)
     :param zero_copy_bytes: fragments at least this long travel as their own message, straight into place
@@ -313,7 +306,7 @@ class UcxTransport(ChannelTransport):
         self,
         *,
         endpoint_error_handling: bool = False,
-        cma: bool = False,
+        cma: bool = True,
         progress_mode: str | None = None,
         zero_copy_bytes: int = 256 << 10,
         pack_bytes: int = 4 << 20,
@@ -339,13 +332,6 @@ class UcxTransport(ChannelTransport):
             RuntimeError
         ):  # already initialised in this process (by us or the application): share it
             ucxx.init(progress_mode=self._progress_mode, options={} if keep_transports else {"TLS": "^cma"})
-        tls = str(ucxx.get_config().get("TLS", ""))
-        if not (self._cma or self._endpoint_error_handling) and may_use_cma(tls):
-            log.warning(
-                "UCXX here may read peers' memory by CMA (UCX_TLS=%s) with error handling off: a peer that dies "
-                "in the middle of a message aborts this process",
-                tls,
-            )
         try:
             ucxx.continuous_ucx_progress()
             self._worker_address = bytes(ucxx.get_worker_address())

@@ -1,10 +1,10 @@
 """Both ends of test_ucx_peer_death.py, each run as a script in its own process (UCX state stays per process):
 
 - ``python ucx_peer_death.py receive MOMENT [cma]``: a ucx transport that starts a writer process, takes one
-  whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one (one rendezvous message, which
-  UCX on this host reads from the writer's memory), then checks that the peer is lost with a typed error and the
-  write it was receiving has ended; prints ``survived`` and exits 0. With ``cma`` both ends let UCX use CMA, and
-  UCX 1.21 aborts this process instead (exit status 134);
+  whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one (one rendezvous message), then
+  checks that the peer is lost with a typed error and the write it was receiving has ended; prints ``survived``
+  and exits 0. Both ends run with ``cma=False`` unless ``cma`` is given (then UCX may read the writer's memory
+  by CMA, and UCX 1.21 aborts this process if that read finds the writer dead: exit status 134);
 - ``python ucx_peer_death.py write ADDRESS [cma]``: the writer, writing ``NBYTES`` as one fragment until killed;
 - ``python ucx_peer_death.py config [cma]``: starts a ucx transport and prints the UCX transports (``TLS``) of
   the UCXX context it started.
