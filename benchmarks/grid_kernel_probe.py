@@ -19,8 +19,8 @@ Cases are fragment sizes (KiB) over ``--mib``; layouts ``contiguous`` (both side
 ``--library`` also times :mod:`kvferry.span_copy`'s own launches of the same pages (``copy_spans`` with its
 piece table, ``copy_fragments`` with the fragment rows, ``copy_indexed`` with an indexed table built once and
 ids per launch), and ``copy_fragments`` over the rows ``kvferry bench transfer``'s writer gives it (its layout,
-neighbouring runs merged where they join). CUDA events around one launch also count the host's work before it while the device waits;
-``--burst 5`` puts five launches between the events, which leaves the kernels' own time.
+neighbouring runs merged where they join). CUDA events around one launch also count the host's work before it
+while the device waits; ``--burst 5`` puts five launches between the events, which leaves the kernels' own time.
 
     python benchmarks/grid_kernel_probe.py --json $OUT/grid_kernel_probe_h200.json
 """

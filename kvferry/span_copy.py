@@ -817,18 +817,20 @@ def copy_spans(
     }
     held: list[Any] = []
     try:
-        if keep is None:
-            held.append(_upload(table, device))
-            address = held[-1].data_ptr()
-        elif launch is not None:
-            # the grid's programs each read their piece's row: from device memory, not over PCIe
-            ordinal = _ordinal(device)
-            with _on_device(ordinal):
-                address = _upload_held(table, ordinal, _current_stream(ordinal), held)
-        else:  # pinned: its host address is its device address
-            held.append(table)
-            address = table.ctypes.data
-        _launcher.launch(device, launch or (programs, 1, 1), address, count, pieces.base, constants)
+        ordinal = _ordinal(device)
+        with _on_device(ordinal):
+            stream = _current_stream(ordinal)
+            if keep is None:
+                held.append(_upload(table, device))
+                address = held[-1].data_ptr()
+            elif launch is not None:
+                # the grid's programs each read their piece's row: from device memory, not over PCIe
+                address = _upload_held(table, ordinal, stream, held)
+            else:  # pinned: its host address is its device address
+                held.append(table)
+                address = table.ctypes.data
+            programs_grid = launch or (programs, 1, 1)
+            _launcher.launch(device, programs_grid, address, count, pieces.base, constants, stream=stream)
     except Exception as exc:  # a compiler, driver or pinned-memory problem only costs the fast path
         log.warning("the batched span copy failed (%s); copying another way", exc)
         _kernel.cache_clear()

@@ -241,28 +241,30 @@ def _table(lengths: list[int] | np.ndarray, dtype: type = np.uint64) -> span_cop
     )
 
 
-def _moves(table: span_copy.FragmentTable) -> list[tuple[int, int]]:
-    """Every (source, destination) block the kernel's programs copy, sorted: a row's programs copy its blocks
-    ``p, p + x, ...`` (``rounds`` of them) of GRID_BLOCK_BYTES."""
-    block = span_copy.GRID_BLOCK_BYTES
-    words = table.words.view(np.uint64)
-    src, dst = words[: 2 * table.rows].reshape(-1, 2), words[2 * table.rows :].reshape(-1, 2)
-    moves = []
-    for (s, n), (d, _) in zip(src.tolist(), dst.tolist(), strict=True):
-        assert n <= table.rounds * table.grid[0] * block  # the programs reach the row's end
-        moves.extend((s + start, d + start) for start in range(0, n, block))
-    return sorted(moves)
-
-
-def _expected_moves(lengths: list[int], dtype: type = np.uint64) -> list[tuple[int, int]]:
-    """The blocks of the given rows, as :func:`_moves` lists them."""
-    src, dst = _rows(lengths, dtype)
+def _blocks(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """Every (source, destination) block of GRID_BLOCK_BYTES of the paired rows, sorted."""
     block = span_copy.GRID_BLOCK_BYTES
     return sorted(
         (int(s) + start, int(d) + start)
         for (s, n), (d, _) in zip(src.tolist(), dst.tolist(), strict=True)
         for start in range(0, n, block)
     )
+
+
+def _moves(table: span_copy.FragmentTable) -> list[tuple[int, int]]:
+    """Every block the kernel's programs copy, as :func:`_blocks` lists them: a row's programs copy its blocks
+    ``p, p + x, ...`` (``rounds`` of them)."""
+    words = table.words.view(np.uint64)
+    src, dst = words[: 2 * table.rows].reshape(-1, 2), words[2 * table.rows :].reshape(-1, 2)
+    assert (
+        src[:, 1] <= table.rounds * table.grid[0] * span_copy.GRID_BLOCK_BYTES
+    ).all()  # rows' ends reached
+    return _blocks(src, dst)
+
+
+def _expected_moves(lengths: list[int], dtype: type = np.uint64) -> list[tuple[int, int]]:
+    """The blocks of the given rows."""
+    return _blocks(*_rows(lengths, dtype))
 
 
 def test_fragment_table_gives_each_row_the_mean_rows_blocks() -> None:

@@ -19,32 +19,21 @@ SCRIPT = Path(__file__).with_name("ucx_peer_death.py")
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``ucx_peer_death.py *args`` in a process of its own (``env``: its whole environment)."""
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=None if env is None else {**os.environ, **env},
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=100, env=env
     )
 
 
 @pytest.mark.timeout(120)
 def test_cma_false_leaves_cma_out_of_the_ucx_context() -> None:
     environ = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
-    left_out = subprocess.run(
-        [sys.executable, str(SCRIPT), "config"], capture_output=True, text=True, timeout=100, env=environ
-    )
+    left_out = _run("config", env=environ)
     assert left_out.stdout.split()[-1:] == ["^cma"], left_out
-    default = subprocess.run(
-        [sys.executable, str(SCRIPT), "config", "cma"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=environ,
-    )
+    default = _run("config", "cma", env=environ)
     assert default.stdout.split()[-1:] == ["all"], default
     # a UCX_TLS of the user's decides
-    chosen = _run("config", env={"UCX_TLS": "tcp,sm,self"})
+    chosen = _run("config", env={**environ, "UCX_TLS": "tcp,sm,self"})
     assert chosen.stdout.split()[-1:] == ["tcp,sm,self"], chosen
 
 
