@@ -1,14 +1,18 @@
-"""Host memory of another process on this host, written with batched ``process_vm_writev`` (cross-memory attach).
+"""Host memory of another process on this host, written or read with batched ``process_vm_writev`` /
+``process_vm_readv`` calls (cross-memory attach).
 
 UCX's CMA transport (what NIXL uses between processes of one host) makes one ``process_vm_writev`` call per
 descriptor: about 3 us each here, so a write of thousands of 16-32 KiB fragments (a mismatched-TP KV mapping)
-spends more time in system calls than in copying. Here one call carries up to ``IOV_MAX`` (1024) fragments.
+spends more time in system calls than in copying. Here one call carries up to ``IOV_MAX`` (1024) fragments. And a
+failed call is an :class:`OSError` here, where UCX 1.21 without endpoint error handling aborts the process.
 
-The kernel copies whole iovec elements or stops at the first one it cannot write, so a short count means the
-peer's memory is gone (it unmapped it or exited): an :class:`OSError`. Callers check every destination range
-against what the peer registered before calling (the kernel only checks that the pages are mapped).
+The kernel copies whole iovec elements or stops at the first one it cannot copy, so a short count means the
+peer's memory is gone (it unmapped it or exited): an :class:`OSError`. Callers check every range of their own
+side against what they registered, and the other side's against what the peer registered or announced (the
+kernel only checks that the pages are mapped).
 
-The calls block (the kernel copies): run :func:`write` in a worker thread. ctypes releases the GIL for the call.
+The calls block (the kernel copies): run :func:`write` and :func:`read` in a worker thread. ctypes releases the
+GIL for the call.
 """
 
 from __future__ import annotations
@@ -17,27 +21,30 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import itertools
 import os
 import sys
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvferry.transports.base import Fragments
 
-__all__ = ["IOV_MAX", "available", "write"]
+__all__ = ["IOV_MAX", "available", "read", "slices", "write"]
 
 #: iovec elements per system call (Linux's UIO_MAXIOV)
 IOV_MAX = 1024
 
 
 @functools.cache
-def _libc() -> Any:
+def _libc(name: str = "process_vm_writev") -> Any:
+    """libc's ``process_vm_writev`` or ``process_vm_readv`` (one signature), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.process_vm_writev
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     function.argtypes = [
@@ -53,8 +60,8 @@ def _libc() -> Any:
 
 
 def available() -> bool:
-    """True on Linux with a libc that has ``process_vm_writev``."""
-    return _libc() is not None
+    """True on Linux with a libc that has ``process_vm_writev`` and ``process_vm_readv``."""
+    return _libc("process_vm_writev") is not None and _libc("process_vm_readv") is not None
 
 
 def write(pid: int, src: Fragments, dst: Fragments) -> None:
@@ -63,19 +70,43 @@ def write(pid: int, src: Fragments, dst: Fragments) -> None:
     :raises OSError: the kernel refused (``EPERM``: not allowed to attach; ``ESRCH``: no such process) or wrote
         short (``EFAULT``: a range is not mapped in one of the processes). Rows before the failing call are written.
     """
-    function = _libc()
+    _copy("process_vm_writev", pid, src, dst)
+
+
+def read(pid: int, src: Fragments, dst: Fragments) -> None:
+    """Copy every ``src`` row of process ``pid`` to the ``dst`` row of this process (rows pair one to one).
+
+    :raises OSError: as :func:`write` (``ESRCH`` once the other process has exited). Rows before the failing call
+        are copied; the failing call may have copied some of its rows.
+    """
+    _copy("process_vm_readv", pid, dst, src)
+
+
+def slices(lengths: npt.NDArray[np.uint64], slice_bytes: int) -> list[tuple[int, int]]:
+    """Rows ``[lo, hi)`` cut into runs of about ``slice_bytes`` (a run ends on the row that crosses a multiple of
+    it), so that a long copy can be done in several worker-thread calls with a cancel seen between them."""
+    if not len(lengths):
+        return []
+    ends = np.cumsum(lengths, dtype=np.uint64)
+    cuts = np.searchsorted(ends, np.arange(1, 1 + int(ends[-1]) // slice_bytes) * slice_bytes)
+    bounds = [0, *sorted({int(c) + 1 for c in cuts if int(c) + 1 < len(lengths)}), len(lengths)]
+    return list(itertools.pairwise(bounds))
+
+
+def _copy(name: str, pid: int, local: Fragments, remote: Fragments) -> None:
+    function = _libc(name)
     if function is None:
-        raise OSError(errno.ENOSYS, "process_vm_writev is not available")
+        raise OSError(errno.ENOSYS, f"{name} is not available")
     # (address, length) rows are struct iovec on 64-bit Linux
-    local = np.ascontiguousarray(src, dtype=np.uint64)
-    remote = np.ascontiguousarray(dst, dtype=np.uint64)
-    for first in range(0, len(local), IOV_MAX):
+    here = np.ascontiguousarray(local, dtype=np.uint64)
+    there = np.ascontiguousarray(remote, dtype=np.uint64)
+    for first in range(0, len(here), IOV_MAX):
         rows = slice(first, first + IOV_MAX)
-        count = len(local[rows])
-        expected = int(local[rows, 1].sum())
-        got = function(pid, local[rows].ctypes.data, count, remote[rows].ctypes.data, count, 0)
+        count = len(here[rows])
+        expected = int(here[rows, 1].sum())
+        got = function(pid, here[rows].ctypes.data, count, there[rows].ctypes.data, count, 0)
         if got < 0:
             code = ctypes.get_errno()
-            raise OSError(code, f"process_vm_writev to pid {pid}: {os.strerror(code)}")
+            raise OSError(code, f"{name} with pid {pid}: {os.strerror(code)}")
         if got != expected:
-            raise OSError(errno.EFAULT, f"process_vm_writev to pid {pid} wrote {got} of {expected} bytes")
+            raise OSError(errno.EFAULT, f"{name} with pid {pid} copied {got} of {expected} bytes")

@@ -42,7 +42,6 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
 
 from __future__ import annotations
 
-import itertools
 import logging
 import socket
 import time
@@ -635,11 +634,8 @@ class NixlTransport(ChannelTransport):
         """Write by ``process_vm_writev`` in slices of about :data:`_CMA_SLICE_BYTES` (each in a worker thread; a
         cancel is seen between slices), then notify over the control channel. False (the caller writes through
         NIXL; what was written is written again) when the kernel refuses: the path stays off for this peer."""
-        ends = np.cumsum(src[:, 1], dtype=np.uint64)
-        cuts = np.searchsorted(ends, np.arange(1, 1 + int(ends[-1]) // _CMA_SLICE_BYTES) * _CMA_SLICE_BYTES)
-        bounds = [0, *sorted({int(c) + 1 for c in cuts if int(c) + 1 < len(src)}), len(src)]
         async with self.guard(peer, stall) as guard:
-            for lo, hi in itertools.pairwise(bounds):
+            for lo, hi in _cma.slices(src[:, 1], _CMA_SLICE_BYTES):
                 try:
                     await anyio.to_thread.run_sync(_cma.write, peer.hello.pid, src[lo:hi], dst[lo:hi])
                 except ProcessLookupError as exc:

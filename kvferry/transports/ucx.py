@@ -1,15 +1,20 @@
 """``ucx``: UCXX (asyncio), two-sided. A write is announced on the control channel, checked by the receiver, then
-sent as tagged messages that the receiving transport places into its registered memory.
+either read by the receiver itself (a peer on this host, host memory) or sent as tagged messages that the
+receiving transport places into its registered memory.
 
 How a write travels:
 
-1. the writer sends a ``WriteRequest`` (destination fragments, how they are cut, the notification);
+1. the writer sends a ``WriteRequest`` (destination fragments, how they are cut, the notification, and, to a
+   peer on this host with host memory on both sides, its source fragments);
 2. the receiver checks that every destination range lies inside memory it registered, *before* anything is
-   posted; a range outside is refused (``RegionError`` at the writer) and nothing is written;
-3. the receiver answers READY with a tag base, and posts receives: fragments of at least ``zero_copy_bytes`` go
+   copied or posted; a range outside is refused (``RegionError`` at the writer) and nothing is written;
+3. with source fragments offered, the receiver answers PULLING and copies them out of the writer's process with
+   batched ``process_vm_readv`` calls (:mod:`~kvferry.transports._cma`; PROGRESS answers meanwhile). Where the
+   kernel will not let it attach, it answers READY instead and the write goes on as in 4;
+4. otherwise it answers READY with a tag base, and posts receives: fragments of at least ``zero_copy_bytes`` go
    straight into their destination (UCX rendezvous, zero-copy), shorter ones arrive packed in messages of at
    most ``pack_bytes`` and are scattered;
-4. when every byte has landed, the receiver queues the notification and answers DONE; only then does the
+5. when every byte has landed, the receiver queues the notification and answers DONE; only then does the
    writer's ``write`` return.
 
 Endpoints are made from worker addresses with UCX error handling off, which is what lets UCX use shared memory
@@ -17,20 +22,28 @@ Endpoints are made from worker addresses with UCX error handling off, which is w
 itself (feasibility.md §3), so every wait here is raced against the peer's control connection (the kernel closes
 a dead process's sockets) and against a stall deadline.
 
-With error handling off, UCX 1.21 aborts the whole process when a peer dies while UCX reads the peer's memory by
-``process_vm_readv`` (CMA; ``cma_ep.c``: the failed call is fatal), which a receiver does for every rendezvous
-message from a peer on this host: a rare race here (the control channel usually notices the death and aborts the
-endpoint first), but it ended one test run. ``cma=False`` leaves CMA out of the UCX context this transport starts
-(``TLS=^cma``): those bytes then go through UCX's shared-memory FIFOs, a dead peer only stops them, and 1 MiB
-messages move at 0.67-0.72 of a contiguous write instead of 0.82 (2-core CPU). Not the default: with it, ucxx
-0.52's hook on the event loop's close spins forever after a stalled write (its ``_arm_worker`` never yields).
+Why host memory of this host is read by the receiver itself: in that mode UCX 1.21 cannot lose a peer cleanly.
+
+- With its CMA transport, a receiver reads the writer's memory by ``process_vm_readv`` for every rendezvous
+  message, and if the writer has died that failed call aborts the whole process (``cma_ep.c``); it ended one test
+  run. So the UCX context this transport starts leaves CMA out (``cma=False``, ``TLS=^cma``, unless ``UCX_TLS``
+  is set).
+- Without CMA, large messages go through the shared-memory FIFOs: a peer that dies in the middle of one leaves
+  this process's UCX worker with work it retries forever (a core at 100%; ucxx's progress task of any event loop
+  started later never yields, nor does its hook on the loop's close).
+- Our own ``process_vm_readv`` fails with an error instead, moves up to 1024 fragments per call (0.97 of a
+  contiguous write at 1 MiB fragments on 2 cores, against 0.82 through UCX's CMA and 0.67-0.72 through the
+  FIFOs), and keeps UCX out of the host path. CUDA memory and peers on other hosts still go through UCX, and so
+  does host memory where the kernel refuses to attach (``ptrace`` policy), with the FIFO caveat above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import suppress
@@ -43,7 +56,7 @@ import ucxx
 import ucxx.exceptions as ucx_errors
 
 from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
-from kvferry.transports import wire
+from kvferry.transports import _cma, wire
 from kvferry.transports._channel import (
     ChannelPeer,
     ChannelTransport,
@@ -52,6 +65,7 @@ from kvferry.transports._channel import (
     fragments_from_bytes,
 )
 from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
+from kvferry.transports._ucx_progress import WorkerEvents
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
 
 __all__ = ["UcxTransport", "transport_class"]
@@ -59,6 +73,10 @@ __all__ = ["UcxTransport", "transport_class"]
 log = logging.getLogger("kvferry.transports.ucx")
 
 _MAX_MESSAGES = 1 << 20
+#: bytes per worker-thread call of a pulled write (a cancel or a stall is seen between them)
+_PULL_SLICE_BYTES = 64 << 20
+#: a pulling receiver tells the writer about progress at most this often
+_PULL_PROGRESS_SECONDS = 0.05
 
 
 def translate(exc: BaseException, what: str) -> TransportError:
@@ -283,9 +301,11 @@ class UcxTransport(ChannelTransport):
 
     :param endpoint_error_handling: UCX endpoint error handling. Off (default) allows shared memory; dead peers
         are noticed through the control channel either way.
-    :param cma: let UCX read the memory of peers on this host by CMA (``process_vm_readv``; default). False
-        leaves CMA out of the UCX context where this transport starts UCXX and ``UCX_TLS`` is not set, so that a
-        peer dying in the middle of a message cannot abort this process (see the module docstring)
+    :param host_cma: between peers of this host, a receiver reads host-memory writes out of the writer's process
+        itself (``process_vm_readv``, see the module docstring) when both sides allow it (default). False: this
+        transport neither offers its sources nor reads offered ones; everything goes through UCX
+    :param cma: let UCX itself read the memory of peers on this host by CMA where this transport starts UCXX and
+        ``UCX_TLS`` is not set. Off by default: a peer dying in the middle of such a read aborts this process
     :param progress_mode: UCXX progress mode if this transport initialises UCXX (default: ``UCXPY_PROGRESS_MODE``
         or ``"blocking"``, which costs no CPU while idle)
     :param zero_copy_bytes: fragments at least this long travel as their own message, straight into place
@@ -306,7 +326,8 @@ class UcxTransport(ChannelTransport):
         self,
         *,
         endpoint_error_handling: bool = False,
-        cma: bool = True,
+        host_cma: bool = True,
+        cma: bool = False,
         progress_mode: str | None = None,
         zero_copy_bytes: int = 256 << 10,
         pack_bytes: int = 4 << 20,
@@ -316,6 +337,11 @@ class UcxTransport(ChannelTransport):
     ) -> None:
         super().__init__(**options)
         self._endpoint_error_handling = endpoint_error_handling
+        self._host_cma = host_cma and _cma.available()
+        self._pull_refused: set[ChannelPeer] = set()
+        #: writes of ours that the receiver read itself; writes we read ourselves
+        self.pulled_writes = 0
+        self.cma_reads = 0
         self._cma = cma
         self._progress_mode = progress_mode or os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
         self._zero_copy_bytes = zero_copy_bytes
@@ -323,6 +349,7 @@ class UcxTransport(ChannelTransport):
         self._window = window
         self._packed_window = packed_window
         self._worker_address = b""
+        self._worker_events: WorkerEvents | None = None
         self._next_incoming = 0
         self._endpoints = 0
 
@@ -334,9 +361,14 @@ class UcxTransport(ChannelTransport):
             ucxx.init(progress_mode=self._progress_mode, options={} if keep_transports else {"TLS": "^cma"})
         try:
             ucxx.continuous_ucx_progress()
+            self._worker_events = WorkerEvents.install(asyncio.get_running_loop())
             self._worker_address = bytes(ucxx.get_worker_address())
         except ucx_errors.UCXError as exc:
             raise translate(exc, "starting UCXX") from exc
+
+    def _kick(self) -> None:
+        if self._worker_events is not None:
+            self._worker_events.kick()
 
     def _backend_hello(self) -> bytes:
         return self._worker_address
@@ -362,6 +394,7 @@ class UcxTransport(ChannelTransport):
         self._endpoints += 1
 
     async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+        self._pull_refused.discard(peer)
         endpoint, peer.backend = peer.backend, None
         if endpoint is None:
             return
@@ -389,8 +422,9 @@ class UcxTransport(ChannelTransport):
         write_id = self.new_write_id()
         replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
         peer.pending[write_id] = replies_out
+        offer = self._pull_offer(peer, rows)
         request = wire.WriteRequest(
-            write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify
+            write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify, offer
         )
         announced = finished = False
         try:
@@ -407,6 +441,18 @@ class UcxTransport(ChannelTransport):
                 )
                 announced = True
                 answer = await reply()
+                if answer.status is wire.WriteStatus.PULLING:
+                    # the receiver reads our memory itself and says how far it got; READY: it could not after all
+                    guard.progress()
+                    while (answer := await reply()).status is wire.WriteStatus.PROGRESS:
+                        guard.progress()
+                    if answer.status is not wire.WriteStatus.READY:
+                        finished = True
+                        _raise_for(answer, peer, wire.WriteStatus.DONE)
+                        self.pulled_writes += 1
+                        return
+                if offer is not None and answer.status is wire.WriteStatus.READY:
+                    self._pull_refused.add(peer)  # it could not: do not offer again
                 _raise_for(answer, peer, wire.WriteStatus.READY)
                 guard.progress()
 
@@ -418,7 +464,9 @@ class UcxTransport(ChannelTransport):
                         if packed
                         else views.row(first)
                     )
-                    return endpoint.send(buffer, tag=answer.tag + k, force_tag=True), buffer
+                    send = endpoint.send(buffer, tag=answer.tag + k, force_tag=True)
+                    self._kick()
+                    return send, buffer
 
                 async def sent(k: int, buffer: Any) -> None:
                     guard.progress()
@@ -444,6 +492,17 @@ class UcxTransport(ChannelTransport):
                     except TransportError:
                         pass
 
+    def _pull_offer(self, peer: ChannelPeer, rows: CheckedRows) -> bytes | None:
+        """Our source fragments for the receiver to read itself, or None (send them as UCX messages): offered to
+        peers of this host, for host memory on both sides."""
+        if not self._host_cma or not peer.same_host or peer in self._pull_refused or not len(rows.src):
+            return None
+        if self.own_regions.devices(rows.src_index) != {"cpu"} or peer.regions.devices(rows.dst_index) != {
+            "cpu"
+        }:
+            return None
+        return fragments_bytes(rows.src)
+
     # --- receiver ------------------------------------------------------------------------------------
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
@@ -467,9 +526,93 @@ class UcxTransport(ChannelTransport):
             return
         if request.write_id in peer.incoming:
             raise WireFormatError(f"{peer.address} reused write id {request.write_id}")
+        source = self._pull_source(peer, request, views)
         scope = anyio.CancelScope()
         peer.incoming[request.write_id] = scope
-        self.spawn(self._receive, peer, request, views, plan, scope)
+        if source is not None:
+            self.spawn(self._pull, peer, request, source, views, plan, scope)
+        else:
+            self.spawn(self._receive, peer, request, views, plan, scope)
+
+    def _pull_source(self, peer: ChannelPeer, request: wire.WriteRequest, views: _Views) -> Fragments | None:
+        """The offered source fragments when we read them ourselves: a peer of this host that we may attach to,
+        host memory here, and an offer that pairs with the destination row for row; otherwise None (the writer
+        sends messages; a malformed offer is ignored, like an absent one)."""
+        if request.src is None or not self._host_cma or not peer.same_host or peer in self._pull_refused:
+            return None
+        if views.table.devices(views.index) != {"cpu"}:
+            return None
+        try:
+            src = fragments_from_bytes(request.src)
+        except WireFormatError as exc:
+            log.warning("%s offered malformed source fragments (%s); receiving messages", peer.address, exc)
+            return None
+        if src.shape != views.fragments.shape or not np.array_equal(src[:, 1], views.fragments[:, 1]):
+            log.warning("%s offered source fragments that do not pair with its destination", peer.address)
+            return None
+        if bool((src[:, 0] + src[:, 1] < src[:, 0]).any()):
+            log.warning("%s offered source fragments that wrap around", peer.address)
+            return None
+        return src
+
+    async def _pull(
+        self,
+        peer: ChannelPeer,
+        request: wire.WriteRequest,
+        src: Fragments,
+        views: _Views,
+        plan: list[tuple[int, int, bool]],
+        scope: anyio.CancelScope,
+    ) -> None:
+        """Read the writer's source into our destination with ``process_vm_readv`` (slices in worker threads, a
+        cancel or a stall seen between them), then notify and answer DONE. If the kernel will not let us attach
+        (``EPERM`` and the like) the write goes on as messages (what was copied is written again) and later writes
+        from this peer are not pulled; a writer whose process is gone (``ESRCH``) or whose memory is (``EFAULT``)
+        fails the write. A cancel leaves the destination partly written."""
+        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        try:
+            with scope:
+                scope.deadline = anyio.current_time() + self._stall_timeout
+                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.PULLING))
+                status, detail = await self._pull_slices(peer, request.write_id, src, views.fragments, scope)
+                if status is wire.WriteStatus.DONE and request.notify is not None:
+                    with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        peer.notifications_out.send_nowait(request.notify)
+            if scope.cancelled_caught and scope.deadline <= anyio.current_time():
+                status, detail = wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+        finally:
+            if status is not wire.WriteStatus.READY:
+                peer.incoming.pop(request.write_id, None)
+                with anyio.CancelScope(shield=True):
+                    if peer.state.value == "connected":
+                        await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
+        if status is wire.WriteStatus.READY:
+            # we may not read the writer's memory: it sends the data as messages (it waits for READY)
+            scope = peer.incoming[request.write_id] = anyio.CancelScope()
+            await self._receive(peer, request, views, plan, scope)
+
+    async def _pull_slices(
+        self, peer: ChannelPeer, write_id: int, src: Fragments, dst: Fragments, scope: anyio.CancelScope
+    ) -> tuple[wire.WriteStatus, str]:
+        """The copies of :meth:`_pull`: DONE, FAILED (the writer or its memory is gone) or READY (we may not
+        attach: receive messages instead)."""
+        told = time.monotonic()
+        for lo, hi in _cma.slices(dst[:, 1], _PULL_SLICE_BYTES):
+            try:
+                await anyio.to_thread.run_sync(_cma.read, peer.hello.pid, src[lo:hi], dst[lo:hi])
+            except OSError as exc:
+                if exc.errno in (errno.ESRCH, errno.EFAULT):
+                    return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"
+                log.info("cannot read %s by process_vm_readv (%s); receiving messages", peer.address, exc)
+                self._pull_refused.add(peer)
+                return wire.WriteStatus.READY, ""
+            await anyio.lowlevel.checkpoint()
+            scope.deadline = anyio.current_time() + self._stall_timeout
+            if hi < len(dst) and time.monotonic() - told >= _PULL_PROGRESS_SECONDS:
+                await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
+                told = time.monotonic()
+        self.cma_reads += 1
+        return wire.WriteStatus.DONE, ""
 
     async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
         with suppress(TransportError):  # the peer is gone; its writer learns that from the control channel
@@ -494,7 +637,9 @@ class UcxTransport(ChannelTransport):
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
                     buffer = views.staging(first, end) if packed else views.row(first)
-                    return ucxx.recv(buffer, tag + k), buffer
+                    receive = ucxx.recv(buffer, tag + k)
+                    self._kick()
+                    return receive, buffer
 
                 async def done(k: int, buffer: Any) -> None:
                     scope.deadline = anyio.current_time() + self._stall_timeout

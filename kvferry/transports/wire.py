@@ -45,7 +45,9 @@ __all__ = [
 # Increment whenever a change below cannot be read by the previous version.
 # History:
 #   1: handshake envelope + hello, regions, messages, notifications, two-sided writes
-WIRE_VERSION = 1
+#   2: a two-sided write may offer its source ranges for the receiver to read (same host): WriteRequest.src,
+#      WriteStatus.PULLING and PROGRESS
+WIRE_VERSION = 2
 
 #: kind (u8), body length (u64)
 FRAME_HEADER = struct.Struct("!BQ")
@@ -132,10 +134,18 @@ class WriteRequest:
     #: packed messages are at most this long
     pack_bytes: int = field(validator=[ge(1), le(1 << 40)])
     notify: bytes | None = field(validator=attrs.validators.optional(max_len(_BLOB)))
+    #: the writer's source fragments, in its own process, as ``dst`` (pairing with it row for row), when the
+    #: receiver may read them itself (a peer on the same host, host memory on both sides); None: send them
+    src: bytes | None = field(default=None, validator=attrs.validators.optional(max_len(_BLOB)))
 
 
 class WriteStatus(enum.Enum):
+    #: send the data (tagged messages from ``tag`` on)
     READY = "ready"
+    #: the receiver reads the offered source itself: wait for DONE, PROGRESS meanwhile
+    PULLING = "pulling"
+    #: (while PULLING) more of the data has landed
+    PROGRESS = "progress"
     DONE = "done"
     REGION = "region"
     FAILED = "failed"

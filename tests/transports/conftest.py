@@ -22,6 +22,16 @@ sys.path.insert(0, str(HERE))
 from transport_peer import PeerServer, set_ucx_test_env  # noqa: E402
 
 TRANSPORTS = ["nixl", "ucx", "local"]
+#: variants some tests also run: (transport, options of the test's own transport)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # ucx between processes of one host, through UCX messages instead of reading the writer's memory
+    "ucx-messages": ("ucx", {"host_cma": False}),
+}
+
+
+def variant(name: str) -> tuple[str, dict[str, Any]]:
+    """The transport a test parameter names, and the options its own side is started with."""
+    return VARIANTS.get(name, (name, {}))
 
 
 class PeerProcess(_process.PeerProcess):
@@ -78,6 +88,7 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def remote(transport_name: str, peer_processes: dict[str, PeerProcess]) -> AsyncIterator[Remote]:
+    transport_name = variant(transport_name)[0]
     if transport_name == "local":
         async with get_transport("local")() as transport, anyio.create_task_group() as tg:
             server = PeerServer(transport, "cpu")

@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import LoopLag, PeerProcess, Remote, our_tasks
+from conftest import TRANSPORTS, LoopLag, PeerProcess, Remote, our_tasks, variant
 
 from kvferry.errors import (
     ClosedResourceError,
@@ -46,7 +46,9 @@ def sha(data: bytes | np.ndarray) -> str:
 
 @asynccontextmanager
 async def connected(name: str, remote: Remote, **options: object) -> AsyncIterator[tuple[Transport, Peer]]:
-    async with get_transport(name)(**options) as transport:
+    """A transport of ``name`` (or of a variant's, with its options) connected to ``remote``."""
+    name, defaults = variant(name)
+    async with get_transport(name)(**{**defaults, **options}) as transport:
         peer = await transport.connect(remote.address)
         yield transport, peer
         assert transport.statistics().writes_in_flight == 0
@@ -79,6 +81,7 @@ async def asha(data: bytes | np.ndarray) -> str:
 
 
 @pytest.mark.parametrize("size", [1, 4097, MiB + 3, 64 * MiB])
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_round_trip_bytes_verified(
     transport_name: str, remote: Remote, loop_lag: LoopLag, size: int
 ) -> None:
@@ -87,8 +90,11 @@ async def test_round_trip_bytes_verified(
         src = await arandom(size + 7, seed=size)
         await transport.register(src)
         expected = await asha(src.numpy()[7:])
+        pulled = getattr(transport, "pulled_writes", 0)
         loop_lag.reset()
         await transport.write(peer, [[src.data_ptr() + 7, size]], [[dst + 64, size]], b"done")
+        # ucx: the receiver read our memory itself (a peer of this host), unless told to use UCX messages
+        assert getattr(transport, "pulled_writes", 0) == pulled + (transport_name == "ucx")
         reply = await remote.call(op="wait_notify", name="rt", fragments=[[64, size]])
         assert bytes.fromhex(reply["notify"]) == b"done"
         assert reply["sha"] == expected
@@ -96,6 +102,7 @@ async def test_round_trip_bytes_verified(
         assert untouched["sha"] == sha(bytes(64))
 
 
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_many_fragments_scattered(transport_name: str, remote: Remote, loop_lag: LoopLag) -> None:
     page, pages = 4096, 4096
     rng = np.random.default_rng(1)
@@ -132,6 +139,7 @@ async def test_many_fragments_scattered(transport_name: str, remote: Remote, loo
         assert reply["sha"] == await asha(expected)
 
 
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_notification_only_after_data(transport_name: str, remote: Remote) -> None:
     """Each notification is checked against the bytes present the moment it arrives."""
     size = 8 * MiB
@@ -152,6 +160,7 @@ async def test_notification_only_after_data(transport_name: str, remote: Remote)
         assert reply["notify"] == ""
 
 
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_write_many_lands_each_write_and_refuses_only_the_bad_ones(
     transport_name: str, remote: Remote
 ) -> None:
@@ -226,6 +235,7 @@ def swap_halves(data: np.ndarray, page: int) -> np.ndarray:
     return np.ascontiguousarray(pages[:, ::-1]).reshape(-1)
 
 
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_write_indexed_lands_and_refuses_bad_ids_and_templates(
     transport_name: str, remote: Remote
 ) -> None:
@@ -337,6 +347,7 @@ async def test_connect_to_nobody(transport_name: str) -> None:
         assert transport.statistics().peers == 0
 
 
+@pytest.mark.parametrize("transport_name", [*TRANSPORTS, "ucx-messages"])
 async def test_write_outside_registered_memory(transport_name: str, remote: Remote) -> None:
     async with connected(transport_name, remote) as (transport, peer):
         # the peer's other buffers (of earlier tests) must not lie next to this one
@@ -359,7 +370,7 @@ async def test_write_outside_registered_memory(transport_name: str, remote: Remo
             await transport.write(peer, [[src.data_ptr(), 16]], [[dst, 8]])
 
 
-@pytest.mark.parametrize("transport_name", ["ucx", "nixl"])
+@pytest.mark.parametrize("transport_name", ["ucx", "ucx-messages", "nixl"])
 async def test_receiver_refuses_what_it_did_not_register(transport_name: str, remote: Remote) -> None:
     """The writer's own check is bypassed: the receiver (ucx) or NIXL must refuse, and write nothing."""
     async with connected(transport_name, remote) as (transport, peer):

@@ -1,22 +1,27 @@
-"""Both ends of test_ucx_peer_death.py, each run as a script in its own process (UCX state stays per process):
+"""Both ends of test_ucx_peer_death.py, each run as a script in its own process (UCX state stays per process).
 
-- ``python ucx_peer_death.py receive MOMENT [cma]``: a ucx transport that starts a writer process, takes one
-  whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one (one rendezvous message), then
-  checks that the peer is lost with a typed error and the write it was receiving has ended; prints ``survived``
-  and exits 0. Both ends run with ``cma=False`` unless ``cma`` is given (then UCX may read the writer's memory
-  by CMA, and UCX 1.21 aborts this process if that read finds the writer dead: exit status 134);
-- ``python ucx_peer_death.py write ADDRESS [cma]``: the writer, writing ``NBYTES`` as one fragment until killed;
-- ``python ucx_peer_death.py config [cma]``: starts a ucx transport and prints the UCX transports (``TLS``) of
-  the UCXX context it started.
+``PATH`` says how the bytes travel: ``pull`` (the default transport: the receiver reads the writer's memory with
+its own ``process_vm_readv``), ``messages`` (``host_cma=False, cma=False``: UCX messages, without UCX's CMA) or
+``messages-cma`` (``host_cma=False``: UCX messages; UCX may read the writer's memory by CMA, and UCX 1.21 aborts
+the reading process if that read finds the writer dead: exit status 134).
 
-Through the transport the abort is a race (the receiver's control channel usually notices the dead writer and
-aborts the endpoint before UCX reads again); with ucxx alone, a receive posted while the writer sends
-continuously and a kill right after it aborted the receiver in 3 runs of 3 with CMA, and in none of 6 without.
+- ``python ucx_peer_death.py receive MOMENT PATH``: a ucx transport that starts a writer process, takes one
+  whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one, then checks that the peer is
+  lost with a typed error and the write it was receiving has ended; prints ``survived``, then the CPU seconds
+  this process spent over one idle second after that (``idle-cpu S``), and exits 0;
+- ``python ucx_peer_death.py write ADDRESS PATH``: the writer, writing ``NBYTES`` as one fragment until killed;
+- ``python ucx_peer_death.py config [cma]``: starts a ucx transport (``cma=True`` if asked) and prints the UCX
+  transports (``TLS``) of the UCXX context it started.
+
+With ucxx alone, a receive posted while the writer sends continuously and a kill right after it aborted the
+receiver in 3 runs of 3 with CMA, and in none of 6 without.
 """
 
 from __future__ import annotations
 
+import resource
 import sys
+import time
 
 import anyio
 import torch
@@ -25,10 +30,20 @@ from kvferry.errors import PeerDisconnected
 from kvferry.transports import PeerState, get_transport
 
 NBYTES = 128 << 20
+OPTIONS = {
+    "pull": {},
+    "messages": {"host_cma": False, "cma": False},
+    "messages-cma": {"host_cma": False},
+}
 
 
-async def write(address: str, cma: bool) -> None:
-    async with get_transport("ucx")(cma=cma) as transport:
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def write(address: str, path: str) -> None:
+    async with get_transport("ucx")(**OPTIONS[path]) as transport:
         peer = await transport.connect(address)
         src = torch.ones(NBYTES, dtype=torch.uint8)
         await transport.register(src)
@@ -37,10 +52,9 @@ async def write(address: str, cma: bool) -> None:
             await transport.write(peer, [[src.data_ptr(), NBYTES]], [[dst, NBYTES]], b"written")
 
 
-async def receive(moment: float, cma: bool) -> None:
-    async with get_transport("ucx")(cma=cma) as transport:
-        mode = "cma" if cma else "no-cma"
-        writer = await anyio.open_process([sys.executable, __file__, "write", transport.address, mode])
+async def receive(moment: float, path: str) -> None:
+    async with get_transport("ucx")(**OPTIONS[path]) as transport:
+        writer = await anyio.open_process([sys.executable, __file__, "write", transport.address, path])
         try:
             with anyio.fail_after(60):
                 peer = await transport.accept()
@@ -60,12 +74,15 @@ async def receive(moment: float, cma: bool) -> None:
                 assert peer.state is PeerState.LOST
                 while transport.statistics().incoming_writes:  # noqa: ASYNC110 (the write it was receiving ends)
                     await anyio.sleep(0.01)
+                print("survived", flush=True)
+                before, start = cpu_seconds(), time.monotonic()
+                await anyio.sleep(1.0)
+                print(f"idle-cpu {(cpu_seconds() - before) / (time.monotonic() - start):.3f}", flush=True)
         finally:
             with anyio.CancelScope(shield=True):
                 if writer.returncode is None:
                     writer.kill()
                 await writer.wait()
-    print("survived", flush=True)
 
 
 async def config(cma: bool) -> None:
@@ -76,10 +93,9 @@ async def config(cma: bool) -> None:
 
 
 if __name__ == "__main__":
-    cma = sys.argv[-1] == "cma"
     if sys.argv[1] == "config":
-        anyio.run(config, cma)
+        anyio.run(config, sys.argv[-1] == "cma")
     elif sys.argv[1] == "write":
-        anyio.run(write, sys.argv[2], cma)
+        anyio.run(write, sys.argv[2], sys.argv[3])
     else:
-        anyio.run(receive, float(sys.argv[2]), cma)
+        anyio.run(receive, float(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,249 @@
+"""ucx: how a write travels. Between peers of one host with host memory on both sides the receiver reads the
+writer's memory itself (``process_vm_readv``); it falls back to UCX messages where the kernel will not let it
+attach, fails the write where the writer's memory is gone, tells the writer about progress so that a long read
+does not trip its stall deadline, and ignores an offer that does not pair with the destination. And kvferry's
+driver of the UCX worker: a connected, idle transport costs no CPU, a worker that stays busy is polled at
+intervals, not on every turn of the loop. (Same-process pairs: the transports still talk through UCX.)"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from kvferry.errors import TransferTimeout, TransportError
+from kvferry.transports import Peer, Transport, _cma, get_transport, wire
+from kvferry.transports import ucx as ucx_module
+
+pytest.importorskip("ucxx")
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+MiB = 1 << 20
+
+
+@asynccontextmanager
+async def pair(
+    size: int, **options: Any
+) -> AsyncIterator[tuple[Transport, Transport, Peer, Peer, torch.Tensor, torch.Tensor]]:
+    """Writer ``a`` and receiver ``b`` in this process, connected, with ``size`` bytes registered on each side
+    (random at the writer, zeros at the receiver)."""
+    factory = get_transport("ucx")
+    async with factory(same_process="transport", **options) as a, factory(same_process="transport") as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+        dst = torch.zeros(size, dtype=torch.uint8)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        yield a, b, pa, pb, src, dst
+        assert a.statistics().writes_in_flight == 0
+        assert b.statistics().incoming_writes == 0
+
+
+async def write_all(a: Transport, pa: Peer, src: torch.Tensor, dst: torch.Tensor, **options: Any) -> None:
+    await a.write(pa, [[src.data_ptr(), src.numel()]], [[dst.data_ptr(), dst.numel()]], b"n", **options)
+
+
+async def test_a_peer_of_this_host_reads_host_memory_itself() -> None:
+    async with pair(3 * MiB + 5) as (a, b, pa, pb, src, dst):
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+        assert (a.pulled_writes, b.cma_reads) == (1, 1)  # type: ignore[attr-defined]
+    async with pair(MiB, host_cma=False) as (a, b, pa, pb, src, dst):  # the writer does not offer
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+        assert (a.pulled_writes, b.cma_reads) == (0, 0)  # type: ignore[attr-defined]
+
+
+async def test_refused_attach_falls_back_to_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EPERM (ptrace policy): the write lands through UCX messages, the peer is not offered reads again."""
+    calls = []
+
+    def refused(pid: int, src: object, dst: object) -> None:
+        calls.append(pid)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(_cma, "read", refused)
+    async with pair(2 * MiB) as (a, b, pa, pb, src, dst):
+        for _ in range(2):
+            dst.zero_()
+            await write_all(a, pa, src, dst)
+            assert await b.receive_notification(pb) == b"n"
+            assert torch.equal(src, dst)
+        assert len(calls) == 1
+        assert (a.pulled_writes, b.cma_reads) == (0, 0)  # type: ignore[attr-defined]
+
+
+async def test_writer_memory_gone_fails_the_write_and_nothing_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def gone(pid: int, src: object, dst: object) -> None:
+        raise OSError(errno.EFAULT, f"process_vm_readv with pid {pid} copied 0 of 4096 bytes")
+
+    async with pair(MiB) as (a, b, pa, pb, src, dst):
+        monkeypatch.setattr(_cma, "read", gone)
+        with anyio.fail_after(10), pytest.raises(TransportError, match="writer's memory"):
+            await write_all(a, pa, src, dst)
+        monkeypatch.undo()
+        await write_all(a, pa, src, dst)  # the next write is read again: EFAULT is not a refusal
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+        assert b.cma_reads == 1  # type: ignore[attr-defined]
+
+
+async def test_a_long_read_reports_progress_within_the_stall_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four slices of 0.15 s each: 0.6 s in all, with a stall deadline of 0.3 s that each PROGRESS restarts."""
+    read = _cma.read
+    slices = []
+
+    def slow(pid: int, src: Any, dst: Any) -> None:
+        time.sleep(0.15)
+        slices.append(len(src))
+        read(pid, src, dst)
+
+    monkeypatch.setattr(_cma, "read", slow)
+    monkeypatch.setattr(ucx_module, "_PULL_SLICE_BYTES", MiB)
+    monkeypatch.setattr(ucx_module, "_PULL_PROGRESS_SECONDS", 0.0)
+    async with pair(4 * MiB) as (a, b, pa, pb, src, dst):
+        pages = [[src.data_ptr() + i * MiB, MiB] for i in range(4)]
+        reversed_pages = [[dst.data_ptr() + (3 - i) * MiB, MiB] for i in range(4)]  # rows that do not merge
+        await a.write(pa, pages, reversed_pages, b"n", stall_timeout=0.3)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src.view(4, MiB).flip(0), dst.view(4, MiB))
+        assert len(slices) == 4
+
+
+async def test_a_stalled_read_times_out_and_the_next_write_goes_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    read = _cma.read
+
+    def stuck(pid: int, src: Any, dst: Any) -> None:
+        time.sleep(0.6)
+        read(pid, src, dst)
+
+    async with pair(MiB) as (a, b, pa, pb, src, dst):
+        monkeypatch.setattr(_cma, "read", stuck)
+        with anyio.fail_after(10), pytest.raises(TransferTimeout):
+            await write_all(a, pa, src, dst, stall_timeout=0.3)
+        monkeypatch.undo()
+        with anyio.fail_after(10):
+            while b.statistics().incoming_writes:  # noqa: ASYNC110 (the receiver ends it after its slice)
+                await anyio.sleep(0.01)
+        dst.zero_()
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("offer", ["short", "lengths", "garbage"])
+async def test_an_offer_that_does_not_pair_is_ignored(offer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver reads nothing of a malformed offer and takes the write as UCX messages."""
+    async with pair(MiB) as (a, b, pa, pb, src, dst):
+        base = src.data_ptr()
+        bad = {
+            "short": wire_fragments([[base, MiB // 2]]),
+            "lengths": wire_fragments([[base, MiB // 2], [base + MiB // 2, MiB // 2]]),
+            "garbage": b"\x01\x02\x03",
+        }[offer]
+        monkeypatch.setattr(a, "_pull_offer", lambda peer, rows: bad)
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+        assert b.cma_reads == 0  # type: ignore[attr-defined]
+
+
+def wire_fragments(rows: list[list[int]]) -> bytes:
+    import numpy as np
+
+    from kvferry.transports._channel import fragments_bytes
+
+    return fragments_bytes(np.array(rows, dtype=np.uint64))
+
+
+async def test_a_connected_idle_transport_costs_no_cpu() -> None:
+    """Through UCX messages (TCP lanes are among them without CMA): ucxx 0.52 alone never re-armed its worker,
+    and the loop ran its reader on every turn (a core at 100%)."""
+    async with pair(MiB, host_cma=False) as (a, b, pa, pb, src, dst):
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        await anyio.sleep(0.2)  # what the write left to do
+        cpu = time.thread_time()
+        await anyio.sleep(1.0)
+        assert time.thread_time() - cpu < 0.2
+        events = a._worker_events  # type: ignore[attr-defined]
+        assert events is not None and events.wakeups > 0, events
+
+
+async def test_a_busy_worker_is_polled_at_intervals() -> None:
+    """A worker that says busy on every arm (as after a peer died in the middle of a shared-memory message):
+    progressed on the next turns at first, then at growing intervals up to LONGEST_WAIT; a kick brings the
+    next turns back."""
+    from kvferry.transports._ucx_progress import BUSY_TURNS, LONGEST_WAIT, WorkerEvents
+
+    wake, _ = socket.socketpair()
+
+    class Busy:
+        epoll_file_descriptor = wake.fileno()
+        calls = 0
+
+        def progress(self) -> None:
+            self.calls += 1
+
+        def arm(self) -> bool:
+            return False
+
+    class Mode:
+        worker = Busy()
+
+    mode = Mode()
+    try:
+        events = WorkerEvents(asyncio.get_running_loop(), mode)
+        events.kick()
+        await anyio.sleep(1.0)
+        ramp = 17  # intervals from 50 us, doubling, until LONGEST_WAIT
+        assert BUSY_TURNS < mode.worker.calls <= BUSY_TURNS + ramp + 1.0 / LONGEST_WAIT + 2, events
+        before = mode.worker.calls
+        events.kick()
+        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.checkpoint()
+        assert mode.worker.calls >= before + 1
+        mode.worker = None  # type: ignore[assignment]  (ucxx dropped its worker: the driver stops)
+        await anyio.sleep(0.05)
+        assert events.progress_calls <= before + BUSY_TURNS + 2
+    finally:
+        asyncio.get_running_loop().remove_reader(wake.fileno())
+        wake.close()
+
+
+async def test_the_driver_replaces_ucxx_arming_task() -> None:
+    import ucxx._lib_async.application_context as application
+
+    async with get_transport("ucx")() as transport:
+        mode = application.ProgressTasks[asyncio.get_running_loop()]
+        await anyio.lowlevel.checkpoint()
+        assert mode.arm_task.cancelled()
+        assert transport._worker_events is mode._kvferry_events  # type: ignore[attr-defined]
+        async with get_transport("ucx")() as second:  # one driver per loop
+            assert second._worker_events is transport._worker_events  # type: ignore[attr-defined]
+
+
+def test_write_status_values_are_wire_version_2() -> None:
+    assert wire.WIRE_VERSION >= 2
+    assert {s.value for s in wire.WriteStatus} >= {"pulling", "progress"}
