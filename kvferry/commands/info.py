@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             if not probe["ok"]:
                 print(f"    {device}: probe failed: {probe['error']}")
                 continue
+            if probe.get("same_host"):
+                print(f"    {device} memory, peers on this host: {probe['same_host']}")
             print(f"    {device} memory (UCX {probe.get('ucx_version') or '?'}):")
             for label, rows in probe["operations"].items():
                 used = ", ".join(

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["PROBE_OPERATIONS", "parse_proto_info", "probe_transport", "versions"]
+__all__ = ["PROBE_OPERATIONS", "SAME_HOST_PATHS", "parse_proto_info", "probe_transport", "versions"]
 
 #: per transport: the UCX operations its data path uses -> what we call them
 PROBE_OPERATIONS: dict[str, dict[str, str]] = {
@@ -25,6 +25,13 @@ PROBE_OPERATIONS: dict[str, dict[str, str]] = {
     "ucx": {
         "tagged message by ucp_tag_send*": "data (tagged)",
     },
+}
+
+#: kvferry's own paths to a peer on this host, taken ahead of UCX's (per transport and memory)
+SAME_HOST_PATHS: dict[tuple[str, str], str] = {
+    ("nixl", "cpu"): "process_vm_writev by the writer, up to 1024 fragments per call (host_cma)",
+    ("nixl", "cuda"): "CUDA IPC mapping, one batched device copy per write (cuda_ipc)",
+    ("ucx", "cpu"): "process_vm_readv by the receiver, up to 1024 fragments per call (host_cma)",
 }
 
 # UCX 1.21 (ucxx): "| ucp_context_0 intra-node cfg#0 | tagged message by ... |"
@@ -104,8 +111,11 @@ def parse_proto_info(text: str) -> list[dict[str, str]]:
 def probe_transport(name: str, device: str = "cpu", timeout: float = 120.0) -> dict[str, Any]:
     """Run a small and a large write with ``name`` to another process and report the UCX protocols chosen.
 
+    UCX's choice is what the transport uses for peers on other hosts, and on this host where kvferry's own path
+    (``same_host``, from :data:`SAME_HOST_PATHS`) is off or refused.
+
     :return: ``{"ok": bool, "error": str | None, "operations": {label: [{"range", "protocol", "transport"}...]},
-        "tcp": bool}``
+        "tcp": bool, "ucx_version": str | None, "same_host": str | None}``
     """
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -118,7 +128,14 @@ def probe_transport(name: str, device: str = "cpu", timeout: float = 120.0) -> d
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"probe timed out after {timeout} s", "operations": {}, "tcp": False}
+        return {
+            "ok": False,
+            "error": f"probe timed out after {timeout} s",
+            "operations": {},
+            "tcp": False,
+            "ucx_version": None,
+            "same_host": SAME_HOST_PATHS.get((name, device)),
+        }
     rows = parse_proto_info(done.stdout + "\n" + done.stderr)
     wanted = PROBE_OPERATIONS.get(name, {})
     memory = "host memory" if device == "cpu" else "cuda"
@@ -145,6 +162,7 @@ def probe_transport(name: str, device: str = "cpu", timeout: float = 120.0) -> d
         "operations": operations,
         "tcp": tcp,
         "ucx_version": found["version"] if found else None,
+        "same_host": SAME_HOST_PATHS.get((name, device)),
     }
 
 
@@ -158,8 +176,11 @@ async def _probe_main(name: str, device: str) -> None:
     import anyio
 
     with await anyio.to_thread.run_sync(lambda: PeerProcess(name, device=device, env=clean)) as proc:
-        # the UCX transports of NIXL itself: our same-host paths (CUDA IPC, process_vm_writev) would bypass them
-        options = {"cuda_ipc": False, "host_cma": False} if name == "nixl" else {}
+        # the UCX transports themselves: our same-host paths (CUDA IPC, process_vm_writev/readv) would bypass them
+        options: dict[str, bool] = {
+            "nixl": {"cuda_ipc": False, "host_cma": False},
+            "ucx": {"host_cma": False},
+        }.get(name, {})
         async with get_transport(name)(**options) as transport:
             peer = await transport.connect(proc.address)
             size = 4 << 20
