@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("ucxx")
 
@@ -40,7 +41,14 @@ def test_the_ucx_context_leaves_cma_out_unless_asked() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["pull", "messages"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "pull",
+        "messages",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
 @pytest.mark.parametrize("moment", [0.0, 0.01])
 def test_writer_killed_in_the_middle_of_a_message(moment: float, path: str) -> None:
     done = _run("receive", str(moment), path)

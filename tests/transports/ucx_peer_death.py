@@ -1,9 +1,10 @@
 """Both ends of test_ucx_peer_death.py, each run as a script in its own process (UCX state stays per process).
 
 ``PATH`` says how the bytes travel: ``pull`` (the default transport: the receiver reads the writer's memory with
-its own ``process_vm_readv``), ``messages`` (``host_cma=False, cma=False``: UCX messages, without UCX's CMA) or
+its own ``process_vm_readv``), ``messages`` (``host_cma=False, cma=False``: UCX messages, without UCX's CMA),
 ``messages-cma`` (``host_cma=False``: UCX messages; UCX may read the writer's memory by CMA, and UCX 1.21 aborts
-the reading process if that read finds the writer dead: exit status 134).
+the reading process if that read finds the writer dead: exit status 134) or ``cuda`` (the default transport with
+CUDA memory at both ends, one GPU: UCX messages by CUDA IPC).
 
 - ``python ucx_peer_death.py receive MOMENT PATH``: a ucx transport that starts a writer process, takes one
   whole write of ``NBYTES`` from it, kills it ``MOMENT`` seconds into the next one, then checks that the peer is
@@ -34,7 +35,12 @@ OPTIONS = {
     "pull": {},
     "messages": {"host_cma": False, "cma": False},
     "messages-cma": {"host_cma": False},
+    "cuda": {},
 }
+
+
+def device(path: str) -> str:
+    return "cuda" if path == "cuda" else "cpu"
 
 
 def cpu_seconds() -> float:
@@ -45,7 +51,7 @@ def cpu_seconds() -> float:
 async def write(address: str, path: str) -> None:
     async with get_transport("ucx")(**OPTIONS[path]) as transport:
         peer = await transport.connect(address)
-        src = torch.ones(NBYTES, dtype=torch.uint8)
+        src = torch.ones(NBYTES, dtype=torch.uint8, device=device(path))
         await transport.register(src)
         dst = int(await transport.receive_message(peer))
         while True:
@@ -58,7 +64,7 @@ async def receive(moment: float, path: str) -> None:
         try:
             with anyio.fail_after(60):
                 peer = await transport.accept()
-                dst = torch.zeros(NBYTES, dtype=torch.uint8)
+                dst = torch.zeros(NBYTES, dtype=torch.uint8, device=device(path))
                 await transport.register(dst)
                 await transport.send_message(peer, str(dst.data_ptr()).encode())
                 assert await transport.receive_notification(peer) == b"written"
