@@ -39,7 +39,7 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import wire
+from kvferry.transports import _cma, wire
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import (
@@ -98,6 +98,31 @@ def _pid_namespace() -> int:
         return 0
 
 
+def _proves_pid(hello: wire.Hello) -> bool:
+    """True when process ``hello.pid`` of this host holds ``hello.pid_proof`` at ``hello.pid_proof_address``: the
+    peer is that process (a peer cannot know random bytes in another process's memory), so copying into or out
+    of its memory by pid reaches the peer and nobody else. False where the kernel will not let us look."""
+    proof = hello.pid_proof
+    if len(proof) < 16 or not _cma.available():
+        return False
+    found = np.zeros(len(proof), dtype=np.uint8)
+    try:
+        _cma.read(
+            hello.pid,
+            np.array([[hello.pid_proof_address, len(proof)]], dtype=np.uint64),
+            np.array([[found.ctypes.data, len(proof)]], dtype=np.uint64),
+        )
+    except OSError as exc:
+        log.info(
+            "cannot check that %s is pid %d (%s): treated as another host's", hello.address, hello.pid, exc
+        )
+        return False
+    if found.tobytes() != proof:
+        log.warning("%s says it is pid %d of this host, which it is not", hello.address, hello.pid)
+        return False
+    return True
+
+
 def parse_address(address: str) -> tuple[str, str, int]:
     """``"name://host:port"`` -> (name, host, port)."""
     scheme, sep, rest = address.partition("://")
@@ -149,8 +174,12 @@ class ChannelPeer(Peer):
         self.transport = transport
         self.stream = stream
         self.hello = hello
-        #: on this host, in this pid namespace (its pid names it here)
-        self.same_host = hello.hostname == socket.gethostname() and hello.pid_namespace == _pid_namespace()
+        #: on this host, in this pid namespace (its pid names it here), and shown to be that pid
+        self.same_host = (
+            hello.hostname == socket.gethostname()
+            and hello.pid_namespace == _pid_namespace()
+            and _proves_pid(hello)
+        )
         self.same_process = self.same_host and hello.pid == os.getpid()
         self.regions = RegionTable(hello.regions)
         self._state = PeerState.CONNECTED
@@ -246,6 +275,8 @@ class ChannelTransport(Transport):
         self._same_process_copy = same_process == "copy"
         self._coalesce = coalesce
         self.instance_id = f"{self.name}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
+        # kept in our memory for peers of this host to read: Hello.pid_proof
+        self._pid_proof = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
         self.tag_prefix = secrets.randbits(24) if self._uses_tag_prefix else 0
         self._converter = wire.make_converter()
         self._state = "new"
@@ -394,6 +425,8 @@ class ChannelTransport(Transport):
             tag_prefix=self.tag_prefix,
             regions=self._own.regions,
             backend=self._backend_hello(),
+            pid_proof=self._pid_proof.tobytes(),
+            pid_proof_address=int(self._pid_proof.ctypes.data),
         )
 
     def _handshake_frame(self) -> bytes:

@@ -46,7 +46,7 @@ __all__ = [
 # History:
 #   1: handshake envelope + hello, regions, messages, notifications, two-sided writes
 #   2: a two-sided write may offer its source ranges for the receiver to read (same host): WriteRequest.src,
-#      WriteStatus.PULLING and PROGRESS
+#      WriteStatus.PULLING and PROGRESS; Hello.pid_proof and pid_proof_address
 WIRE_VERSION = 2
 
 #: kind (u8), body length (u64)
@@ -105,6 +105,11 @@ class Hello:
     regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 20))
     #: backend specific: NIXL agent metadata, UCX worker address
     backend: bytes = field(validator=max_len(_BLOB))
+    #: random bytes the sender keeps at ``pid_proof_address`` in its memory: a peer on the same host reads them
+    #: there (``process_vm_readv`` of ``pid``) before it believes ``pid``, and so before it copies into or out of
+    #: that process's memory itself
+    pid_proof: bytes = field(default=b"", validator=max_len(64))
+    pid_proof_address: int = field(default=0, validator=[ge(0), le(_U64)])
 
 
 @frozen

@@ -417,6 +417,35 @@ async def test_reregistration_at_the_same_address(transport_name: str, remote: R
             assert b"deregistered" in await transport.receive_message(peer)
 
 
+@pytest.mark.parametrize("transport_name", ["nixl", "ucx"])
+async def test_a_peer_that_cannot_show_its_pid_gets_no_same_host_copies(
+    transport_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer whose hello names this host and a pid, but whose proof is not in that pid's memory, is treated as
+    another host's: our own process_vm_writev (nixl) or the receiver's read (ucx) would otherwise copy into or
+    out of whatever process that pid is. Its writes still land, through NIXL or UCX messages."""
+    import attrs
+
+    factory = get_transport(transport_name)
+    async with factory(same_process="transport") as a, factory(same_process="transport") as b:
+        honest = b._hello  # type: ignore[attr-defined]
+        monkeypatch.setattr(b, "_hello", lambda: attrs.evolve(honest(), pid_proof=bytes(16)))
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        assert not pa.same_host and not pa.same_process  # type: ignore[attr-defined]
+        assert pb.same_host  # type: ignore[attr-defined]  (a's own proof holds)
+        src, dst = random_tensor(MiB, seed=3), torch.zeros(MiB, dtype=torch.uint8)
+        await a.register(src)
+        await b.register(dst)
+        await b.send_message(pb, b"registered")
+        await a.receive_message(pa)
+        await a.write(pa, [[src.data_ptr(), MiB]], [[dst.data_ptr(), MiB]], b"n")
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+        counter = "cma_writes" if transport_name == "nixl" else "pulled_writes"
+        assert getattr(a, counter) == 0
+
+
 @pytest.mark.parametrize("transport_name", ["nixl"])
 async def test_nixl_refused_region_metadata(
     transport_name: str, remote: Remote, monkeypatch: pytest.MonkeyPatch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.errors import MissingExtraError, RegionError, WireFormatError
-from kvferry.transports import as_fragments, coalesce, get_transport, page_fragments, wire
+from kvferry.transports import _cma, as_fragments, coalesce, get_transport, page_fragments, wire
 from kvferry.transports._memory import RegionTable
 from kvferry.transports.base import MERGE_SHARE, check_pairing, write_rows
 from kvferry.transports.wire import RegionInfo
@@ -389,3 +390,85 @@ def test_ipc_route_maps_the_peers_ranges_to_its_mapped_regions() -> None:
     ipc.table = RegionTable([RegionInfo(9000, 100, "cuda:0")])  # remapped: the peer exports less now
     assert ipc.exported_of(peer_regions).tolist() == [0, -1, -1, -1]
     assert nixl._IpcPeer().exported_of(RegionTable([])).tolist() == []
+
+
+# --- cross-memory attach ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _cma.available(), reason="needs process_vm_readv/writev")
+def test_cma_read_and_write_copy_rows_and_fail_with_errors() -> None:
+    import errno
+    import os
+
+    here = np.arange(64, dtype=np.uint8)
+    there = np.zeros(64, dtype=np.uint8)
+    base, other = here.ctypes.data, there.ctypes.data
+    rows_here = np.array([[base + 8, 8], [base, 8], [base + 32, 16]], dtype=np.uint64)
+    rows_there = np.array([[other, 8], [other + 16, 8], [other + 40, 16]], dtype=np.uint64)
+    _cma.write(os.getpid(), rows_here, rows_there)  # into "another process": ourselves
+    assert there[:8].tolist() == list(range(8, 16)) and there[16:24].tolist() == list(range(8))
+    assert there[40:56].tolist() == list(range(32, 48)) and not there[8:16].any()
+    back = np.zeros(64, dtype=np.uint8)
+    _cma.read(
+        os.getpid(), rows_there, np.array([[back.ctypes.data, 8], [back.ctypes.data + 8, 8]], np.uint64)
+    )
+    assert back[:16].tolist() == [*range(8, 16), *range(8)]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(ProcessLookupError):
+        _cma.read(gone.pid, rows_there, rows_here)
+    with pytest.raises(OSError) as unmapped:
+        _cma.read(os.getpid(), np.array([[8, 8]], dtype=np.uint64), rows_there[:1])
+    assert unmapped.value.errno == errno.EFAULT
+
+
+def test_cma_slices_cut_runs_of_about_the_slice_size() -> None:
+    lengths = np.array([3, 3, 3, 3, 10, 1], dtype=np.uint64)
+    assert _cma.slices(lengths, 6) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert _cma.slices(lengths, 1000) == [(0, 6)]
+    assert _cma.slices(np.zeros(0, dtype=np.uint64), 6) == []
+    for cut in (1, 4, 7, 23):
+        runs = _cma.slices(lengths, cut)
+        assert runs[0][0] == 0 and runs[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+
+
+def _hello(**fields: object) -> wire.Hello:
+    base: dict[str, object] = dict(
+        transport="ucx",
+        instance_id="x",
+        address="ucx://127.0.0.1:1",
+        hostname="h",
+        pid=0,
+        pid_namespace=0,
+        max_message_bytes=0,
+        tag_prefix=0,
+        regions=(),
+        backend=b"",
+    )
+    return wire.Hello(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not _cma.available(), reason="needs process_vm_readv/writev")
+def test_a_peer_proves_its_pid_by_the_bytes_in_its_memory() -> None:
+    import os
+    import secrets
+
+    from kvferry.transports._channel import _proves_pid
+
+    proof = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
+    address = int(proof.ctypes.data)
+    assert _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes(), pid_proof_address=address))
+    # other bytes, a short proof, none, another process, memory that is not mapped: not believed
+    assert not _proves_pid(
+        _hello(pid=os.getpid(), pid_proof=secrets.token_bytes(16), pid_proof_address=address)
+    )
+    assert not _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes()[:8], pid_proof_address=address))
+    assert not _proves_pid(_hello(pid=os.getpid()))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not _proves_pid(_hello(pid=other.pid, pid_proof=proof.tobytes(), pid_proof_address=address))
+    finally:
+        other.kill()
+        other.wait()
+    assert not _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes(), pid_proof_address=8))
