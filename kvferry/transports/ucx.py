@@ -54,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 import ucxx
 import ucxx.exceptions as ucx_errors
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
 from kvferry.transports import _cma, wire
@@ -481,16 +482,33 @@ class UcxTransport(ChannelTransport):
                 finished = True
                 _raise_for(answer, peer, wire.WriteStatus.DONE)
         finally:
-            peer.pending.pop(write_id, None)
-            replies_out.close()
-            replies_in.close()
-            if announced and not finished and peer.lost.is_set() is False:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                    try:
-                        abort = wire.encode(self._converter, wire.WriteAbort(write_id))
-                        await self.send_frame(peer, wire.FrameKind.WRITE_ABORT, abort)
-                    except TransportError:
-                        pass
+            try:
+                if announced and not finished and peer.lost.is_set() is False:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                        await self._abort_write(peer, write_id, replies_in, offer is not None)
+            finally:
+                peer.pending.pop(write_id, None)
+                replies_out.close()
+                replies_in.close()
+
+    async def _abort_write(
+        self,
+        peer: ChannelPeer,
+        write_id: int,
+        replies: MemoryObjectReceiveStream[wire.WriteReply],
+        offered: bool,
+    ) -> None:
+        """Tell the receiver to drop a write we leave early. If we offered it our source, wait for its last answer
+        too: it may be reading our memory (a slice at most), and the caller may free that memory once we return."""
+        try:
+            abort = wire.encode(self._converter, wire.WriteAbort(write_id))
+            await self.send_frame(peer, wire.FrameKind.WRITE_ABORT, abort)
+            if offered:
+                ongoing = (wire.WriteStatus.PULLING, wire.WriteStatus.PROGRESS, wire.WriteStatus.READY)
+                while (await replies.receive()).status in ongoing:
+                    pass
+        except (TransportError, anyio.EndOfStream, anyio.ClosedResourceError):
+            pass
 
     def _pull_offer(self, peer: ChannelPeer, rows: CheckedRows) -> bytes | None:
         """Our source fragments for the receiver to read itself, or None (send them as UCX messages): offered to

@@ -77,8 +77,10 @@ async def test_refused_attach_falls_back_to_messages(monkeypatch: pytest.MonkeyP
         calls.append(pid)
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(_cma, "read", refused)
     async with pair(2 * MiB) as (a, b, pa, pb, src, dst):
+        monkeypatch.setattr(
+            _cma, "read", refused
+        )  # (after the handshakes, which read each other's pid proof)
         for _ in range(2):
             dst.zero_()
             await write_all(a, pa, src, dst)
@@ -117,10 +119,10 @@ async def test_a_long_read_reports_progress_within_the_stall_deadline(
         slices.append(len(src))
         read(pid, src, dst)
 
-    monkeypatch.setattr(_cma, "read", slow)
-    monkeypatch.setattr(ucx_module, "_PULL_SLICE_BYTES", MiB)
-    monkeypatch.setattr(ucx_module, "_PULL_PROGRESS_SECONDS", 0.0)
     async with pair(4 * MiB) as (a, b, pa, pb, src, dst):
+        monkeypatch.setattr(_cma, "read", slow)
+        monkeypatch.setattr(ucx_module, "_PULL_SLICE_BYTES", MiB)
+        monkeypatch.setattr(ucx_module, "_PULL_PROGRESS_SECONDS", 0.0)
         pages = [[src.data_ptr() + i * MiB, MiB] for i in range(4)]
         reversed_pages = [[dst.data_ptr() + (3 - i) * MiB, MiB] for i in range(4)]  # rows that do not merge
         await a.write(pa, pages, reversed_pages, b"n", stall_timeout=0.3)
@@ -132,20 +134,23 @@ async def test_a_long_read_reports_progress_within_the_stall_deadline(
 async def test_a_stalled_read_times_out_and_the_next_write_goes_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """TransferTimeout at the writer's stall deadline; the write returns only once the receiver has stopped
+    reading the writer's memory (which the caller may free then)."""
     read = _cma.read
+    done = []
 
     def stuck(pid: int, src: Any, dst: Any) -> None:
         time.sleep(0.6)
         read(pid, src, dst)
+        done.append(len(src))
 
     async with pair(MiB) as (a, b, pa, pb, src, dst):
         monkeypatch.setattr(_cma, "read", stuck)
         with anyio.fail_after(10), pytest.raises(TransferTimeout):
             await write_all(a, pa, src, dst, stall_timeout=0.3)
+        assert done == [1]  # the slice it was reading had ended
+        assert b.statistics().incoming_writes == 0
         monkeypatch.undo()
-        with anyio.fail_after(10):
-            while b.statistics().incoming_writes:  # noqa: ASYNC110 (the receiver ends it after its slice)
-                await anyio.sleep(0.01)
         dst.zero_()
         await write_all(a, pa, src, dst)
         assert await b.receive_notification(pb) == b"n"
