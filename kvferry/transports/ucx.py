@@ -29,12 +29,14 @@ Why host memory of this host is read by the receiver itself: in that mode UCX 1.
   run. So the UCX context this transport starts leaves CMA out (``cma=False``, ``TLS=^cma``, unless ``UCX_TLS``
   is set).
 - Without CMA, large messages go through the shared-memory FIFOs: a peer that dies in the middle of one leaves
-  this process's UCX worker with work it retries forever (a core at 100%; ucxx's progress task of any event loop
-  started later never yields, nor does its hook on the loop's close).
-- Our own ``process_vm_readv`` fails with an error instead, moves up to 1024 fragments per call (0.97 of a
+  this process's UCX worker with work it retries forever (ucxx alone then kept a core at 100%, and its arming task
+  of any event loop started later never yielded; :mod:`~kvferry.transports._ucx_progress` polls such a worker
+  every 10 ms instead, and later writes through it run 1.5-2x slower).
+- Our own ``process_vm_readv`` fails with an error instead, moves up to 1024 fragments per call (0.94-0.98 of a
   contiguous write at 1 MiB fragments on 2 cores, against 0.82 through UCX's CMA and 0.67-0.72 through the
   FIFOs), and keeps UCX out of the host path. CUDA memory and peers on other hosts still go through UCX, and so
-  does host memory where the kernel refuses to attach (``ptrace`` policy), with the FIFO caveat above.
+  does host memory where the kernel refuses to attach (``ptrace`` policy), with the FIFO caveat above. A peer
+  counts as one of this host only once it has shown its pid (``Hello.pid_proof``).
 """
 
 from __future__ import annotations
