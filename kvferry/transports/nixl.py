@@ -278,6 +278,7 @@ class NixlTransport(ChannelTransport):
         self._cuda_ipc = cuda_ipc
         self._ipc: dict[ChannelPeer, _IpcPeer] = {}
         self._host_cma = host_cma and _cma.available()
+        self._cma_threads = _cma.copy_threads()
         #: peers whose memory this process may not attach to (the first refusal turns the path off for them)
         self._cma_refused: set[ChannelPeer] = set()
         #: per peer: its host regions as its NIXL blob lists them (checked again before a process_vm_writev)
@@ -635,22 +636,30 @@ class NixlTransport(ChannelTransport):
         cancel is seen between slices), then notify over the control channel. False (the caller writes through
         NIXL; what was written is written again) when the kernel refuses: the path stays off for this peer."""
         async with self.guard(peer, stall) as guard:
-            for lo, hi in _cma.slices(src[:, 1], _CMA_SLICE_BYTES):
-                try:
-                    await anyio.to_thread.run_sync(_cma.write, peer.hello.pid, src[lo:hi], dst[lo:hi])
-                except ProcessLookupError as exc:
-                    # the peer's process is gone: NIXL's own path (UCX's CMA, error handling off) would abort
-                    # this process on the same call
-                    raise PeerDisconnected(f"the process of {peer.address} is gone ({exc})") from exc
-                except OSError as exc:
-                    log.info(
-                        "cannot write %s by process_vm_writev (%s); writing through NIXL", peer.address, exc
-                    )
-                    self._cma_refused.add(peer)
-                    return False
+
+            async def after_slice() -> None:
                 # a slice that outlasted the stall deadline ends the write here
                 await anyio.lowlevel.checkpoint()
                 guard.progress()
+
+            try:
+                await _cma.copy_slices(
+                    _cma.write,
+                    peer.hello.pid,
+                    src,
+                    dst,
+                    slice_bytes=_CMA_SLICE_BYTES,
+                    threads=self._cma_threads,
+                    after_slice=after_slice,
+                )
+            except ProcessLookupError as exc:
+                # the peer's process is gone: NIXL's own path (UCX's CMA, error handling off) would abort
+                # this process on the same call
+                raise PeerDisconnected(f"the process of {peer.address} is gone ({exc})") from exc
+            except OSError as exc:
+                log.info("cannot write %s by process_vm_writev (%s); writing through NIXL", peer.address, exc)
+                self._cma_refused.add(peer)
+                return False
         self.cma_writes += 1
         if notify is not None:
             await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)

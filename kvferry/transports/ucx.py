@@ -341,6 +341,7 @@ class UcxTransport(ChannelTransport):
         super().__init__(**options)
         self._endpoint_error_handling = endpoint_error_handling
         self._host_cma = host_cma and _cma.available()
+        self._cma_threads = _cma.copy_threads()
         self._pull_refused: set[ChannelPeer] = set()
         #: writes of ours that the receiver read itself; writes we read ourselves
         self.pulled_writes = 0
@@ -617,20 +618,31 @@ class UcxTransport(ChannelTransport):
         """The copies of :meth:`_pull`: DONE, FAILED (the writer or its memory is gone) or READY (we may not
         attach: receive messages instead)."""
         told = time.monotonic()
-        for lo, hi in _cma.slices(dst[:, 1], _PULL_SLICE_BYTES):
-            try:
-                await anyio.to_thread.run_sync(_cma.read, peer.hello.pid, src[lo:hi], dst[lo:hi])
-            except OSError as exc:
-                if exc.errno in (errno.ESRCH, errno.EFAULT):
-                    return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"
-                log.info("cannot read %s by process_vm_readv (%s); receiving messages", peer.address, exc)
-                self._pull_refused.add(peer)
-                return wire.WriteStatus.READY, ""
+
+        async def after_slice() -> None:
+            nonlocal told
             await anyio.lowlevel.checkpoint()
             scope.deadline = anyio.current_time() + self._stall_timeout
-            if hi < len(dst) and time.monotonic() - told >= _PULL_PROGRESS_SECONDS:
-                await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
+            if time.monotonic() - told >= _PULL_PROGRESS_SECONDS:
                 told = time.monotonic()
+                await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
+
+        try:
+            await _cma.copy_slices(
+                _cma.read,
+                peer.hello.pid,
+                src,
+                dst,
+                slice_bytes=_PULL_SLICE_BYTES,
+                threads=self._cma_threads,
+                after_slice=after_slice,
+            )
+        except OSError as exc:
+            if exc.errno in (errno.ESRCH, errno.EFAULT):
+                return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"
+            log.info("cannot read %s by process_vm_readv (%s); receiving messages", peer.address, exc)
+            self._pull_refused.add(peer)
+            return wire.WriteStatus.READY, ""
         self.cma_reads += 1
         return wire.WriteStatus.DONE, ""
 

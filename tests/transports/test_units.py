@@ -472,3 +472,74 @@ def test_a_peer_proves_its_pid_by_the_bytes_in_its_memory() -> None:
         other.kill()
         other.wait()
     assert not _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes(), pid_proof_address=8))
+
+
+@pytest.mark.anyio
+async def test_copy_slices_runs_slices_in_threads_and_stops_at_the_first_error() -> None:
+    import threading
+    import time
+
+    mib = 1 << 20
+    rows = np.array([[i * mib, mib] for i in range(64)], dtype=np.uint64)  # 64 MiB in 1 MiB rows
+    seen: list[tuple[int, int]] = []
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+            seen.append((int(src[0, 0]) // mib, len(src)))
+        if int(src[0, 0]) // mib == 16:
+            raise ProcessLookupError(3, "No such process")
+
+    slices_done = 0
+
+    async def after() -> None:
+        nonlocal slices_done
+        slices_done += 1
+
+    # 64 MiB over 4 threads: slices of 16 MiB (per thread), the one at row 16 fails
+    with pytest.raises(ProcessLookupError):
+        await _cma.copy_slices(copy, 1, rows, rows, slice_bytes=64 * mib, threads=4, after_slice=after)
+    assert sorted(seen) == [(0, 16), (16, 16), (32, 16), (48, 16)] and most == 4
+    assert slices_done == 3
+    # a slice that fails stops the workers from taking more
+    seen.clear()
+    most = 0
+    with pytest.raises(ProcessLookupError):
+        await _cma.copy_slices(
+            copy, 1, rows[16:], rows[16:], slice_bytes=64 * mib, threads=2, after_slice=after
+        )
+    assert len(seen) <= 2 and most <= 2
+    seen.clear()
+    await _cma.copy_slices(
+        copy, 1, rows[17:25], rows[17:25], slice_bytes=64 * mib, threads=4, after_slice=after
+    )
+    assert seen == [(17, 8)]  # 8 MiB: one slice, copied inline
+    seen.clear()
+    await _cma.copy_slices(copy, 1, rows[32:], rows[32:], slice_bytes=4 * mib, threads=32, after_slice=after)
+    assert sorted(seen) == [(32 + 4 * i, 4) for i in range(8)]  # slice_bytes bounds the slices from above
+    seen.clear()
+    await _cma.copy_slices(copy, 1, rows[32:], rows[32:], slice_bytes=64 * mib, threads=32, after_slice=after)
+    assert sorted(seen) == [(32 + 8 * i, 8) for i in range(4)]  # and MIN_PARALLEL_SLICE from below
+    assert 2 <= _cma.copy_threads() <= 8
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=20), st.integers(1, 16))
+def test_split_rows_moves_the_same_bytes_in_pieces(lengths: list[int], longest: int) -> None:
+    src_off = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    dst_off = 1000 + src_off[::-1].copy()  # another layout on the other side
+    src = np.stack([src_off, lengths], axis=1).astype(np.uint64)
+    dst = np.stack([dst_off, lengths], axis=1).astype(np.uint64)
+    cut_src, cut_dst = _cma.split_rows(src, dst, longest)
+    assert int(cut_src[:, 1].max()) <= max(longest, 0) and np.array_equal(cut_src[:, 1], cut_dst[:, 1])
+
+    def pairs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int]]:
+        return [(int(a) + k, int(b) + k) for (a, n), (b, _) in zip(s, d, strict=True) for k in range(int(n))]
+
+    assert pairs(cut_src, cut_dst) == pairs(src, dst)  # byte for byte, in order
