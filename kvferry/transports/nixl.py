@@ -23,9 +23,11 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
 - Host memory of peers on the same host is written with batched ``process_vm_writev`` calls (``host_cma``, on
   by default; :mod:`~kvferry.transports._cma`): UCX's CMA transport makes one system call per descriptor (~3 us
   here), which capped mismatched-TP KV mappings (thousands of 16-32 KiB fragments) near 0.6 of one contiguous
-  write; one call per 1024 fragments does not. Destinations are checked against the host regions the peer's blob
-  lists as well as the channel's table (the kernel would write anywhere the peer maps); a refusal (no ptrace
-  permission, another pid namespace) turns the path off for that peer and the write goes through NIXL.
+  write; one call per 1024 fragments does not, and a long write runs in slices on several worker threads at once
+  (one kernel copy is bound by one core: 15-17 GB/s on the H200's host). Destinations are checked against the
+  host regions the peer's blob lists as well as the channel's table (the kernel would write anywhere the peer
+  maps), and only for a peer that has shown its pid (``Hello.pid_proof``); a refusal (no ptrace permission) turns
+  the path off for that peer and the write goes through NIXL.
 - Re-registration at a freed device address on a live connection: on the H200 (VRAM, NIXL 1.5.1), after a
   peer deregistered a region and registered a new one at the same address (cudaMalloc reuses addresses), our
   ``add_remote_agent`` refused the new regions' metadata (NIXL_ERR_NOT_ALLOWED, with whole or partial
