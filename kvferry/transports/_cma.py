@@ -47,6 +47,8 @@ __all__ = [
 
 #: iovec elements per system call (Linux's UIO_MAXIOV)
 IOV_MAX = 1024
+#: bytes per worker-thread call of a long copy at most (a cancel or a stall is seen between slices)
+SLICE_BYTES = 64 << 20
 #: a copy is cut into slices of at least this many bytes for parallel worker threads
 MIN_PARALLEL_SLICE = 8 << 20
 
@@ -132,17 +134,19 @@ async def copy_slices(
     src: Fragments,
     dst: Fragments,
     *,
-    slice_bytes: int,
-    threads: int,
     after_slice: Callable[[], Awaitable[None]],
+    slice_bytes: int | None = None,
+    threads: int | None = None,
 ) -> None:
     """``copy(pid, src[lo:hi], dst[lo:hi])`` (:func:`read` or :func:`write`) over every row, in slices of at most
-    ``slice_bytes`` (and at least :data:`MIN_PARALLEL_SLICE` when cut for threads), up to ``threads`` of them at
-    once in worker threads; ``after_slice()`` after each.
+    ``slice_bytes`` (default :data:`SLICE_BYTES`; at least :data:`MIN_PARALLEL_SLICE` when cut for threads), up to
+    ``threads`` (default :func:`copy_threads`) of them at once in worker threads; ``after_slice()`` after each.
 
     :raises OSError: the first a slice raised, once every slice already running has ended (none starts after it).
     A cancel, likewise, takes effect once the running slices have ended: their rows are written, others maybe not.
     """
+    slice_bytes = SLICE_BYTES if slice_bytes is None else slice_bytes
+    threads = copy_threads() if threads is None else threads
     total = int(src[:, 1].sum()) if len(src) else 0
     per_thread = -(-total // max(1, threads))
     cut = max(1, min(slice_bytes, max(MIN_PARALLEL_SLICE, per_thread)))

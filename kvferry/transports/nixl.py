@@ -75,8 +75,6 @@ log = logging.getLogger("kvferry.transports.nixl")
 _NOTIFY_MARK = b"\x01"
 #: prefix of our backend blob (NIXL metadata + CUDA IPC exports), msgpack after it
 _BLOB_MARK = b"KVFN1"
-#: bytes per worker-thread call of a process_vm_writev write (a cancel or a stall is seen between them)
-_CMA_SLICE_BYTES = 64 << 20
 #: longest a worker thread polls one write before handing back to the event loop (cancel, stall, peer loss)
 _POLL_SLICE = 5e-3
 
@@ -280,7 +278,6 @@ class NixlTransport(ChannelTransport):
         self._cuda_ipc = cuda_ipc
         self._ipc: dict[ChannelPeer, _IpcPeer] = {}
         self._host_cma = host_cma and _cma.available()
-        self._cma_threads = _cma.copy_threads()
         #: peers whose memory this process may not attach to (the first refusal turns the path off for them)
         self._cma_refused: set[ChannelPeer] = set()
         #: per peer: its host regions as its NIXL blob lists them (checked again before a process_vm_writev)
@@ -634,7 +631,7 @@ class NixlTransport(ChannelTransport):
     async def _cma_write(
         self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
     ) -> bool:
-        """Write by ``process_vm_writev`` in slices of about :data:`_CMA_SLICE_BYTES` (each in a worker thread; a
+        """Write by ``process_vm_writev`` in slices of about :data:`~kvferry.transports._cma.SLICE_BYTES` (each in a worker thread; a
         cancel is seen between slices), then notify over the control channel. False (the caller writes through
         NIXL; what was written is written again) when the kernel refuses: the path stays off for this peer."""
         async with self.guard(peer, stall) as guard:
@@ -645,15 +642,7 @@ class NixlTransport(ChannelTransport):
                 guard.progress()
 
             try:
-                await _cma.copy_slices(
-                    _cma.write,
-                    peer.hello.pid,
-                    src,
-                    dst,
-                    slice_bytes=_CMA_SLICE_BYTES,
-                    threads=self._cma_threads,
-                    after_slice=after_slice,
-                )
+                await _cma.copy_slices(_cma.write, peer.hello.pid, src, dst, after_slice=after_slice)
             except ProcessLookupError as exc:
                 # the peer's process is gone: NIXL's own path (UCX's CMA, error handling off) would abort
                 # this process on the same call

@@ -76,8 +76,6 @@ __all__ = ["UcxTransport", "transport_class"]
 log = logging.getLogger("kvferry.transports.ucx")
 
 _MAX_MESSAGES = 1 << 20
-#: bytes per worker-thread call of a pulled write (a cancel or a stall is seen between them)
-_PULL_SLICE_BYTES = 64 << 20
 #: a pulling receiver tells the writer about progress at most this often
 _PULL_PROGRESS_SECONDS = 0.05
 
@@ -341,7 +339,6 @@ class UcxTransport(ChannelTransport):
         super().__init__(**options)
         self._endpoint_error_handling = endpoint_error_handling
         self._host_cma = host_cma and _cma.available()
-        self._cma_threads = _cma.copy_threads()
         self._pull_refused: set[ChannelPeer] = set()
         #: writes of ours that the receiver read itself; writes we read ourselves
         self.pulled_writes = 0
@@ -628,15 +625,7 @@ class UcxTransport(ChannelTransport):
                 await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
 
         try:
-            await _cma.copy_slices(
-                _cma.read,
-                peer.hello.pid,
-                src,
-                dst,
-                slice_bytes=_PULL_SLICE_BYTES,
-                threads=self._cma_threads,
-                after_slice=after_slice,
-            )
+            await _cma.copy_slices(_cma.read, peer.hello.pid, src, dst, after_slice=after_slice)
         except OSError as exc:
             if exc.errno in (errno.ESRCH, errno.EFAULT):
                 return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"

@@ -121,7 +121,7 @@ async def test_a_long_read_reports_progress_within_the_stall_deadline(
 
     async with pair(4 * MiB) as (a, b, pa, pb, src, dst):
         monkeypatch.setattr(_cma, "read", slow)
-        monkeypatch.setattr(ucx_module, "_PULL_SLICE_BYTES", MiB)
+        monkeypatch.setattr(_cma, "SLICE_BYTES", MiB)
         monkeypatch.setattr(ucx_module, "_PULL_PROGRESS_SECONDS", 0.0)
         pages = [[src.data_ptr() + i * MiB, MiB] for i in range(4)]
         reversed_pages = [[dst.data_ptr() + (3 - i) * MiB, MiB] for i in range(4)]  # rows that do not merge
