@@ -37,11 +37,13 @@ from kvferry.transports.base import Fragments
 __all__ = [
     "IOV_MAX",
     "MIN_PARALLEL_SLICE",
+    "SLICE_BYTES",
     "available",
     "copy_slices",
     "copy_threads",
     "read",
     "slices",
+    "split_rows",
     "write",
 ]
 
@@ -194,8 +196,10 @@ def split_rows(src: Fragments, dst: Fragments, longest: int) -> tuple[Fragments,
     )
 
 
+@functools.cache
 def copy_threads() -> int:
-    """Worker threads a long copy may use at once: half the cores this process may run on, 2 to 8."""
+    """Worker threads a long copy may use at once: half the cores this process may run on (when first asked),
+    2 to 8."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -12,8 +12,8 @@ hangs, and so does ucxx's hook on a loop's close.
 again; if UCX says it is busy, it progresses again on the next turn of the loop, and after
 :data:`BUSY_TURNS` busy turns in a row at growing intervals up to :data:`LONGEST_WAIT` (a worker busy forever
 costs a poll every 10 ms, not a core; the transport calls :meth:`~WorkerEvents.kick` whenever it posts a
-message, so that traffic is progressed at once even then). ucxx's own arming task is cancelled before it first runs, and
-its once-a-second progress stays as a backstop.
+message, so that traffic is progressed at once even then). ucxx's own arming task is cancelled before it first
+runs, and its once-a-second progress stays as a backstop.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class WorkerEvents:
         """Work was just handed to the worker (a message posted): progress it on the next turns of the loop, as
         after a wake-up, even where it has been busy for long."""
         self._busy = 0
-        if self._timer is not None and isinstance(self._timer, asyncio.TimerHandle):
+        if isinstance(self._timer, asyncio.TimerHandle):  # a spaced-out turn: bring it forward
             self._timer.cancel()
             self._timer = None
         self._read(True)

@@ -631,9 +631,10 @@ class NixlTransport(ChannelTransport):
     async def _cma_write(
         self, peer: ChannelPeer, src: Fragments, dst: Fragments, notify: bytes | None, stall: float
     ) -> bool:
-        """Write by ``process_vm_writev`` in slices of about :data:`~kvferry.transports._cma.SLICE_BYTES` (each in a worker thread; a
-        cancel is seen between slices), then notify over the control channel. False (the caller writes through
-        NIXL; what was written is written again) when the kernel refuses: the path stays off for this peer."""
+        """Write by ``process_vm_writev`` (:func:`~kvferry.transports._cma.copy_slices`: slices on several worker
+        threads, a cancel or a stall seen between them), then notify over the control channel. False (the caller
+        writes through NIXL; what was written is written again) when the kernel refuses: the path stays off for
+        this peer."""
         async with self.guard(peer, stall) as guard:
 
             async def after_slice() -> None:

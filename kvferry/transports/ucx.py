@@ -510,10 +510,15 @@ class UcxTransport(ChannelTransport):
         except (TransportError, anyio.EndOfStream, anyio.ClosedResourceError):
             pass
 
+    def _pulls_with(self, peer: ChannelPeer) -> bool:
+        """Host-memory writes with ``peer`` may be read by their receiver: it has shown it is a process of this
+        host, neither side turned the path off, and no read from it has been refused by the kernel."""
+        return self._host_cma and peer.same_host and peer not in self._pull_refused
+
     def _pull_offer(self, peer: ChannelPeer, rows: CheckedRows) -> bytes | None:
         """Our source fragments for the receiver to read itself, or None (send them as UCX messages): offered to
         peers of this host, for host memory on both sides."""
-        if not self._host_cma or not peer.same_host or peer in self._pull_refused or not len(rows.src):
+        if not self._pulls_with(peer) or not len(rows.src):
             return None
         if self.own_regions.devices(rows.src_index) != {"cpu"} or peer.regions.devices(rows.dst_index) != {
             "cpu"
@@ -556,7 +561,7 @@ class UcxTransport(ChannelTransport):
         """The offered source fragments when we read them ourselves: a peer of this host that we may attach to,
         host memory here, and an offer that pairs with the destination row for row; otherwise None (the writer
         sends messages; a malformed offer is ignored, like an absent one)."""
-        if request.src is None or not self._host_cma or not peer.same_host or peer in self._pull_refused:
+        if request.src is None or not self._pulls_with(peer):
             return None
         if views.table.devices(views.index) != {"cpu"}:
             return None

@@ -17,14 +17,17 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 import torch
 
 from kvferry.errors import TransferTimeout, TransportError
 from kvferry.transports import Peer, Transport, _cma, get_transport, wire
-from kvferry.transports import ucx as ucx_module
+from kvferry.transports._channel import fragments_bytes
 
 pytest.importorskip("ucxx")
+
+from kvferry.transports import ucx as ucx_module  # (imports ucxx: after the skip)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -175,10 +178,6 @@ async def test_an_offer_that_does_not_pair_is_ignored(offer: str, monkeypatch: p
 
 
 def wire_fragments(rows: list[list[int]]) -> bytes:
-    import numpy as np
-
-    from kvferry.transports._channel import fragments_bytes
-
     return fragments_bytes(np.array(rows, dtype=np.uint64))
 
 
