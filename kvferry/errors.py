@@ -8,6 +8,7 @@ have to import an optional library to catch a failure.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationFailed",
     "ClosedResourceError",
     "ConfigError",
     "EngineClosed",
@@ -84,6 +85,11 @@ class WireFormatError(KvferryError, ValueError):
 
 class PeerIncompatible(KvferryError):
     """A peer speaks another wire version or serves an incompatible model (compatibility hash differs)."""
+
+
+class AuthenticationFailed(PeerIncompatible):
+    """The handshake's challenge-response failed: the peer does not hold our shared secret, holds none while we
+    do, or asks for one we lack. Refused before any registration metadata was exchanged."""
 
 
 # --- transports ----------------------------------------------------------------------------------------

@@ -13,24 +13,28 @@ Subclasses supply the data path through the ``_backend_*`` hooks.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import anyio
+import anyio.streams.stapled
 import numpy as np
 import numpy.typing as npt
-from anyio.abc import SocketAttribute, SocketStream, TaskGroup
+from anyio.abc import ByteStream, SocketAttribute, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.tls import TLSStream
 from attrs import define
 
 from kvferry.errors import (
     ClosedResourceError,
+    ConfigError,
+    KvferryError,
     MessageTooLarge,
     PeerDisconnected,
     PeerIncompatible,
@@ -39,7 +43,8 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import _cma, wire
+from kvferry.transports import wire
+from kvferry.transports._framing import FrameReader, close_quietly, discard, frame, tune
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import (
@@ -59,6 +64,14 @@ from kvferry.transports.base import (
     total_bytes,
     write_rows,
 )
+from kvferry.transports.handshake import (
+    Handshake,
+    Introduction,
+    TlsConfig,
+    check_listen_address,
+    pid_namespace,
+)
+from kvferry.transports.limits import BufferBudget, ChannelLimits
 
 if TYPE_CHECKING:
     import torch
@@ -86,41 +99,15 @@ class CheckedRows(NamedTuple):
         return cls(*(np.concatenate(column) for column in zip(*parts, strict=True)))
 
 
-#: internal frames (handshake, regions, write requests) larger than this are a protocol violation
-_MAX_CONTROL_FRAME = 80 << 20
-_DISCARD_CHUNK = 1 << 20
+#: the first wait after an accept fails (out of descriptors), doubling up to the second
+_ACCEPT_BACKOFF = 0.05
+_ACCEPT_BACKOFF_MAX = 1.0
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _proves_pid(hello: wire.Hello) -> bool:
-    """True when process ``hello.pid`` of this host holds ``hello.pid_proof`` at ``hello.pid_proof_address``: the
-    peer is that process (a peer cannot know random bytes in another process's memory), so copying into or out
-    of its memory by pid reaches the peer and nobody else. False where the kernel will not let us look."""
-    proof = hello.pid_proof
-    if len(proof) < 16 or not _cma.available():
-        return False
-    found = np.zeros(len(proof), dtype=np.uint8)
-    try:
-        _cma.read(
-            hello.pid,
-            np.array([[hello.pid_proof_address, len(proof)]], dtype=np.uint64),
-            np.array([[found.ctypes.data, len(proof)]], dtype=np.uint64),
-        )
-    except OSError as exc:
-        log.info(
-            "cannot check that %s is pid %d (%s): treated as another host's", hello.address, hello.pid, exc
-        )
-        return False
-    if found.tobytes() != proof:
-        log.warning("%s says it is pid %d of this host, which it is not", hello.address, hello.pid)
-        return False
-    return True
+def _one_line(exc: BaseException) -> str:
+    """An exception as one short line (type and first line of its message) for a log."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
@@ -153,6 +140,7 @@ class ChannelPeer(Peer):
         "backend",
         "error",
         "guards",
+        "held_bytes",
         "hello",
         "incoming",
         "indexed",
@@ -162,6 +150,7 @@ class ChannelPeer(Peer):
         "notifications_in",
         "notifications_out",
         "pending",
+        "proof",
         "regions",
         "same_host",
         "same_process",
@@ -170,17 +159,18 @@ class ChannelPeer(Peer):
         "transport",
     )
 
-    def __init__(self, transport: ChannelTransport, stream: SocketStream, hello: wire.Hello) -> None:
+    def __init__(self, transport: ChannelTransport, stream: ByteStream, introduction: Introduction) -> None:
+        hello = introduction.hello
         self.transport = transport
         self.stream = stream
         self.hello = hello
         #: on this host, in this pid namespace (its pid names it here), and shown to be that pid
-        self.same_host = (
-            hello.hostname == socket.gethostname()
-            and hello.pid_namespace == _pid_namespace()
-            and _proves_pid(hello)
-        )
+        self.same_host = introduction.same_host
         self.same_process = self.same_host and hello.pid == os.getpid()
+        #: our pid proof for this connection (the peer may read it while the connection lasts)
+        self.proof = introduction.proof
+        #: bytes of its messages and notifications held for the application (the transport's BufferBudget)
+        self.held_bytes = 0
         self.regions = RegionTable(hello.regions)
         self._state = PeerState.CONNECTED
         self.error: TransportError = PeerDisconnected(f"peer {hello.address} disconnected")
@@ -188,10 +178,15 @@ class ChannelPeer(Peer):
         self.send_lock = anyio.Lock(fast_acquire=True)  # an uncontended frame goes out without a loop turn
         self.messages_out: MemoryObjectSendStream[bytes | MessageTooLarge]
         self.messages_in: MemoryObjectReceiveStream[bytes | MessageTooLarge]
-        self.messages_out, self.messages_in = anyio.create_memory_object_stream[bytes | MessageTooLarge](1024)
+        limits = transport.limits
+        self.messages_out, self.messages_in = anyio.create_memory_object_stream[bytes | MessageTooLarge](
+            limits.max_queued_messages
+        )
         self.notifications_out: MemoryObjectSendStream[bytes]
         self.notifications_in: MemoryObjectReceiveStream[bytes]
-        self.notifications_out, self.notifications_in = anyio.create_memory_object_stream[bytes](math.inf)
+        self.notifications_out, self.notifications_in = anyio.create_memory_object_stream[bytes](
+            limits.max_queued_notifications
+        )
         #: writes of ours waiting for the peer's reply, by write id
         self.pending: dict[int, MemoryObjectSendStream[wire.WriteReply]] = {}
         #: writes of the peer's being received into our memory, by write id
@@ -246,6 +241,12 @@ class ChannelTransport(Transport):
         library; NIXL inside one process on a GPU runs at 0.4 GB/s); ``"transport"``: use the library anyway
     :param coalesce: merge fragments that are contiguous on both sides before writing, where at least one in
         :data:`~kvferry.transports.base.MERGE_SHARE` is (fewer save less than merging costs)
+    :param secret: the secret shared with the peers (see :mod:`~kvferry.transports.handshake`); None: peers are
+        not authenticated, which is only allowed when ``host`` is a loopback address
+    :param tls: wrap the control connections in TLS (both ways)
+    :param limits: caps on what peers may cost (pending handshakes, held bytes; :class:`ChannelLimits`)
+
+    :raises ~kvferry.errors.ConfigError: no secret for a non-loopback ``host``, or contradictory limits.
     """
 
     _uses_tag_prefix: ClassVar[bool] = False
@@ -262,9 +263,17 @@ class ChannelTransport(Transport):
         stall_timeout: float = 30.0,
         same_process: str = "copy",
         coalesce: bool = True,
+        secret: bytes | None = None,
+        tls: TlsConfig | None = None,
+        limits: ChannelLimits | None = None,
     ) -> None:
         if same_process not in ("copy", "transport"):
             raise ValueError("same_process must be 'copy' or 'transport'")
+        check_listen_address(host, secret)
+        self.limits = limits or ChannelLimits()
+        if max_message_bytes > self.limits.max_handshake_bytes << 8:
+            raise ConfigError(f"max_message_bytes of {max_message_bytes} is beyond any sane control message")
+        self._tls = tls
         self._host = host
         self._port = port
         self._advertise_host = advertise_host
@@ -275,19 +284,33 @@ class ChannelTransport(Transport):
         self._same_process_copy = same_process == "copy"
         self._coalesce = coalesce
         self.instance_id = f"{self.name}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
-        # kept in our memory for peers of this host to read: Hello.pid_proof
-        self._pid_proof = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
         self.tag_prefix = secrets.randbits(24) if self._uses_tag_prefix else 0
         self._converter = wire.make_converter()
+        self._handshake = Handshake(
+            name=self.name,
+            secret=None if secret is None else bytes(secret),
+            compat_hash=self._compat_hash,
+            converter=self._converter,
+            max_bytes=self.limits.max_handshake_bytes,
+        )
+        self._budget = BufferBudget(
+            per_holder=self.limits.max_peer_buffered_bytes, total=self.limits.max_buffered_bytes
+        )
+        self._handshakes = 0  # in progress now
         self._state = "new"
         self._address = ""
         self._stack = AsyncExitStack()
         self._owner = 0
         self._tg: TaskGroup | None = None
         self._task_scopes: set[anyio.CancelScope] = set()
-        self._listener: anyio.abc.Listener[SocketStream] | None = None
+        self._listener: anyio.streams.stapled.MultiListener[anyio.abc.SocketStream] | None = None
         self._peers: set[ChannelPeer] = set()
-        self._accepted_out, self._accepted_in = anyio.create_memory_object_stream[ChannelPeer](math.inf)
+        # bounded by max_unaccepted_peers through _unaccepted (a full queue refuses the handshake)
+        self._accepted_out, self._accepted_in = anyio.create_memory_object_stream[ChannelPeer](
+            self.limits.max_unaccepted_peers
+        )
+        self._dropped = 0  # peers dropped for what they sent (malformed frames, failures while serving them)
+        self._accept_errors = 0
         self._registrations: list[TensorRegistration] = []
         self._own = RegionTable(())
         self._next_write_id = 1
@@ -413,79 +436,61 @@ class ChannelTransport(Transport):
 
     # --- connections -------------------------------------------------------------------------------------
 
-    def _hello(self) -> wire.Hello:
+    def _hello(self, proof_address: int) -> wire.Hello:
         return wire.Hello(
             transport=self.name,
             instance_id=self.instance_id,
             address=self._address,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            pid_namespace=_pid_namespace(),
+            pid_namespace=pid_namespace(),
             max_message_bytes=self._max_message_bytes,
             tag_prefix=self.tag_prefix,
             regions=self._own.regions,
             backend=self._backend_hello(),
-            pid_proof=self._pid_proof.tobytes(),
-            pid_proof_address=int(self._pid_proof.ctypes.data),
+            pid_proof_address=proof_address,
         )
 
-    def _handshake_frame(self) -> bytes:
-        body = wire.encode(self._converter, self._hello())
-        envelope = wire.Handshake(wire.WIRE_VERSION, self._compat_hash, body)
-        return _frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, envelope))
-
-    def _check_envelope(self, body: bytes) -> wire.Hello:
-        """Decode the envelope, compare, and only then decode the hello."""
-        envelope = wire.decode(self._converter, body, wire.Handshake)
-        if envelope.wire_version != wire.WIRE_VERSION:
-            raise PeerIncompatible(
-                f"peer speaks wire version {envelope.wire_version}, we speak {wire.WIRE_VERSION}"
-            )
-        if envelope.compat_hash != self._compat_hash:
-            raise PeerIncompatible(
-                f"compatibility hash differs: peer {envelope.compat_hash.hex()}, ours {self._compat_hash.hex()}"
-            )
-        hello = wire.decode(self._converter, envelope.body, wire.Hello)
-        if hello.transport != self.name:
-            raise PeerIncompatible(f"peer is a {hello.transport!r} transport, we are {self.name!r}")
-        return hello
-
     async def connect(self, address: str, *, timeout: float | None = None) -> Peer:  # noqa: ASYNC109
+        """See :meth:`Transport.connect`. The handshake authenticates both sides when this transport has a secret
+        (:mod:`~kvferry.transports.handshake`); a cancel closes the half-open connection and leaves nothing."""
         self._check_open()
         _, host, port = parse_address(address)
         deadline = self._connect_timeout if timeout is None else timeout
-        stream: SocketStream | None = None
+        stream: ByteStream | None = None
         try:
             with anyio.fail_after(deadline):
                 try:
                     stream = await anyio.connect_tcp(host, port)
                 except OSError as exc:
                     raise PeerDisconnected(f"nobody listens at {address}: {exc}") from exc
-                _tune(stream)
-                await stream.send(self._handshake_frame())
-                reader = _FrameReader(stream)
-                kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
-                if kind == wire.FrameKind.REFUSAL:
-                    raise PeerIncompatible(
-                        f"{address} refused us: {wire.decode(self._converter, body, wire.Refusal).reason}"
+                tune(stream)
+                if self._tls is not None:
+                    stream = await TLSStream.wrap(
+                        stream, hostname=host, ssl_context=self._tls.client, standard_compatible=False
                     )
-                if kind != wire.FrameKind.HANDSHAKE:
-                    raise WireFormatError(f"expected a handshake from {address}, got frame kind {kind}")
-                hello = self._check_envelope(body)
-                peer = ChannelPeer(self, stream, hello)
+                reader = FrameReader(stream)
+                introduction = await self._handshake.connector(stream, reader, self._hello)
+                peer = ChannelPeer(self, stream, introduction)
                 self._check_peer_allowed(peer)
                 await self._backend_peer_connected(peer)
         except TimeoutError as exc:
             if stream is not None:
-                await _close_quietly(stream)
+                await close_quietly(stream)
             raise PeerDisconnected(f"no handshake from {address} within {deadline} s") from exc
-        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
+        except (
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.BrokenResourceError,
+            ssl.SSLError,
+            OSError,
+        ) as exc:
             if stream is not None:
-                await _close_quietly(stream)
-            raise PeerDisconnected(f"{address} closed the connection during the handshake") from exc
+                await close_quietly(stream)
+            raise PeerDisconnected(f"{address} closed the connection during the handshake ({exc!r})") from exc
         except BaseException:
             if stream is not None:
-                await _close_quietly(stream)
+                await close_quietly(stream)
             raise
         self._peers.add(peer)
         self.spawn(self._run_peer, peer, reader)
@@ -496,39 +501,113 @@ class ChannelTransport(Transport):
 
     async def _serve(self) -> None:
         assert self._listener is not None
-        try:
-            await self._listener.serve(self._accept_one)
-        except* anyio.ClosedResourceError:
-            pass  # closed by aclose()
+        async with anyio.create_task_group() as tg:
+            for listener in self._listener.listeners:
+                tg.start_soon(self._accept_loop, listener)  # one socket per address family
 
-    async def _accept_one(self, stream: SocketStream) -> None:
-        _tune(stream)
-        reader = _FrameReader(stream)
+    async def _accept_loop(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+        """Accept connections for ever; each is handshaken in a task of its own, and nothing one of them does
+        (or an accept that fails: out of descriptors) ends this loop."""
+        backoff = _ACCEPT_BACKOFF
+        while True:
+            try:
+                stream: ByteStream = await listener.accept()  # type: ignore[attr-defined]
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return  # closed by aclose()
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED: the listener stays
+                self._accept_errors += 1
+                log.warning(
+                    "%s: accepting a connection failed (%s); retrying in %.2f s",
+                    self.instance_id,
+                    exc,
+                    backoff,
+                )
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _ACCEPT_BACKOFF_MAX)
+                continue
+            backoff = _ACCEPT_BACKOFF
+            if self._handshakes >= self.limits.max_pending_handshakes:
+                self._refused += 1
+                if self._refused & (self._refused - 1) == 0:  # 1st, 2nd, 4th, 8th ...: a flood logs little
+                    log.warning(
+                        "%s: %d handshakes in progress; closed a connection at once (%d so far)",
+                        self.instance_id,
+                        self._handshakes,
+                        self._refused,
+                    )
+                await close_quietly(stream)
+                continue
+            self._handshakes += 1
+            self.spawn(self._accept_one, stream)
+
+    async def _accept_one(self, stream: ByteStream) -> None:
+        """Handshake one incoming connection, then serve it. Whatever goes wrong drops this connection only:
+        its socket is closed, what it held is freed, a line is logged and it is counted."""
+        try:
+            handshaken = await self._handshake_incoming(stream)
+        finally:
+            self._handshakes -= 1
+        if handshaken is not None:
+            await self._run_peer(*handshaken)
+
+    async def _handshake_incoming(self, stream: ByteStream) -> tuple[ChannelPeer, FrameReader] | None:
+        """The peer and its reader once handshaken and queued for :meth:`accept`; None (stream closed) if not."""
+        tune(stream)
+        handed_over = False
+        peer: ChannelPeer | None = None
         try:
             with anyio.fail_after(self._connect_timeout):
-                kind, body = await _read_frame(reader, _MAX_CONTROL_FRAME)
-                if kind != wire.FrameKind.HANDSHAKE:
-                    raise WireFormatError(f"expected a handshake, got frame kind {kind}")
-                try:
-                    hello = self._check_envelope(body)
-                    peer = ChannelPeer(self, stream, hello)
+                if self._tls is not None:
+                    stream = await TLSStream.wrap(
+                        stream, server_side=True, ssl_context=self._tls.server, standard_compatible=False
+                    )
+                reader = FrameReader(stream)
+
+                async def admit(introduction: Introduction) -> None:
+                    nonlocal peer
+                    peer = ChannelPeer(self, stream, introduction)
                     self._check_peer_allowed(peer)
-                except (PeerIncompatible, WireFormatError) as exc:
-                    self._refused += 1
-                    log.warning("%s refused a connection: %s", self.instance_id, exc)
-                    refusal = wire.encode(self._converter, wire.Refusal(str(exc)))
-                    await stream.send(_frame(wire.FrameKind.REFUSAL, refusal))
-                    return
-                await self._backend_peer_connected(peer)
-                await stream.send(self._handshake_frame())
-        except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, OSError, TransportError) as exc:
+                    if (
+                        self._accepted_out.statistics().current_buffer_used
+                        >= self.limits.max_unaccepted_peers
+                    ):
+                        raise PeerIncompatible(
+                            f"{self.limits.max_unaccepted_peers} peers are waiting to be accepted already"
+                        )
+                    await self._backend_peer_connected(peer)
+
+                await self._handshake.acceptor(stream, reader, self._hello, admit)
+                assert peer is not None
+                self._peers.add(peer)
+                self._accepted_out.send_nowait(peer)
+                handed_over = True
+                return peer, reader
+        except (
+            Exception
+        ) as exc:  # this connection only: whatever it sent, whatever broke while handshaking it
             self._refused += 1
-            log.warning("%s dropped an incoming connection during the handshake: %r", self.instance_id, exc)
-            await _close_quietly(stream)
-            return
-        self._peers.add(peer)
-        self._accepted_out.send_nowait(peer)
-        await self._run_peer(peer, reader)
+            level = logging.WARNING if isinstance(exc, KvferryError | TimeoutError) else logging.ERROR
+            log.log(
+                level,
+                "%s refused an incoming connection: %s",
+                self.instance_id,
+                _one_line(exc),
+                exc_info=level == logging.ERROR,
+            )
+            return None
+        finally:
+            if not handed_over:
+                if peer is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._backend_release_unaccepted(peer)
+                await close_quietly(stream)
+
+    async def _backend_release_unaccepted(self, peer: ChannelPeer) -> None:
+        """Release what the backend set up for a peer whose handshake then failed."""
+        try:
+            await self._backend_peer_lost(peer)
+        except Exception:
+            log.exception("%s: releasing refused peer %s failed", self.instance_id, peer.address)
 
     async def accept(self) -> Peer:
         self._check_open()
@@ -537,30 +616,18 @@ class ChannelTransport(Transport):
         except (anyio.EndOfStream, anyio.ClosedResourceError) as exc:
             raise ClosedResourceError(f"{self.name} transport was closed") from exc
 
-    async def _run_peer(self, peer: ChannelPeer, reader: _FrameReader) -> None:
-        """The peer's reader: dispatches frames until the connection ends."""
+    async def _run_peer(self, peer: ChannelPeer, reader: FrameReader) -> None:
+        """The peer's reader: dispatches frames until the connection ends. Whatever the peer sends or whatever
+        breaks while serving it ends this peer only (LOST, with a logged, counted reason)."""
         error: TransportError | None = None
         try:
             while True:
                 header = await reader.receive_exactly(wire.FRAME_HEADER.size)
                 kind, length = wire.FRAME_HEADER.unpack(header)
                 if kind == wire.FrameKind.MESSAGE:
-                    if length > self._max_message_bytes:
-                        await _discard(reader, length)
-                        await peer.messages_out.send(
-                            MessageTooLarge(
-                                f"message of {length} bytes exceeds the limit of {self._max_message_bytes}"
-                            )
-                        )
-                        continue
-                    body = await reader.receive_exactly(length) if length else b""
-                    self._messages_received += 1
-                    try:
-                        peer.messages_out.send_nowait(body)  # no extra turn of the loop when there is room
-                    except anyio.WouldBlock:
-                        await peer.messages_out.send(body)
+                    await self._message_in(peer, reader, length)
                     continue
-                if length > _MAX_CONTROL_FRAME:
+                if length > self.limits.max_handshake_bytes:
                     raise WireFormatError(f"control frame of {length} bytes")
                 body = await reader.receive_exactly(length) if length else b""
                 await self._dispatch(peer, kind, body)
@@ -569,21 +636,64 @@ class ChannelTransport(Transport):
             anyio.IncompleteRead,
             anyio.BrokenResourceError,
             anyio.ClosedResourceError,
+            ssl.SSLError,
             OSError,
         ):
             error = PeerDisconnected(f"peer {peer.address} disconnected")
-        except WireFormatError as exc:
-            log.warning("%s: malformed frame from %s: %s", self.instance_id, peer.address, exc)
-            error = PeerDisconnected(f"dropped {peer.address}: it sent a malformed frame ({exc})")
         except PeerDisconnected as exc:
             error = exc
+        except Exception as exc:  # what it sent (malformed: WireFormatError), or a failure serving it
+            self._dropped += 1
+            level = logging.WARNING if isinstance(exc, KvferryError) else logging.ERROR
+            log.log(
+                level,
+                "%s dropped peer %s: %s",
+                self.instance_id,
+                peer.address,
+                _one_line(exc),
+                exc_info=level == logging.ERROR,
+            )
+            error = PeerDisconnected(f"dropped {peer.address}: {_one_line(exc)}")
         finally:
             with anyio.CancelScope(shield=True):
                 await self._lose(peer, error or PeerDisconnected(f"peer {peer.address} disconnected"))
 
+    async def _message_in(self, peer: ChannelPeer, reader: FrameReader, length: int) -> None:
+        """Read one message (or skip one over the limit) and hold it for the application, within the budget."""
+        if length > self._max_message_bytes:
+            await discard(reader, length)
+            item: bytes | MessageTooLarge = MessageTooLarge(
+                f"message of {length} bytes exceeds the limit of {self._max_message_bytes}"
+            )
+            await peer.messages_out.send(item)
+            return
+        if not self._budget.try_take(peer, length):
+            await self._budget.take(
+                peer, length
+            )  # backpressure: this peer's connection is not read meanwhile
+        try:
+            body = await reader.receive_exactly(length) if length else b""
+            self._messages_received += 1
+            try:
+                peer.messages_out.send_nowait(body)  # no extra turn of the loop when there is room
+            except anyio.WouldBlock:
+                await peer.messages_out.send(body)
+        except BaseException:
+            self._budget.give(peer, length)
+            raise
+
     async def _dispatch(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         if kind == wire.FrameKind.NOTIFY:
-            peer.notifications_out.send_nowait(body)
+            if not self._budget.try_take(peer, len(body)):
+                await self._budget.take(peer, len(body))
+            try:
+                try:
+                    peer.notifications_out.send_nowait(body)
+                except anyio.WouldBlock:
+                    await peer.notifications_out.send(body)
+            except BaseException:
+                self._budget.give(peer, len(body))
+                raise
         elif kind == wire.FrameKind.REGIONS:
             update = wire.decode(self._converter, body, wire.RegionsUpdate)
             peer.regions = RegionTable(update.regions)
@@ -621,11 +731,12 @@ class ChannelTransport(Transport):
                 waiter.close()
             peer.messages_out.close()
             peer.notifications_out.close()
+            self._budget.give_all(peer)  # what it left queued is no longer counted (the queues drop with it)
             if state is PeerState.CLOSED:
                 with anyio.move_on_after(1.0), suppress(Exception):
                     async with peer.send_lock:
-                        await peer.stream.send(_frame(wire.FrameKind.GOODBYE, b""))
-            await _close_quietly(peer.stream)
+                        await peer.stream.send(frame(wire.FrameKind.GOODBYE, b""))
+            await close_quietly(peer.stream)
             try:
                 await self._backend_peer_lost(peer)
             except Exception:
@@ -696,6 +807,7 @@ class ChannelTransport(Transport):
             raise p.error from None
         if isinstance(item, MessageTooLarge):
             raise item
+        self._budget.give(p, len(item))
         return item
 
     async def receive_notification(self, peer: Peer) -> bytes:
@@ -704,13 +816,14 @@ class ChannelTransport(Transport):
         try:
             try:
                 # already here (several writes notified at once): no turn of the event loop, no backend wakeup
-                return p.notifications_in.receive_nowait()
+                item = p.notifications_in.receive_nowait()
             except anyio.WouldBlock:
-                pass
-            async with self._backend_waiting():
-                return await p.notifications_in.receive()
+                async with self._backend_waiting():
+                    item = await p.notifications_in.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise p.error from None
+        self._budget.give(p, len(item))
+        return item
 
     # --- registration --------------------------------------------------------------------------------
 
@@ -1130,69 +1243,6 @@ class ChannelTransport(Transport):
 
     def _backend_extra(self) -> dict[Any, Any]:
         return {}
-
-
-# --- framing -------------------------------------------------------------------------------------------
-
-
-def _frame(kind: wire.FrameKind, body: bytes) -> bytes:
-    return wire.FRAME_HEADER.pack(kind, len(body)) + body
-
-
-#: bytes asked of the socket per read: whatever arrived together (a header, its body, the next frames) is taken
-#: in one turn of the event loop
-_READ_CHUNK = 1 << 16
-
-
-class _FrameReader:
-    """The bytes of one connection, read in chunks and handed out exactly.
-
-    :raises anyio.EndOfStream: (from :meth:`receive_exactly`) the connection ended, also in the middle of a frame.
-    """
-
-    __slots__ = ("_buffer", "_stream")
-
-    def __init__(self, stream: SocketStream) -> None:
-        self._stream = stream
-        self._buffer = bytearray()
-
-    async def receive_exactly(self, nbytes: int) -> bytes:
-        while len(self._buffer) < nbytes:
-            self._buffer += await self._stream.receive(max(_READ_CHUNK, nbytes - len(self._buffer)))
-        data = bytes(self._buffer[:nbytes])
-        del self._buffer[:nbytes]
-        return data
-
-
-async def _read_frame(reader: _FrameReader, limit: int) -> tuple[int, bytes]:
-    kind, length = wire.FRAME_HEADER.unpack(await reader.receive_exactly(wire.FRAME_HEADER.size))
-    if length > limit:
-        raise WireFormatError(f"frame of {length} bytes exceeds {limit}")
-    return kind, (await reader.receive_exactly(length) if length else b"")
-
-
-async def _discard(reader: _FrameReader, length: int) -> None:
-    """Skip ``length`` bytes without holding more than one chunk."""
-    while length:
-        n = min(length, _DISCARD_CHUNK)
-        await reader.receive_exactly(n)
-        length -= n
-
-
-def _tune(stream: SocketStream) -> None:
-    """Notice a silently vanished host within ~10 s (a killed process is noticed at once: its socket closes)."""
-    raw = stream.extra(SocketAttribute.raw_socket)
-    with suppress(OSError, AttributeError):
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
-
-
-async def _close_quietly(stream: SocketStream) -> None:
-    with anyio.CancelScope(shield=True), suppress(Exception):
-        await stream.aclose()
 
 
 def fragments_bytes(fragments: Fragments) -> bytes:

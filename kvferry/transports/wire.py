@@ -1,11 +1,14 @@
 """What transports say to each other on the control channel: frozen attrs classes and one msgpack converter.
 
-A control connection carries frames: an 9-byte header (``kind: u8``, ``length: u64``, big endian) and a body.
+A control connection carries frames: a 9-byte header (``kind: u8``, ``length: u64``, big endian) and a body.
 User messages travel as raw bytes (``MESSAGE``); every other body is one of the classes below, encoded by
-:func:`make_converter`'s converter. The first frame each way is a :class:`Handshake` envelope whose
-``wire_version`` and ``compat_hash`` are compared before its ``body`` (a :class:`Hello`) is decoded at all.
+:func:`make_converter`'s converter.
 
-Kept small on purpose, so it can merge into the project's converter (pools/pagetable.py) later.
+The handshake is four ``HANDSHAKE`` frames (see :mod:`kvferry.transports.handshake`): the connector's
+:class:`Greeting`, the acceptor's :class:`Challenge`, the connector's :class:`Credentials` and the acceptor's
+:class:`Welcome`. The first two are a few dozen bytes and say nothing about either side but its wire version and
+a nonce; a :class:`Hello` (with registration metadata) is only sent once the other side has proven it holds the
+shared secret. Either side may answer any step with a :class:`Refusal` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import attrs
 import cattrs
 import msgpack
 from attrs import field, frozen
-from attrs.validators import ge, le, max_len
+from attrs.validators import ge, le, max_len, min_len
 from cattrs.preconf.msgpack import MsgpackConverter
 from cattrs.preconf.msgpack import make_converter as _make_msgpack_converter
 
@@ -27,12 +30,15 @@ from kvferry.errors import WireFormatError
 __all__ = [
     "FRAME_HEADER",
     "WIRE_VERSION",
+    "Challenge",
+    "Credentials",
     "FrameKind",
-    "Handshake",
+    "Greeting",
     "Hello",
     "Refusal",
     "RegionInfo",
     "RegionsUpdate",
+    "Welcome",
     "WriteAbort",
     "WriteReply",
     "WriteRequest",
@@ -47,7 +53,12 @@ __all__ = [
 #   1: handshake envelope + hello, regions, messages, notifications, two-sided writes
 #   2: a two-sided write may offer its source ranges for the receiver to read (same host): WriteRequest.src,
 #      WriteStatus.PULLING and PROGRESS; Hello.pid_proof and pid_proof_address
-WIRE_VERSION = 2
+#   3: the handshake authenticates both sides by challenge-response (Greeting, Challenge, Credentials, Welcome);
+#      the pid proof is derived from the handshake, not sent (Hello.pid_proof is gone)
+WIRE_VERSION = 3
+
+#: bytes of each side's handshake nonce
+NONCE_BYTES = 32
 
 #: kind (u8), body length (u64)
 FRAME_HEADER = struct.Struct("!BQ")
@@ -71,13 +82,45 @@ class FrameKind(enum.IntEnum):
     GOODBYE = 9
 
 
+_MAC = 64
+
+
 @frozen
-class Handshake:
-    """The envelope: decoded first, compared, and only then is ``body`` decoded."""
+class Greeting:
+    """The connector's first frame: its version and nonce, and whether it will authenticate."""
 
     wire_version: int = field(validator=[ge(0), le(_U64)])
+    nonce: bytes = field(validator=[min_len(NONCE_BYTES), max_len(NONCE_BYTES)])
+    #: the connector holds a shared secret and expects the acceptor to prove it holds it too
+    authenticated: bool
+
+
+@frozen
+class Challenge:
+    """The acceptor's answer: its nonce and, with a secret, its proof over both nonces."""
+
+    wire_version: int = field(validator=[ge(0), le(_U64)])
+    nonce: bytes = field(validator=[min_len(NONCE_BYTES), max_len(NONCE_BYTES)])
+    #: HMAC of the handshake transcript under the shared secret; empty without a secret
+    proof: bytes = field(validator=max_len(_MAC))
+
+
+@frozen
+class Credentials:
+    """The connector's proof, its compatibility hash and its hello (an encoded :class:`Hello`, decoded only
+    once the proof and the hash hold)."""
+
+    proof: bytes = field(validator=max_len(_MAC))
     compat_hash: bytes = field(validator=max_len(_NAME))
-    body: bytes = field(validator=max_len(_BLOB))
+    hello: bytes = field(validator=max_len(_BLOB))
+
+
+@frozen
+class Welcome:
+    """The acceptor's compatibility hash and hello: the handshake's last frame."""
+
+    compat_hash: bytes = field(validator=max_len(_NAME))
+    hello: bytes = field(validator=max_len(_BLOB))
 
 
 @frozen
@@ -105,10 +148,10 @@ class Hello:
     regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 20))
     #: backend specific: NIXL agent metadata, UCX worker address
     backend: bytes = field(validator=max_len(_BLOB))
-    #: random bytes the sender keeps at ``pid_proof_address`` in its memory: a peer on the same host reads them
-    #: there (``process_vm_readv`` of ``pid``) before it believes ``pid``, and so before it copies into or out of
-    #: that process's memory itself
-    pid_proof: bytes = field(default=b"", validator=max_len(64))
+    #: where the sender keeps, for this connection only, the proof of its pid that the handshake derives (see
+    #: :mod:`kvferry.transports.handshake`): a peer on the same host reads it there (``process_vm_readv`` of
+    #: ``pid``) before it believes ``pid``, and so before it copies into or out of that process's memory itself;
+    #: 0 where the sender offers no proof
     pid_proof_address: int = field(default=0, validator=[ge(0), le(_U64)])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -427,9 +428,12 @@ async def test_a_peer_that_cannot_show_its_pid_gets_no_same_host_copies(
     import attrs
 
     factory = get_transport(transport_name)
+    decoy = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()  # b's memory, but not its proof
     async with factory(same_process="transport") as a, factory(same_process="transport") as b:
         honest = b._hello  # type: ignore[attr-defined]
-        monkeypatch.setattr(b, "_hello", lambda: attrs.evolve(honest(), pid_proof=bytes(16)))
+        monkeypatch.setattr(
+            b, "_hello", lambda address: attrs.evolve(honest(address), pid_proof_address=decoy.ctypes.data)
+        )
         pa = await a.connect(b.address)
         pb = await b.accept()
         assert not pa.same_host and not pa.same_process  # type: ignore[attr-defined]

@@ -213,8 +213,13 @@ def test_region_table_bounds_answer_as_the_rows_do(rows: list[tuple[int, int]], 
 @given(st.binary(max_size=64), st.binary(max_size=256), st.integers(0, 2**64 - 1))
 def test_handshake_round_trip(compat: bytes, body: bytes, version: int) -> None:
     converter = wire.make_converter()
-    message = wire.Handshake(version, compat, body)
-    assert wire.decode(converter, wire.encode(converter, message), wire.Handshake) == message
+    for message in (
+        wire.Credentials(body[:64], compat, body),
+        wire.Welcome(compat, body),
+        wire.Challenge(version, bytes(wire.NONCE_BYTES), body[:64]),
+        wire.Greeting(version, bytes(range(wire.NONCE_BYTES)), bool(version % 2)),
+    ):
+        assert wire.decode(converter, wire.encode(converter, message), type(message)) == message
 
 
 def test_malformed_wire_is_refused() -> None:
@@ -223,13 +228,15 @@ def test_malformed_wire_is_refused() -> None:
         b"",
         b"\xc1",
         b"\x93\x01\x02\x03",
-        converter.dumps({"wire_version": -1, "compat_hash": b"", "body": b""}),
+        converter.dumps({"wire_version": -1, "nonce": bytes(32), "authenticated": True}),
+        converter.dumps({"wire_version": 3, "nonce": bytes(31), "authenticated": True}),
+        converter.dumps({"wire_version": 3, "nonce": bytes(33), "authenticated": True}),
     ):
         with pytest.raises(WireFormatError):
-            wire.decode(converter, data, wire.Handshake)
-    extra = converter.dumps({"wire_version": 1, "compat_hash": b"", "body": b"", "surprise": 1})
+            wire.decode(converter, data, wire.Greeting)
+    extra = converter.dumps({"wire_version": 3, "nonce": bytes(32), "authenticated": True, "surprise": 1})
     with pytest.raises(WireFormatError):
-        wire.decode(converter, extra, wire.Handshake)
+        wire.decode(converter, extra, wire.Greeting)
     with pytest.raises(WireFormatError):
         wire.decode(converter, converter.dumps({"address": 1, "length": 0, "device": "cpu"}), RegionInfo)
 
@@ -434,13 +441,17 @@ def test_cma_slices_cut_runs_of_about_the_slice_size() -> None:
 
 
 def _hello(**fields: object) -> wire.Hello:
+    import socket
+
+    from kvferry.transports.handshake import pid_namespace
+
     base: dict[str, object] = dict(
         transport="ucx",
         instance_id="x",
         address="ucx://127.0.0.1:1",
-        hostname="h",
+        hostname=socket.gethostname(),
         pid=0,
-        pid_namespace=0,
+        pid_namespace=pid_namespace(),
         max_message_bytes=0,
         tag_prefix=0,
         regions=(),
@@ -454,24 +465,25 @@ def test_a_peer_proves_its_pid_by_the_bytes_in_its_memory() -> None:
     import os
     import secrets
 
-    from kvferry.transports._channel import _proves_pid
+    from kvferry.transports.handshake import Handshake
 
-    proof = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()
+    proves = Handshake._proves_pid
+    expected = secrets.token_bytes(32)
+    proof = np.frombuffer(expected, dtype=np.uint8).copy()
     address = int(proof.ctypes.data)
-    assert _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes(), pid_proof_address=address))
-    # other bytes, a short proof, none, another process, memory that is not mapped: not believed
-    assert not _proves_pid(
-        _hello(pid=os.getpid(), pid_proof=secrets.token_bytes(16), pid_proof_address=address)
-    )
-    assert not _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes()[:8], pid_proof_address=address))
-    assert not _proves_pid(_hello(pid=os.getpid()))
+    assert proves(_hello(pid=os.getpid(), pid_proof_address=address), expected)
+    # other bytes, no address, another host or pid namespace, another process, unmapped memory: not believed
+    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address), secrets.token_bytes(32))
+    assert not proves(_hello(pid=os.getpid()), expected)
+    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address, hostname="elsewhere"), expected)
+    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address, pid_namespace=1), expected)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert not _proves_pid(_hello(pid=other.pid, pid_proof=proof.tobytes(), pid_proof_address=address))
+        assert not proves(_hello(pid=other.pid, pid_proof_address=address), expected)
     finally:
         other.kill()
         other.wait()
-    assert not _proves_pid(_hello(pid=os.getpid(), pid_proof=proof.tobytes(), pid_proof_address=8))
+    assert not proves(_hello(pid=os.getpid(), pid_proof_address=8), expected)
 
 
 @pytest.mark.anyio
