@@ -1160,6 +1160,10 @@ class ChannelTransport(Transport):
             backend_handles=self._backend_handles(),
             writes_combined=self._writes_combined,
             writes_indexed=self._writes_indexed,
+            dropped_peers=self._dropped,
+            accept_errors=self._accept_errors,
+            pending_handshakes=self._handshakes,
+            buffered_bytes=self._budget.held,
         )
 
     def __repr__(self) -> str:

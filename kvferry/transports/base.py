@@ -403,7 +403,8 @@ class TransportStatistics(NamedTuple):
     #: control messages sent / received since start
     messages_sent: int
     messages_received: int
-    #: incoming connections refused (wrong wire version or compatibility hash, bad handshake)
+    #: incoming connections refused since start (failed authentication, wrong wire version or compatibility
+    #: hash, a bad handshake, too many handshakes at once)
     refused_connections: int
     #: library handles held now (NIXL xfer/dlist handles, UCX endpoints); 0 after aclose
     backend_handles: int
@@ -411,6 +412,14 @@ class TransportStatistics(NamedTuple):
     writes_combined: int = 0
     #: completed indexed writes whose addresses the device worked out (:meth:`Transport.write_indexed`)
     writes_indexed: int = 0
+    #: peers dropped for what they sent or for a failure while serving them (malformed frames) since start
+    dropped_peers: int = 0
+    #: accepts that failed (out of descriptors) since start; the listener goes on
+    accept_errors: int = 0
+    #: handshakes in progress now
+    pending_handshakes: int = 0
+    #: bytes of peers' messages and notifications held for the application now
+    buffered_bytes: int = 0
 
 
 async def outcomes_of(calls: Sequence[Callable[[], Awaitable[object]]]) -> list[Exception | None]:

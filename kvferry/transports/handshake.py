@@ -1,18 +1,18 @@
 """The control channel's handshake: wire version, mutual authentication, compatibility and the pid proof.
 
-Four frames, each bounded before it is read::
+Six frames, each bounded before it is read::
 
     connector                                               acceptor
       Greeting(version, Nc, authenticated)          -->                          (a few dozen bytes)
                                                     <--  Challenge(version, Na, Pa)
       checks Pa = MAC(K, "acceptor", Nc, Na)
-      Credentials(Pc, compat hash, hello_c)         -->
+      Credentials(Pc, compat hash), Hello_c         -->
                                                          checks Pc = MAC(K, "connector", Nc, Na), then the
-                                                         compat hash; only then decodes hello_c and reads
-                                                         the connector's pid proof
-                                                    <--  Welcome(compat hash, hello_a)
-      checks the compat hash, decodes hello_a and
-      reads the acceptor's pid proof
+                                                         compat hash; only then reads and decodes Hello_c
+                                                         and reads the connector's pid proof
+                                                    <--  Welcome(compat hash), Hello_a
+      checks the compat hash, reads and decodes
+      Hello_a and reads the acceptor's pid proof
 
 ``K`` is the shared secret (HMAC-SHA256; the secret itself never crosses the wire, and since both nonces are fresh
 per connection no proof can be replayed). Either side refuses a peer that does not hold the secret, or that does
@@ -94,8 +94,9 @@ _PROOF_BYTES = 32
 
 
 def new_secret() -> bytes:
-    """A fresh random secret (for engines started together, e.g. a context engine the CLI starts itself)."""
-    return secrets.token_bytes(32)
+    """A fresh random secret of 256 bits, as 64 hex digits (so it can travel in ``$KVFERRY_SECRET`` to engines
+    started together, e.g. a context engine the CLI starts itself)."""
+    return secrets.token_hex(32).encode()
 
 
 def load_secret(
@@ -223,7 +224,7 @@ class Handshake:
     :param name: the transport's name; a peer of another transport is refused
     :param secret: the shared secret, or None (no authentication; loopback only)
     :param compat_hash: compared with the peer's; another is refused
-    :param max_bytes: limit of the Credentials and Welcome frames (they carry the hellos)
+    :param max_bytes: limit of the hello frames (region table, backend metadata)
     """
 
     def __init__(
@@ -275,17 +276,17 @@ class Handshake:
         endpoints = self._endpoints(stream, connector=True)
         proof, hello_bytes = self._hello(hello_at, b"pid connector", nc, na, endpoints)
         credentials = wire.Credentials(
-            _mac(self._key, b"connector", nc, na) if self._secret is not None else b"",
-            self._compat_hash,
-            hello_bytes,
+            _mac(self._key, b"connector", nc, na) if self._secret is not None else b"", self._compat_hash
         )
-        await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, credentials)))
-        welcome = await self._step(reader, wire.Welcome, self.max_bytes)
+        await stream.send(
+            frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, credentials))
+            + frame(wire.FrameKind.HANDSHAKE, hello_bytes)
+        )
+        welcome = await self._step(reader, wire.Welcome, STEP_BYTES)
         self._check_compat(welcome.compat_hash)
-        hello = self._peer_hello(welcome.hello)
-        same_host = self._proves_pid(
-            hello, _mac(self._key, b"pid acceptor", nc, na, endpoints, welcome.hello)
-        )
+        peer_hello = await self._hello_frame(reader)
+        hello = self._peer_hello(peer_hello)
+        same_host = self._proves_pid(hello, _mac(self._key, b"pid acceptor", nc, na, endpoints, peer_hello))
         return Introduction(hello, same_host, proof, self._secret is not None)
 
     async def acceptor(
@@ -316,16 +317,17 @@ class Handshake:
             proof_a = _mac(self._key, b"acceptor", nc, na) if self._secret is not None else b""
             challenge = wire.Challenge(wire.WIRE_VERSION, na, proof_a)
             await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, challenge)))
-            credentials = await self._step(reader, wire.Credentials, self.max_bytes)
+            credentials = await self._step(reader, wire.Credentials, STEP_BYTES)
             if self._secret is not None:
                 if not hmac.compare_digest(credentials.proof, _mac(self._key, b"connector", nc, na)):
                     raise AuthenticationFailed("the peer does not hold our secret")
                 authenticated = True
             self._check_compat(credentials.compat_hash)
-            hello = self._peer_hello(credentials.hello)
+            peer_hello = await self._hello_frame(reader)
+            hello = self._peer_hello(peer_hello)
             endpoints = self._endpoints(stream, connector=False)
             same_host = self._proves_pid(
-                hello, _mac(self._key, b"pid connector", nc, na, endpoints, credentials.hello)
+                hello, _mac(self._key, b"pid connector", nc, na, endpoints, peer_hello)
             )
             proof, hello_bytes = self._hello(hello_at, b"pid acceptor", nc, na, endpoints)
             introduction = Introduction(hello, same_host, proof, authenticated)
@@ -333,8 +335,11 @@ class Handshake:
         except (PeerIncompatible, WireFormatError) as exc:
             await self._refuse(stream, exc, authenticated)
             raise
-        welcome = wire.Welcome(self._compat_hash, hello_bytes)
-        await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, welcome)))
+        welcome = wire.Welcome(self._compat_hash)
+        await stream.send(
+            frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, welcome))
+            + frame(wire.FrameKind.HANDSHAKE, hello_bytes)
+        )
         return introduction
 
     # --- steps ---------------------------------------------------------------------------------------------
@@ -355,6 +360,12 @@ class Handshake:
                     f"peer speaks wire version {version}, we speak {wire.WIRE_VERSION}"
                 ) from None
             raise
+
+    async def _hello_frame(self, reader: FrameReader) -> bytes:
+        kind, body = await read_frame(reader, self.max_bytes)
+        if kind != wire.FrameKind.HANDSHAKE:
+            raise WireFormatError(f"expected a hello (handshake), got frame kind {kind}")
+        return body
 
     def _check_compat(self, theirs: bytes) -> None:
         # ours is not named: the peer may not have authenticated

@@ -4,11 +4,12 @@ A control connection carries frames: a 9-byte header (``kind: u8``, ``length: u6
 User messages travel as raw bytes (``MESSAGE``); every other body is one of the classes below, encoded by
 :func:`make_converter`'s converter.
 
-The handshake is four ``HANDSHAKE`` frames (see :mod:`kvferry.transports.handshake`): the connector's
-:class:`Greeting`, the acceptor's :class:`Challenge`, the connector's :class:`Credentials` and the acceptor's
-:class:`Welcome`. The first two are a few dozen bytes and say nothing about either side but its wire version and
-a nonce; a :class:`Hello` (with registration metadata) is only sent once the other side has proven it holds the
-shared secret. Either side may answer any step with a :class:`Refusal` instead.
+The handshake is six ``HANDSHAKE`` frames (see :mod:`kvferry.transports.handshake`): the connector's
+:class:`Greeting`, the acceptor's :class:`Challenge`, the connector's :class:`Credentials` and :class:`Hello`, the
+acceptor's :class:`Welcome` and :class:`Hello`. All but the hellos are a few dozen bytes, and say nothing about
+either side but its wire version, a nonce, a proof and a compatibility hash; a :class:`Hello` (with registration
+metadata) is only sent once the other side has proven it holds the shared secret, and only read once its sender
+has. Either side may answer any step with a :class:`Refusal` instead.
 """
 
 from __future__ import annotations
@@ -107,20 +108,18 @@ class Challenge:
 
 @frozen
 class Credentials:
-    """The connector's proof, its compatibility hash and its hello (an encoded :class:`Hello`, decoded only
-    once the proof and the hash hold)."""
+    """The connector's proof and compatibility hash. Its hello follows in a frame of its own, which the acceptor
+    reads only once these hold (an unauthenticated peer can make it read no more than this small frame)."""
 
     proof: bytes = field(validator=max_len(_MAC))
     compat_hash: bytes = field(validator=max_len(_NAME))
-    hello: bytes = field(validator=max_len(_BLOB))
 
 
 @frozen
 class Welcome:
-    """The acceptor's compatibility hash and hello: the handshake's last frame."""
+    """The acceptor's compatibility hash; its hello follows in a frame of its own."""
 
     compat_hash: bytes = field(validator=max_len(_NAME))
-    hello: bytes = field(validator=max_len(_BLOB))
 
 
 @frozen

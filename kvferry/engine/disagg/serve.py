@@ -28,6 +28,7 @@ from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_C
 from kvferry.engine.runner import EngineOptions, build_engine
 from kvferry.errors import PeerDisconnected
 from kvferry.transports import get_transport
+from kvferry.transports.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret, new_secret
 
 __all__ = ["ContextProcess", "disaggregated", "main", "start_context_process"]
 
@@ -49,9 +50,10 @@ async def _serve_context(
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
+    secret: bytes | None = None,
 ) -> None:
     built = build_engine("tiny", options)
-    async with get_transport(transport_name)() as transport, built.engine:
+    async with get_transport(transport_name)(secret=secret) as transport, built.engine:
         worker = ContextWorker(
             built,
             transport,
@@ -78,6 +80,11 @@ async def _serve_context(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.engine.disagg.serve")
     parser.add_argument("--transport", default="auto")
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"the secret shared with the generation engine (default: ${SECRET_FILE_ENV}, then ${SECRET_ENV})",
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--spec-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=args.chunk_bytes or None,
             staging_bytes=args.staging_bytes,
             bounce=BouncePolicy(args.bounce_min_fragments, args.bounce_max_mean_bytes),
+            secret=load_secret(args.secret_file),
         )
     )
     return 0
@@ -153,8 +161,10 @@ def start_context_process(
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
+    secret: bytes | None = None,
 ) -> ContextProcess:
-    """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address.
+    """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address. ``secret`` (authenticate the
+    peers with it) travels in the child's environment, never on its command line.
 
     :raises ~kvferry.errors.PeerDisconnected: it exited before telling its address.
     """
@@ -188,6 +198,7 @@ def start_context_process(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=_child_environment(secret),
     )
     assert proc.stdout is not None
     while True:  # libraries may print to stdout before us: our line carries a marker
@@ -199,6 +210,13 @@ def start_context_process(
             break
     info = json.loads(line[len(_MARKER) :])
     return ContextProcess(proc, info["address"], info["pid"])
+
+
+def _child_environment(secret: bytes | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    if secret is not None:
+        env[SECRET_ENV] = secret.decode()
+    return env
 
 
 @asynccontextmanager
@@ -216,6 +234,8 @@ async def disaggregated(
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
+    secret: bytes | None = None,
+    authenticate: bool = True,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
     """A :class:`~.router.Router` over a context engine (another process, or this one with
     ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
@@ -224,13 +244,18 @@ async def disaggregated(
 
     ``staging_bytes``: each side's staging pool; ``bounce`` (default :class:`~.mapping.BouncePolicy`): the
     policy of both sides (``BouncePolicy.always()`` bounces every writer with bytes while the pools have
-    room). Each worker registers its memory once, before its handshake, for the life of its transport."""
+    room). Each worker registers its memory once, before its handshake, for the life of its transport.
+
+    The two sides authenticate each other with ``secret`` (a fresh random one by default); ``authenticate=False``
+    runs them without (loopback only)."""
     policy = BouncePolicy() if bounce is None else bounce
+    if secret is None and authenticate:
+        secret = new_secret()
     gen = build_engine("tiny", _options(gen_tp, spec_k, seed, dtype))
     factory = get_transport(transport)
     context_process: ContextProcess | None = None
     try:
-        async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:
+        async with factory(secret=secret) as gen_transport, gen.engine, anyio.create_task_group() as tg:
             worker = GenerationWorker(
                 gen, gen_transport, stall_timeout=stall_timeout, staging_bytes=staging_bytes, bounce=policy
             )
@@ -249,6 +274,7 @@ async def disaggregated(
                         chunk_bytes=chunk_bytes,
                         staging_bytes=staging_bytes,
                         bounce=policy,
+                        secret=secret,
                     )
                 )
                 parts["context"] = context_process
@@ -258,7 +284,7 @@ async def disaggregated(
                 await peer.aclose()
             else:
                 ctx = build_engine("tiny", _options(ctx_tp, spec_k, seed, dtype))
-                async with factory() as ctx_transport, ctx.engine:
+                async with factory(secret=secret) as ctx_transport, ctx.engine:
                     context = ContextWorker(
                         ctx,
                         ctx_transport,
