@@ -610,11 +610,15 @@ class ChannelTransport(Transport):
             log.exception("%s: releasing refused peer %s failed", self.instance_id, peer.address)
 
     async def accept(self) -> Peer:
+        """See :meth:`Transport.accept`; a peer that went away before it was accepted is skipped."""
         self._check_open()
-        try:
-            return await self._accepted_in.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError) as exc:
-            raise ClosedResourceError(f"{self.name} transport was closed") from exc
+        while True:
+            try:
+                peer = await self._accepted_in.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError) as exc:
+                raise ClosedResourceError(f"{self.name} transport was closed") from exc
+            if peer.state is PeerState.CONNECTED:
+                return peer
 
     async def _run_peer(self, peer: ChannelPeer, reader: FrameReader) -> None:
         """The peer's reader: dispatches frames until the connection ends. Whatever the peer sends or whatever

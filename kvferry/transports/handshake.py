@@ -90,6 +90,7 @@ STEP_BYTES = 1024
 REFUSAL_SECONDS = 1.0
 
 _LABEL = b"kvferry/3 "
+_AUTHENTICATION_FAILED = "authentication failed"
 _PROOF_BYTES = 32
 
 
@@ -152,6 +153,10 @@ def check_listen_address(host: str, secret: bytes | None) -> None:
             f"refusing to listen on {host} without a shared secret: give one (--secret-file, ${SECRET_FILE_ENV} "
             f"or ${SECRET_ENV}), or listen on 127.0.0.1"
         )
+
+
+class _VersionMismatch(PeerIncompatible):
+    """Another wire version: said to any peer (it helps whoever upgrades one side and reveals nothing)."""
 
 
 @frozen
@@ -264,7 +269,7 @@ class Handshake:
         await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, greeting)))
         challenge = await self._step(reader, wire.Challenge, STEP_BYTES)
         if challenge.wire_version != wire.WIRE_VERSION:
-            raise PeerIncompatible(
+            raise _VersionMismatch(
                 f"peer speaks wire version {challenge.wire_version}, we speak {wire.WIRE_VERSION}"
             )
         na = challenge.nonce
@@ -308,7 +313,7 @@ class Handshake:
         try:
             greeting = await self._step(reader, wire.Greeting, STEP_BYTES, first=True)
             if greeting.wire_version != wire.WIRE_VERSION:
-                raise PeerIncompatible(
+                raise _VersionMismatch(
                     f"peer speaks wire version {greeting.wire_version}, we speak {wire.WIRE_VERSION}"
                 )
             if self._secret is not None and not greeting.authenticated:
@@ -348,6 +353,10 @@ class Handshake:
         kind, body = await read_frame(reader, limit)
         if kind == wire.FrameKind.REFUSAL and not first:
             refusal = wire.decode(self._converter, body, wire.Refusal)
+            if refusal.reason == _AUTHENTICATION_FAILED:
+                raise AuthenticationFailed(
+                    "refused by the peer: authentication failed (do both sides hold the same secret?)"
+                )
             raise PeerIncompatible(f"refused by the peer: {refusal.reason}")
         if kind != wire.FrameKind.HANDSHAKE:
             raise WireFormatError(f"expected a {cls.__name__} (handshake), got frame kind {kind}")
@@ -356,7 +365,7 @@ class Handshake:
         except WireFormatError:
             version = _peek_version(body)
             if version is not None and version != wire.WIRE_VERSION:
-                raise PeerIncompatible(
+                raise _VersionMismatch(
                     f"peer speaks wire version {version}, we speak {wire.WIRE_VERSION}"
                 ) from None
             raise
@@ -424,9 +433,10 @@ class Handshake:
         return True
 
     async def _refuse(self, stream: ByteStream, exc: Exception, authenticated: bool) -> None:
-        reason = str(exc) if authenticated or not self.authenticates else "refused"
+        public = authenticated or not self.authenticates or isinstance(exc, _VersionMismatch)
+        reason = str(exc) if public else "refused"
         if isinstance(exc, AuthenticationFailed):
-            reason = "authentication failed"
+            reason = _AUTHENTICATION_FAILED
         body = wire.encode(self._converter, wire.Refusal(reason[:4096]))
         with (
             anyio.move_on_after(REFUSAL_SECONDS),

@@ -381,8 +381,11 @@ class UcxTransport(ChannelTransport):
         if not self._ucx_peer(peer):
             return
         try:
+            address = ucxx.get_ucx_address_from_buffer(peer.hello.backend)
+        except (ucx_errors.UCXError, IndexError, ValueError, TypeError) as exc:
+            raise WireFormatError(f"{peer.address} sent no valid UCX worker address: {exc}") from exc
+        try:
             with anyio.fail_after(self._connect_timeout):
-                address = ucxx.get_ucx_address_from_buffer(peer.hello.backend)
                 peer.backend = await ucxx.create_endpoint_from_worker_address(
                     address, endpoint_error_handling=self._endpoint_error_handling
                 )
