@@ -199,9 +199,14 @@ def _is_array(cls: Any) -> bool:
     return get_origin(cls) is tuple and len(get_args(cls)) == 2 and get_args(cls)[1] is Ellipsis
 
 
+def _is_row(cls: Any) -> bool:
+    return get_origin(cls) is tuple and not _is_array(cls)
+
+
 def make_converter() -> MsgpackConverter:
     """The converter for everything above; strict on receipt: unknown keys are refused, scalars must be of their
-    field's exact type, arrays are msgpack arrays of at most ``2**14`` items."""
+    field's exact type, arrays are msgpack arrays of at most ``2**14`` items (a fixed-length tuple: an array
+    of exactly its length)."""
     converter = _make_msgpack_converter(forbid_extra_keys=True)
     for kind in (int, bytes, str, bool):
         converter.register_structure_hook(kind, _exactly(kind))
@@ -219,7 +224,19 @@ def make_converter() -> MsgpackConverter:
 
         return structure
 
+    def row_hook(cls: Any) -> Any:
+        item_types = get_args(cls)
+        items = [converter.get_structure_hook(t) for t in item_types]
+
+        def structure(value: Any, _cls: type) -> tuple[Any, ...]:
+            if type(value) is not list or len(value) != len(items):
+                raise TypeError(f"expected an array of {len(items)} items")
+            return tuple(hook(v, t) for hook, v, t in zip(items, value, item_types, strict=True))
+
+        return structure
+
     converter.register_structure_hook_factory(_is_array, array_hook)
+    converter.register_structure_hook_factory(_is_row, row_hook)
     return converter
 
 
