@@ -499,8 +499,11 @@ class UcxTransport(ChannelTransport):
             await self._write_request(peer, rows, notify, stall)
             return
         for first in starts:
-            part = CheckedRows(*(column[first : first + MAX_WRITE_FRAGMENTS] for column in rows))
-            await self._write_request(peer, part, notify if first == starts[-1] else None, stall)
+            part = slice(first, first + MAX_WRITE_FRAGMENTS)
+            part_rows = CheckedRows(
+                rows.src[part], rows.dst[part], rows.src_index[part], rows.dst_index[part]
+            )
+            await self._write_request(peer, part_rows, notify if first == starts[-1] else None, stall)
 
     async def _write_request(
         self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
