@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvferry import span_copy
-from kvferry.errors import RegionError
+from kvferry.errors import RegionError, WireFormatError
 from kvferry.transports.base import Fragments, Registration, total_bytes
 from kvferry.transports.wire import RegionInfo
 
@@ -98,6 +98,34 @@ def region_infos(tensors: Sequence[torch.Tensor]) -> tuple[RegionInfo, ...]:
     return tuple(RegionInfo(t.data_ptr(), t.numel() * t.element_size(), device_of(t)) for t in tensors)
 
 
+_U64 = (1 << 64) - 1
+
+
+def _bounds(regions: Sequence[RegionInfo]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """The start and end of each range as uint64, an end of exactly ``2**64`` as ``2**64 - 1`` (a fragment ends
+    at ``2**64 - 1`` at most: the same answers).
+
+    :raises ~kvferry.errors.WireFormatError: if a range is not inside the address space.
+    """
+    addresses = [r.address for r in regions]
+    lengths = [r.length for r in regions]
+    # the bounds first: numpy raises OverflowError for an int outside uint64
+    if regions and (min(addresses) < 0 or max(addresses) > _U64 or min(lengths) < 1 or max(lengths) > _U64):
+        bad = next(r for r in regions if not (0 <= r.address <= _U64 and 1 <= r.length <= _U64))
+        raise WireFormatError(f"region [{bad.address:#x}, +{bad.length:#x}) is not inside the address space")
+    starts = np.array(addresses, dtype=np.uint64)
+    lengths_ = np.array(lengths, dtype=np.uint64)
+    ends = starts + lengths_  # mod 2**64: an end past 2**64 - 1 wraps below its start
+    wrapped = ends < starts
+    if bool(wrapped.any()):
+        index = np.flatnonzero(wrapped & (ends != 0))
+        if len(index):
+            bad = regions[int(index[0])]
+            raise WireFormatError(f"region [{bad.address:#x}, +{bad.length:#x}) ends past 2**64")
+        ends[wrapped] = _U64
+    return starts, ends
+
+
 class RegionTable:
     """Registered ranges, for checking that fragments lie inside them.
 
@@ -109,25 +137,25 @@ class RegionTable:
     __slots__ = ("_best", "_best_end", "_starts", "_views", "device", "regions")
 
     def __init__(self, regions: Sequence[RegionInfo]) -> None:
+        """:raises ~kvferry.errors.WireFormatError: (a ValueError) if a range is not inside the address space:
+        a negative address, a length below 1, or an end past ``2**64``."""
         self.regions = tuple(regions)
         devices = {r.device for r in self.regions}
         #: the one device every range is on, or None (none, or several)
         self.device: str | None = devices.pop() if len(devices) == 1 else None
         self._views: dict[int, Any] = {}
-        starts = np.array([r.address for r in self.regions], dtype=np.uint64)
-        ends = np.array([r.address + r.length for r in self.regions], dtype=np.uint64)
+        starts, ends = _bounds(self.regions)
         order = np.argsort(starts, kind="stable")
+        ends = ends[order]
+        # the range with the largest end among those starting at or before each start (the first of equals)
+        best_end = np.maximum.accumulate(ends)
+        rises = np.ones(len(ends), dtype=bool)
+        rises[1:] = ends[1:] > best_end[:-1]
+        best = order[np.maximum.accumulate(np.where(rises, np.arange(len(ends)), 0))]
         # entry 0 is a sentinel, an empty range at address 0 (index -1): a search never lands before it
         self._starts = np.concatenate((np.zeros(1, dtype=np.uint64), starts[order]))
-        best = np.full(len(order) + 1, -1, dtype=np.int64)
-        best_end = np.zeros(len(order) + 1, dtype=np.uint64)
-        current, current_end = -1, 0
-        for i, j in enumerate(order, start=1):
-            if current < 0 or int(ends[j]) > current_end:
-                current, current_end = int(j), int(ends[j])
-            best[i], best_end[i] = current, current_end
-        self._best = best
-        self._best_end = best_end
+        self._best = np.concatenate((np.full(1, -1, dtype=np.int64), best.astype(np.int64)))
+        self._best_end = np.concatenate((np.zeros(1, dtype=np.uint64), best_end))
 
     def __len__(self) -> int:
         return len(self.regions)

@@ -59,6 +59,7 @@ import nixl_cu13._bindings as nixl_bindings
 import numpy as np
 import numpy.typing as npt
 from attrs import define, field, frozen
+from attrs.validators import max_len
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
 from kvferry.transports import _cma, wire
@@ -114,9 +115,10 @@ class _IpcPeer:
         mapped region that holds it, or -1; kept until the peer's regions or our mapping change."""
         known = self._exported
         if known is None or known[0] is not regions or known[1] is not self.table:
-            ranges = np.array([[r.address, r.length] for r in regions.regions], dtype=np.uint64).reshape(
-                -1, 2
-            )
+            # a range ending at 2**64 (allowed) as one ending at 2**64 - 1, as far as a fragment can reach
+            ranges = np.array(
+                [[r.address, min(r.length, _U64 - r.address)] for r in regions.regions], dtype=np.uint64
+            ).reshape(-1, 2)
             known = self._exported = (regions, self.table, self.table.holding(ranges))
         return known[2]
 
@@ -161,21 +163,96 @@ def _pack_blob(
     return _BLOB_MARK + packed
 
 
+_U64 = (1 << 64) - 1
+#: most items of each list of a blob (exports, partial metadata, new regions, host regions)
+_MAX_BLOB_ITEMS = 1 << 14
+#: most items of a torch IPC handle (``_share_cuda_()`` gives 8), and most bytes of each
+_MAX_SHARE_ITEMS = 16
+_MAX_SHARE_BYTES = 4096
+#: most bytes of the blob's metadata (the blob travels in Hello.backend, at most 64 MiB)
+_MAX_METADATA = 64 << 20
+
+
+def _fail(attribute: Any, message: str) -> ValueError:
+    return ValueError(f"{attribute.name}: {message}")
+
+
+def _check_range(attribute: Any, address: int, length: int) -> None:
+    if not (0 <= address <= _U64 and 1 <= length <= _U64 and address + length <= 1 << 64):
+        raise _fail(attribute, f"range [{address:#x}, +{length:#x}) is not inside the address space")
+
+
+def _valid_exports(
+    _instance: Any, attribute: Any, rows: tuple[tuple[int, int, int, tuple[Any, ...]], ...]
+) -> None:
+    for address, length, offset, share in rows:
+        _check_range(attribute, address, length)
+        if not 0 <= offset <= _U64:
+            raise _fail(attribute, f"offset {offset}")
+        # torch's handle: (device, handle bytes, size, offset, ref counter bytes, its offset, event bytes, sync)
+        if not 2 <= len(share) <= _MAX_SHARE_ITEMS or type(share[1]) is not bytes:
+            raise _fail(attribute, "not a torch IPC handle")
+        for item in share:
+            kind = type(item)
+            if kind is int:
+                if not 0 <= item <= _U64:
+                    raise _fail(attribute, f"IPC handle holds {item}")
+            elif kind is bytes:
+                if len(item) > _MAX_SHARE_BYTES:
+                    raise _fail(attribute, f"IPC handle holds {len(item)} bytes")
+            elif kind is not bool and item is not None:
+                raise _fail(attribute, f"IPC handle holds a {kind.__name__}")
+
+
+def _valid_regions(_instance: Any, attribute: Any, rows: tuple[tuple[Any, ...], ...]) -> None:
+    for row in rows:
+        _check_range(attribute, row[0], row[1])
+        if len(row) > 2 and len(row[2]) > 32:
+            raise _fail(attribute, "device name too long")
+
+
+@frozen
+class _Blob:
+    """The msgpack map after :data:`_BLOB_MARK` (what :func:`_pack_blob` writes), decoded strictly by the
+    transports' converter: every field of its exact type, every int in ``[0, 2**64)``, every range inside the
+    address space, every list at most :data:`_MAX_BLOB_ITEMS` long."""
+
+    nixl: bytes = field(validator=max_len(_MAX_METADATA))
+    #: ``[address, length, offset, share]``: a CUDA region exported by torch IPC
+    ipc: tuple[tuple[int, int, int, tuple[Any, ...]], ...] = field(
+        validator=[max_len(_MAX_BLOB_ITEMS), _valid_exports]
+    )
+    partial: tuple[bytes, ...] = field(default=(), validator=max_len(_MAX_BLOB_ITEMS))
+    #: ``[address, length, device]``
+    new: tuple[tuple[int, int, str], ...] = field(
+        default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
+    )
+    #: ``[address, length]``: host memory
+    host: tuple[tuple[int, int], ...] = field(
+        default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
+    )
+
+
+_BLOB_CONVERTER = wire.make_converter()
+
+
 def _unpack_blob(
     blob: bytes,
 ) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo], list[wire.RegionInfo]]:
+    """What :func:`_pack_blob` packed (a blob without our mark is the agent's metadata alone).
+
+    :raises ~kvferry.errors.WireFormatError: on anything else: no other exception escapes.
+    """
     if not blob.startswith(_BLOB_MARK):
         return blob, [], [], [], []
     try:
-        body = msgpack.unpackb(blob[len(_BLOB_MARK) :], raw=False)
-        exports = [_IpcExport(int(a), int(n), int(o), tuple(share)) for a, n, o, share in body["ipc"]]
-        metadata = bytes(body["nixl"])
-        partial = [bytes(b) for b in body.get("partial", ())]
-        new = [wire.RegionInfo(int(a), int(n), str(d)) for a, n, d in body.get("new", ())]
-        host = [wire.RegionInfo(int(a), int(n), "cpu") for a, n in body.get("host", ())]
-    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
-        raise WireFormatError(f"malformed NIXL backend blob: {exc}") from exc
-    return metadata, exports, partial, new, host
+        body = wire.decode(_BLOB_CONVERTER, blob[len(_BLOB_MARK) :], _Blob)
+    except WireFormatError as exc:
+        raise WireFormatError(f"malformed NIXL backend blob: {exc}") from None
+    exports = [_IpcExport(a, n, o, share) for a, n, o, share in body.ipc]
+    new = [wire.RegionInfo(a, n, d) for a, n, d in body.new]
+    host = [wire.RegionInfo(a, n, "cpu") for a, n in body.host]
+    return body.nixl, exports, list(body.partial), new, host
 
 
 def _export_cuda(tensor: Any) -> _IpcExport | None:

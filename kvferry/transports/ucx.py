@@ -47,7 +47,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import suppress
 from typing import Any
 
@@ -58,7 +58,14 @@ import ucxx
 import ucxx.exceptions as ucx_errors
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from kvferry.errors import PeerDisconnected, RegionError, TransferTimeout, TransportError, WireFormatError
+from kvferry.errors import (
+    ConfigError,
+    PeerDisconnected,
+    RegionError,
+    TransferTimeout,
+    TransportError,
+    WireFormatError,
+)
 from kvferry.transports import _cma, wire
 from kvferry.transports._channel import (
     ChannelPeer,
@@ -71,11 +78,20 @@ from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
 from kvferry.transports._ucx_progress import WorkerEvents
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
 
-__all__ = ["UcxTransport", "transport_class"]
+__all__ = ["MAX_WRITE_FRAGMENTS", "MessagePlan", "UcxTransport", "plan_messages", "transport_class"]
 
 log = logging.getLogger("kvferry.transports.ucx")
 
 _MAX_MESSAGES = 1 << 20
+#: most fragments (rows) of one write request: the receiver refuses more from the length of the request's
+#: ``dst`` alone, before parsing or planning anything, and a longer write is sent as several requests (its
+#: notification with the last); at the cap a receiver's checks and plan take ~0.1 s of its event loop
+MAX_WRITE_FRAGMENTS = 1 << 18
+#: a row of a write request's ``dst`` (and ``src``): address and length, u64 each
+_ROW_BYTES = 16
+#: packed messages are at most this long (the receiver refuses longer ones)
+_MAX_PACK_BYTES = 1 << 30
+_U64 = (1 << 64) - 1
 #: a pulling receiver tells the writer about progress at most this often
 _PULL_PROGRESS_SECONDS = 0.05
 
@@ -96,32 +112,92 @@ def translate(exc: BaseException, what: str) -> TransportError:
     return TransportError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-def plan_messages(
-    lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int
-) -> list[tuple[int, int, bool]]:
-    """Cut rows into messages: ``(first_row, end_row, packed)``; both sides compute the same plan."""
-    plan: list[tuple[int, int, bool]] = []
-    start, packed_bytes = -1, 0
-    for row, length in enumerate(lengths.tolist()):
-        if length >= zero_copy_bytes:
-            if start >= 0:
-                plan.append((start, row, True))
-                start = -1
-            plan.append((row, row + 1, False))
-            continue
-        if start >= 0 and packed_bytes + length > pack_bytes:
-            plan.append((start, row, True))
-            start = -1
-        if start < 0:
-            start, packed_bytes = row, 0
-        packed_bytes += length
-    if start >= 0:
-        plan.append((start, len(lengths), True))
-    if len(plan) > _MAX_MESSAGES:
-        raise ValueError(
-            f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {len(plan)}"
-        )
-    return plan
+class MessagePlan:
+    """How a write is cut into messages: message ``k`` is rows ``first[k]:end[k]``, packed or not (a row alone,
+    straight into place). Indexing gives ``(first, end, packed)``; kept as arrays, so that a plan of many
+    messages costs no Python object per message until each is sent."""
+
+    __slots__ = ("end", "first", "packed")
+
+    def __init__(
+        self, first: npt.NDArray[np.int64], end: npt.NDArray[np.int64], packed: npt.NDArray[np.bool_]
+    ) -> None:
+        self.first, self.end, self.packed = first, end, packed
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def __getitem__(self, k: int) -> tuple[int, int, bool]:
+        return int(self.first[k]), int(self.end[k]), bool(self.packed[k])
+
+    def __iter__(self) -> Iterator[tuple[int, int, bool]]:
+        return zip(self.first.tolist(), self.end.tolist(), self.packed.tolist(), strict=True)
+
+
+def plan_messages(lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int) -> MessagePlan:
+    """Cut rows into messages; both sides compute the same plan.
+
+    A row of at least ``zero_copy_bytes`` is a message of its own; the rows between two such rows are packed
+    greedily, in order, into messages of at most ``pack_bytes`` (a longer row alone). Vectorised: where a pack
+    starting at each row would end is one ``searchsorted`` over the running sum of the lengths, and the packs
+    that start where the one before ends are found by pointer doubling (``log2`` of the longest chain of packs
+    in numpy passes over the rows), so no Python step is taken per row or per message.
+
+    :raises ValueError: more than :data:`MAX_WRITE_FRAGMENTS` rows, or ``pack_bytes`` outside ``[1, 2**30]``.
+    """
+    n = len(lengths)
+    if n > MAX_WRITE_FRAGMENTS:
+        raise ValueError(f"a write may have at most {MAX_WRITE_FRAGMENTS} fragments, this one has {n}")
+    if not 1 <= pack_bytes <= _MAX_PACK_BYTES:
+        raise ValueError(f"packed messages of {pack_bytes} bytes")
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    alone = lengths >= np.uint64(min(max(zero_copy_bytes, 0), _U64))
+    # a row longer than a pack closes the pack before it and is packed alone, whatever its length: clamped, the
+    # running sum stays far inside int64 (at most 2**18 rows of 2**30 + 1 bytes)
+    short = np.minimum(lengths, np.uint64(pack_bytes + 1)).astype(np.int64)
+    short[alone] = 0
+    ends = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(short, out=ends[1:])
+    rows = np.arange(n + 1, dtype=np.int64)
+    # jump[i]: where a pack from short row i ends: rows i.. while their sum stays within pack_bytes (row i at
+    # least), never past the next row that travels alone. Rows alone (and the end, n) jump to themselves.
+    jump = np.searchsorted(ends, ends + pack_bytes, side="right") - 1
+    jump = np.maximum(jump, rows + 1)
+    next_alone = np.where(np.append(alone, True), rows, n)
+    next_alone = np.minimum.accumulate(next_alone[::-1])[::-1]
+    jump = np.minimum(jump, next_alone)
+    # the packs of a run of short rows start at its first row, then each where the one before ends: every
+    # row reached from a run's first row by jumps. After round t, ``reached`` holds the rows up to 2**t jumps
+    # away and ``jump`` goes 2**t jumps at once; done when no jump moves any more.
+    reached = np.zeros(n + 1, dtype=bool)
+    reached[:n] = ~alone
+    reached[1:n] &= alone[:-1]
+    while True:
+        reached[jump[reached]] = True
+        further = jump[jump]
+        if np.array_equal(further, jump):
+            break
+        jump = further
+    reached[n] = False
+    reached[:n] &= ~alone
+    packs = np.flatnonzero(reached)
+    if n and len(packs):
+        stops = np.empty(len(packs), dtype=np.int64)
+        stops[:-1] = packs[1:]
+        stops[-1] = n
+        # a pack ends where the next pack starts, or at the row alone before it
+        stops = np.minimum(stops, next_alone[packs])
+    else:
+        stops = np.empty(0, dtype=np.int64)
+    singles = np.flatnonzero(alone)
+    count = len(packs) + len(singles)
+    if count > _MAX_MESSAGES:
+        raise ValueError(f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {count}")
+    first = np.concatenate((packs, singles))
+    order = np.argsort(first, kind="stable")
+    last = np.concatenate((stops, singles + 1))[order]
+    is_packed = np.concatenate((np.ones(len(packs), dtype=bool), np.zeros(len(singles), dtype=bool)))[order]
+    return MessagePlan(first[order], last, is_packed)
 
 
 class _Views:
@@ -336,6 +412,11 @@ class UcxTransport(ChannelTransport):
         packed_window: int = 4,
         **options: Any,
     ) -> None:
+        if not 1 <= pack_bytes <= _MAX_PACK_BYTES or zero_copy_bytes < 1:
+            raise ConfigError(
+                f"pack_bytes must be in [1, {_MAX_PACK_BYTES}] and zero_copy_bytes positive, got "
+                f"{pack_bytes} and {zero_copy_bytes}"
+            )
         super().__init__(**options)
         self._endpoint_error_handling = endpoint_error_handling
         self._host_cma = host_cma and _cma.available()
@@ -412,6 +493,22 @@ class UcxTransport(ChannelTransport):
     # --- writer --------------------------------------------------------------------------------------
 
     async def _backend_write(
+        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
+    ) -> None:
+        """One write request, or (more than :data:`MAX_WRITE_FRAGMENTS` rows) several in turn, the notification
+        with the last: when a later one fails, the earlier ones have landed."""
+        starts = range(0, len(rows.src), MAX_WRITE_FRAGMENTS)
+        if len(starts) <= 1:
+            await self._write_request(peer, rows, notify, stall)
+            return
+        for first in starts:
+            part = slice(first, first + MAX_WRITE_FRAGMENTS)
+            part_rows = CheckedRows(
+                rows.src[part], rows.dst[part], rows.src_index[part], rows.dst_index[part]
+            )
+            await self._write_request(peer, part_rows, notify if first == starts[-1] else None, stall)
+
+    async def _write_request(
         self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
     ) -> None:
         endpoint = peer.backend
@@ -539,13 +636,21 @@ class UcxTransport(ChannelTransport):
                 scope.cancel()
             return
         request = wire.decode(self._converter, body, wire.WriteRequest)
-        dst = fragments_from_bytes(request.dst)
         try:
+            # from the length alone, before a row is parsed: a longer write comes as several requests
+            if len(request.dst) > MAX_WRITE_FRAGMENTS * _ROW_BYTES:
+                raise ValueError(
+                    f"a write request of {len(request.dst) // _ROW_BYTES} fragments "
+                    f"(at most {MAX_WRITE_FRAGMENTS} per request)"
+                )
+            if not 1 <= request.pack_bytes <= _MAX_PACK_BYTES:
+                raise ValueError(f"packed messages of {request.pack_bytes} bytes")
+            dst = fragments_from_bytes(request.dst)
             # Every destination range is checked before anything is posted: a refused write writes nothing.
             views = _Views(self.own_regions, dst, f"destination of a write from {peer.address}")
             plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
-            if request.pack_bytes > 1 << 30:
-                raise ValueError(f"packed messages of {request.pack_bytes} bytes")
+        except WireFormatError:
+            raise  # malformed fragments: the peer is dropped
         except (RegionError, ValueError) as exc:
             status = wire.WriteStatus.REGION if isinstance(exc, RegionError) else wire.WriteStatus.FAILED
             await self._reply(peer, wire.WriteReply(request.write_id, status, str(exc)))
@@ -568,6 +673,9 @@ class UcxTransport(ChannelTransport):
             return None
         if views.table.devices(views.index) != {"cpu"}:
             return None
+        if len(request.src) != len(request.dst):
+            log.warning("%s offered source fragments that do not pair with its destination", peer.address)
+            return None
         try:
             src = fragments_from_bytes(request.src)
         except WireFormatError as exc:
@@ -587,7 +695,7 @@ class UcxTransport(ChannelTransport):
         request: wire.WriteRequest,
         src: Fragments,
         views: _Views,
-        plan: list[tuple[int, int, bool]],
+        plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
         """Read the writer's source into our destination with ``process_vm_readv`` (slices in worker threads, a
@@ -652,7 +760,7 @@ class UcxTransport(ChannelTransport):
         peer: ChannelPeer,
         request: wire.WriteRequest,
         views: _Views,
-        plan: list[tuple[int, int, bool]],
+        plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
         tag = (self.tag_prefix << 40) | ((self._next_incoming & 0xFFFFF) << 20)

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
-import msgpack
 from attrs import field, frozen
 from attrs.validators import ge, le, max_len, min_len
 from cattrs.preconf.msgpack import MsgpackConverter
 from cattrs.preconf.msgpack import make_converter as _make_msgpack_converter
+from cattrs.v import format_exception
 
 from kvferry.errors import WireFormatError
 
@@ -122,12 +122,18 @@ class Welcome:
     compat_hash: bytes = field(validator=max_len(_NAME))
 
 
+def _in_address_space(instance: RegionInfo, _attribute: Any, length: int) -> None:
+    if instance.address + length > 1 << 64:
+        raise ValueError(f"region [{instance.address:#x}, +{length:#x}) ends past the address space (2**64)")
+
+
 @frozen
 class RegionInfo:
-    """A registered range of memory: ``[address, address + length)`` on ``device`` (``"cpu"``, ``"cuda:0"``)."""
+    """A registered range of memory: ``[address, address + length)`` on ``device`` (``"cpu"``, ``"cuda:0"``),
+    inside the address space (``address + length <= 2**64``)."""
 
     address: int = field(validator=[ge(0), le(_U64)])
-    length: int = field(validator=[ge(1), le(_U64)])
+    length: int = field(validator=[ge(1), le(_U64), _in_address_space])
     device: str = field(validator=max_len(32))
 
 
@@ -213,9 +219,67 @@ class WriteAbort:
     write_id: int = field(validator=[ge(0), le(_U64)])
 
 
+#: most items of any array a message may carry, checked before any item is structured: a peer's regions cost
+#: ~10 us each to structure and check, so 2**14 of them stay within ~0.25 s of the event loop (the fields' own
+#: ``max_len`` may be larger; this is the bound that holds)
+_MAX_ITEMS = 1 << 14
+
+
+def _exactly(kind: type) -> Any:
+    """A structure hook that takes values of exactly type ``kind`` (no conversion: ``bytes(2**60)`` would
+    allocate, ``int("12")`` parse, ``str(b"x")`` invent text)."""
+
+    def structure(value: Any, _cls: type) -> Any:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return structure
+
+
+def _is_array(cls: Any) -> bool:
+    return get_origin(cls) is tuple and len(get_args(cls)) == 2 and get_args(cls)[1] is Ellipsis
+
+
+def _is_row(cls: Any) -> bool:
+    return get_origin(cls) is tuple and not _is_array(cls)
+
+
 def make_converter() -> MsgpackConverter:
-    """The converter for everything above; strict on receipt (unknown keys are refused)."""
-    return _make_msgpack_converter(forbid_extra_keys=True)
+    """The converter for everything above; strict on receipt: unknown keys are refused, scalars must be of their
+    field's exact type, arrays are msgpack arrays of at most ``2**14`` items (a fixed-length tuple: an array
+    of exactly its length)."""
+    converter = _make_msgpack_converter(forbid_extra_keys=True)
+    for kind in (int, bytes, str, bool):
+        converter.register_structure_hook(kind, _exactly(kind))
+
+    def array_hook(cls: Any) -> Any:
+        item_type = get_args(cls)[0]
+        item = converter.get_structure_hook(item_type)
+
+        def structure(value: Any, _cls: type) -> tuple[Any, ...]:
+            if type(value) is not list:
+                raise TypeError(f"expected an array, got {type(value).__name__}")
+            if len(value) > _MAX_ITEMS:
+                raise ValueError(f"an array of {len(value)} items (at most {_MAX_ITEMS})")
+            return tuple(item(v, item_type) for v in value)
+
+        return structure
+
+    def row_hook(cls: Any) -> Any:
+        item_types = get_args(cls)
+        items = [converter.get_structure_hook(t) for t in item_types]
+
+        def structure(value: Any, _cls: type) -> tuple[Any, ...]:
+            if type(value) is not list or len(value) != len(items):
+                raise TypeError(f"expected an array of {len(items)} items")
+            return tuple(hook(v, t) for hook, v, t in zip(items, value, item_types, strict=True))
+
+        return structure
+
+    converter.register_structure_hook_factory(_is_array, array_hook)
+    converter.register_structure_hook_factory(_is_row, row_hook)
+    return converter
 
 
 def encode(converter: MsgpackConverter, obj: Any) -> bytes:
@@ -225,18 +289,25 @@ def encode(converter: MsgpackConverter, obj: Any) -> bytes:
 def decode(converter: MsgpackConverter, data: bytes, cls: type[T]) -> T:
     """Decode ``data`` as ``cls``.
 
-    :raises ~kvferry.errors.WireFormatError: if it does not decode or does not validate.
+    :raises ~kvferry.errors.WireFormatError: if it does not decode or does not validate; no other exception
+        escapes.
     """
     try:
         return converter.loads(data, cls)
-    except (
-        cattrs.BaseValidationError,
-        msgpack.ExtraData,
-        msgpack.FormatError,
-        msgpack.StackError,
-        ValueError,
-        TypeError,
-        KeyError,
-        AttributeError,
-    ) as exc:
-        raise WireFormatError(f"malformed {cls.__name__}: {exc}") from exc
+    except Exception as exc:  # whatever the bytes make msgpack, cattrs or a validator raise
+        raise WireFormatError(f"malformed {cls.__name__}: {_describe(exc)}") from exc
+
+
+def _describe(exc: Exception) -> str:
+    """What failed where (``$.regions``), and why (the validator's or hook's own words)."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        try:
+            return "; ".join(cattrs.transform_error(exc, format_exception=_format_exception))
+        except Exception:  # the report itself must not fail the decode
+            pass
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _format_exception(exc: BaseException, cls: type | None) -> str:
+    described = format_exception(exc, cls)
+    return f"{described} ({exc})" if isinstance(exc, ValueError | TypeError) else described

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import attrs
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvferry import wire
 from kvferry.errors import PeerIncompatible, WireFormatError
+from kvferry.pools import pagetable
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable, check_compatible, compat_hash
@@ -310,3 +312,153 @@ def test_non_msgpack_inputs() -> None:
         PageTable.decode(msgpack.packb([1, 2, 3]))
     with pytest.raises(WireFormatError):
         PageTable.decode(msgpack.packb(None))
+
+
+# --- large tables: linear validation, caps -----------------------------------------------------------------
+
+
+def _big_table(num_layers: int, *, layer_runs: bool = True) -> PageTable:
+    """A valid page table of ``num_layers`` layers (the tiny model's pattern repeated). ``layer_runs``: every
+    pool gets a run per layer (``layer_stride != 0``, slot-major), where the formula's ``layer`` index counts,
+    as a peer may lay its pools out."""
+    tiny = preset("tiny")
+    model = attrs.evolve(tiny, layer_kinds=(tiny.layer_kinds * (num_layers // 7 + 1))[:num_layers])
+    layout = CacheLayout.build(model.shard(1, 0), num_pages=4, num_slots=2, num_draft_pages=3)
+    groups = []
+    for group in layout.pool_groups:
+        pools = []
+        for pool in group.pools:
+            if layer_runs:
+                first: dict[int, int] = {}
+                for e in pool.entries:
+                    first.setdefault(e.layer_id, e.offset)
+                entries = tuple(attrs.evolve(e, offset=e.offset - first[e.layer_id]) for e in pool.entries)
+                run = max(e.offset + e.nbytes for e in entries)
+                pool = attrs.evolve(
+                    pool, entries=entries, slot_bytes=run, layer_stride=run, slot_stride=run * len(first)
+                )
+            pools.append(pool)
+        groups.append(attrs.evolve(group, pools=tuple(pools)))
+    layout = attrs.evolve(layout, pool_groups=tuple(groups))
+    bases: dict[str, int] = {}
+    address = 1 << 30
+    for _g, pool in layout.pools():
+        bases[pool.name] = address
+        address += pool.nbytes + 4096
+    return PageTable.from_layout(layout, bases)
+
+
+class _CountedId(int):
+    """A layer id that counts the equality tests made on it: a scan of a tuple of layer ids (``in``, ``index``)
+    costs one per item passed, a set or dict lookup at most one."""
+
+    comparisons = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedId.comparisons += 1
+        return int(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        _CountedId.comparisons += 1
+        return int(self) != other
+
+    __hash__ = int.__hash__
+
+
+def _with_counted_ids(table: PageTable) -> PageTable:
+    """``table`` with every layer id a :class:`_CountedId`, a distinct object per occurrence (so that no lookup
+    ends on identity alone)."""
+    counted = _CountedId
+    layer_groups = tuple(
+        attrs.evolve(g, layer_ids=tuple(counted(i) for i in g.layer_ids)) for g in table.layer_groups
+    )
+    pool_groups = tuple(
+        attrs.evolve(
+            g,
+            pools=tuple(
+                attrs.evolve(
+                    p, entries=tuple(attrs.evolve(e, layer_id=counted(e.layer_id)) for e in p.entries)
+                )
+                for p in g.pools
+            ),
+        )
+        for g in table.pool_groups
+    )
+    return attrs.evolve(table, layer_groups=layer_groups, pool_groups=pool_groups)
+
+
+def _validation_work(table: PageTable) -> tuple[int, int]:
+    """The work of ``table.validate()`` in counts, not seconds: Python bytecodes executed (every loop written in
+    Python, generators included) and equality tests on layer ids (scans inside C, such as ``in`` on a tuple)."""
+    counted = _with_counted_ids(table)
+    opcodes = 0
+
+    def trace(frame: Any, event: str, _arg: Any) -> Any:
+        nonlocal opcodes
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            opcodes += 1
+        return trace
+
+    previous = sys.gettrace()
+    _CountedId.comparisons = 0
+    sys.settrace(trace)
+    try:
+        counted.validate()
+    finally:
+        sys.settrace(previous)
+    return opcodes, _CountedId.comparisons
+
+
+@pytest.mark.parametrize("layer_runs", [True, False])
+def test_validation_work_grows_linearly_with_layers(layer_runs: bool) -> None:
+    small = _validation_work(_big_table(1000, layer_runs=layer_runs))
+    large = _validation_work(_big_table(2000, layer_runs=layer_runs))
+    # twice the layers: about twice the work (a quadratic validation did 4x: 7-8 s for 4,000 layers)
+    assert large[0] <= 2.3 * small[0], (small, large)
+    assert large[1] <= 2.3 * small[1], (small, large)
+
+
+@pytest.mark.parametrize("num_layers", [4000, 8000])
+def test_large_tables_validate(num_layers: int) -> None:
+    table = _big_table(num_layers)
+    assert PageTable.decode(table.encode()) == table
+    # a problem in the very last entry of the largest pool is still found
+    raw = _raw(table)
+    pool = max((p for g in raw["pool_groups"] for p in g["pools"]), key=lambda p: len(p["entries"]))
+    pool["entries"][-1]["layer_id"] = pool["entries"][0]["layer_id"]
+    with pytest.raises(WireFormatError, match="held twice"):
+        PageTable.decode(msgpack.packb(raw))
+    raw = _raw(table)
+    raw["layer_groups"][0]["layer_ids"] = raw["layer_groups"][0]["layer_ids"][:-8]
+    with pytest.raises(WireFormatError, match="not a buffer"):
+        PageTable.decode(msgpack.packb(raw))
+
+
+def test_caps_on_layers_groups_pools_and_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = _tiny_table()
+    table.validate()
+    with pytest.raises(WireFormatError, match="num_layers"):
+        attrs.evolve(table, num_layers=pagetable.MAX_LAYERS + 1).validate()
+    with pytest.raises(WireFormatError, match="num_draft_layers"):
+        attrs.evolve(table, num_draft_layers=pagetable.MAX_LAYERS + 1).validate()
+    many = attrs.evolve(table, pool_groups=table.pool_groups * (pagetable.MAX_GROUPS + 1))
+    with pytest.raises(WireFormatError, match="pool groups"):
+        many.validate()
+    many = attrs.evolve(table, layer_groups=table.layer_groups * (pagetable.MAX_GROUPS + 1))
+    with pytest.raises(WireFormatError, match="layer groups"):
+        many.validate()
+    pools = [p for g in table.pool_groups for p in g.pools]
+    entries = sum(len(p.entries) for p in pools)
+    monkeypatch.setattr(pagetable, "MAX_POOLS", len(pools) - 1)
+    with pytest.raises(WireFormatError, match=rf"{len(pools)} pools \(at most {len(pools) - 1}\)"):
+        table.validate()
+    monkeypatch.setattr(pagetable, "MAX_POOLS", len(pools))
+    monkeypatch.setattr(pagetable, "MAX_ENTRIES", entries - 1)
+    with pytest.raises(WireFormatError, match=rf"{entries} entries \(at most {entries - 1}\)"):
+        table.validate()
+    monkeypatch.setattr(pagetable, "MAX_ENTRIES", entries)
+    table.validate()
+    monkeypatch.setattr(pagetable, "MAX_LAYERS", 3)
+    with pytest.raises(WireFormatError, match="num_layers"):
+        table.validate()

@@ -20,6 +20,8 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.errors import TransferTimeout, TransportError
 from kvferry.transports import Peer, Transport, _cma, get_transport, wire
@@ -251,3 +253,117 @@ async def test_the_driver_replaces_ucxx_arming_task() -> None:
 def test_write_status_values_are_wire_version_2() -> None:
     assert wire.WIRE_VERSION >= 2
     assert {s.value for s in wire.WriteStatus} >= {"pulling", "progress"}
+
+
+# --- caps on a write request: refused from its length, split by the writer; the plan of its messages ---------
+
+
+def _reference_plan(lengths: list[int], zero_copy_bytes: int, pack_bytes: int) -> list[tuple[int, int, bool]]:
+    """The plan as the loop over rows that plan_messages replaced cut it."""
+    plan: list[tuple[int, int, bool]] = []
+    start, packed_bytes = -1, 0
+    for row, length in enumerate(lengths):
+        if length >= zero_copy_bytes:
+            if start >= 0:
+                plan.append((start, row, True))
+                start = -1
+            plan.append((row, row + 1, False))
+            continue
+        if start >= 0 and packed_bytes + length > pack_bytes:
+            plan.append((start, row, True))
+            start = -1
+        if start < 0:
+            start, packed_bytes = row, 0
+        packed_bytes += length
+    if start >= 0:
+        plan.append((start, len(lengths), True))
+    return plan
+
+
+_LENGTHS = st.one_of(st.integers(1, 40), st.sampled_from([64, 1 << 20, 2**40, 2**63, 2**64 - 2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_LENGTHS, max_size=60),
+    st.one_of(st.integers(1, 100), st.sampled_from([2**63, 2**64 - 1])),
+    st.one_of(st.integers(1, 120), st.just(1 << 30)),
+)
+def test_the_plan_is_the_greedy_cut_of_the_rows(lengths: list[int], zero_copy: int, pack: int) -> None:
+    rows = np.array(lengths, dtype=np.uint64)
+    plan = ucx_module.plan_messages(rows, zero_copy, pack)
+    assert list(plan) == _reference_plan(lengths, zero_copy, pack)
+    assert [plan[k] for k in range(len(plan))] == list(plan)
+
+
+def test_the_plan_refuses_more_fragments_than_the_cap() -> None:
+    cap = ucx_module.MAX_WRITE_FRAGMENTS
+    assert len(ucx_module.plan_messages(np.ones(cap, dtype=np.uint64), 1 << 20, 1)) == cap
+    with pytest.raises(ValueError, match="at most"):
+        ucx_module.plan_messages(np.ones(cap + 1, dtype=np.uint64), 1 << 20, 4 << 20)
+    with pytest.raises(ValueError, match="packed messages"):
+        ucx_module.plan_messages(np.ones(4, dtype=np.uint64), 1 << 20, (1 << 30) + 1)
+
+
+async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reported: a WriteRequest of 4M tiny fragments held the receiver's event loop for 1.7 s (parsed, located,
+    planned) before it was refused. Now it is answered FAILED from the length of ``dst`` alone, nothing of it
+    parsed, and the connection serves the next write."""
+    parsed: list[int] = []
+    parse = ucx_module.fragments_from_bytes
+
+    def spy(data: bytes) -> Any:
+        parsed.append(len(data))
+        return parse(data)
+
+    async with pair(MiB) as (a, b, pa, pb, src, dst):
+        monkeypatch.setattr(ucx_module, "fragments_from_bytes", spy)
+        count = 4 << 20
+        rows = np.stack([dst.data_ptr() + np.arange(count) % MiB, np.ones(count, dtype=np.int64)], axis=1)
+        channel = a._peer(pa)  # type: ignore[attr-defined]
+        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](1)
+        write_id = a.new_write_id()  # type: ignore[attr-defined]
+        channel.pending[write_id] = replies_out
+        request = wire.WriteRequest(write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x")
+        try:
+            body = wire.encode(a._converter, request)  # type: ignore[attr-defined]
+            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
+            with anyio.fail_after(30):
+                reply = await replies_in.receive()
+        finally:
+            channel.pending.pop(write_id, None)
+        assert reply.write_id == write_id
+        assert reply.status is wire.WriteStatus.FAILED
+        assert f"{count} fragments (at most {ucx_module.MAX_WRITE_FRAGMENTS} per request)" in reply.detail
+        assert parsed == []
+        await write_all(a, pa, src, dst)
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("host_cma", [True, False])
+async def test_a_write_over_the_cap_goes_as_several_requests(
+    host_cma: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten rows with a cap of four: three requests in turn, the notification with the last, every byte in
+    place (read by the receiver, or sent as UCX messages)."""
+    monkeypatch.setattr(ucx_module, "MAX_WRITE_FRAGMENTS", 4)
+    page = 64 << 10
+    async with pair(10 * page, host_cma=host_cma) as (a, b, pa, pb, src, dst):
+        notifies: list[bytes | None] = []
+        write_request = a._write_request  # type: ignore[attr-defined]
+
+        async def spy(peer: Any, rows: Any, notify: bytes | None, stall: float) -> None:
+            notifies.append(notify)
+            assert len(rows.src) <= 4
+            await write_request(peer, rows, notify, stall)
+
+        monkeypatch.setattr(a, "_write_request", spy)
+        # rows that do not merge: page i goes to page 9 - i
+        src_rows = [[src.data_ptr() + i * page, page] for i in range(10)]
+        dst_rows = [[dst.data_ptr() + (9 - i) * page, page] for i in range(10)]
+        await a.write(pa, src_rows, dst_rows, b"n")
+        assert await b.receive_notification(pb) == b"n"
+        assert torch.equal(src.view(10, page).flip(0), dst.view(10, page))
+        assert notifies == [None, None, b"n"]
+        assert a.pulled_writes == (3 if host_cma else 0)  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -555,3 +556,84 @@ def test_split_rows_moves_the_same_bytes_in_pieces(lengths: list[int], longest: 
         return [(int(a) + k, int(b) + k) for (a, n), (b, _) in zip(s, d, strict=True) for k in range(int(n))]
 
     assert pairs(cut_src, cut_dst) == pairs(src, dst)  # byte for byte, in order
+
+
+# --- what a peer's bytes may hold: exact types, ranges inside the address space ------------------------------
+
+
+def test_a_region_ends_inside_the_address_space() -> None:
+    """Reported: a RegionInfo of address + length > 2**64 passed the decode and raised OverflowError in
+    RegionTable, which ended the peer's task."""
+    top = RegionInfo(2**64 - 4096, 4096, "cpu")  # ends at 2**64 exactly
+    table = RegionTable([RegionInfo(4096, 4096, "cpu"), top])
+    rows = np.array([[2**64 - 4096, 4095], [2**64 - 2, 1], [8000, 192]], dtype=np.uint64)
+    assert table.holding(as_fragments(rows)).tolist() == [1, 1, 0]
+    with pytest.raises(ValueError, match="ends past"):
+        RegionInfo(2**64 - 1, 2, "cpu")
+    converter = wire.make_converter()
+    for regions in ([[2**64 - 1, 2]], [[2**63, 2**63 + 1]], [[4096, 8], [2, 2**64 - 1]]):
+        update = {
+            "regions": [{"address": a, "length": n, "device": "cpu"} for a, n in regions],
+            "backend": b"",
+        }
+        with pytest.raises(WireFormatError):
+            wire.decode(converter, converter.dumps(update), wire.RegionsUpdate)
+
+
+def test_a_region_table_refuses_ranges_outside_the_address_space() -> None:
+    """RegionTable itself (whatever built its ranges): WireFormatError, a ValueError, never OverflowError."""
+    with attrs.validators.disabled():
+        bad = [
+            RegionInfo(2**64 - 1, 2, "cpu"),
+            RegionInfo(2**64, 1, "cpu"),
+            RegionInfo(-1, 10, "cpu"),
+            RegionInfo(0, 2**70, "cpu"),
+            RegionInfo(10, 0, "cpu"),
+        ]
+    for region in bad:
+        with pytest.raises(WireFormatError, match="region"):
+            RegionTable([RegionInfo(4096, 10, "cpu"), region])
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 300), st.integers(1, 80)), max_size=12),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(1, 60)), min_size=1, max_size=12),
+)
+def test_a_region_table_answers_as_a_search_of_every_range(
+    ranges: list[tuple[int, int]], rows: list[tuple[int, int]]
+) -> None:
+    """A row is held iff some range holds it; the range named holds it."""
+    regions = [RegionInfo(a, n, "cpu") for a, n in ranges]
+    table = RegionTable(regions)
+    held = table.holding(as_fragments(rows)).tolist()
+    for (address, length), index in zip(rows, held, strict=True):
+        inside = [r.address <= address and address + length <= r.address + r.length for r in regions]
+        assert (index >= 0) == any(inside)
+        if index >= 0:
+            assert inside[index]
+
+
+def test_the_transport_converter_takes_exact_types() -> None:
+    """Reported with the nixl blob (``bytes(2**60)``): a lax converter turned an int into bytes (allocating
+    it), a str or a float into an int, bytes into a str. Each is refused now, as is an array over the cap."""
+    converter = wire.make_converter()
+    good = {"wire_version": 1, "compat_hash": b"h", "body": b""}
+    assert wire.decode(converter, converter.dumps(good), wire.Handshake) == wire.Handshake(1, b"h", b"")
+    for key, value in (
+        ("body", 2**60),
+        ("body", [1, 2]),
+        ("body", "text"),
+        ("compat_hash", 5),
+        ("wire_version", True),
+        ("wire_version", "1"),
+        ("wire_version", 1.5),
+        ("wire_version", b"1"),
+    ):
+        with pytest.raises(WireFormatError, match=key):
+            wire.decode(converter, converter.dumps({**good, key: value}), wire.Handshake)
+    with pytest.raises(WireFormatError):
+        wire.decode(converter, converter.dumps({"reason": b"bytes"}), wire.Refusal)
+    region = {"address": 4096, "length": 1, "device": "cpu"}
+    many = {"regions": [region] * (wire._MAX_ITEMS + 1), "backend": b""}
+    with pytest.raises(WireFormatError, match="at most"):
+        wire.decode(converter, converter.dumps(many), wire.RegionsUpdate)
