@@ -150,7 +150,7 @@ class Hello:
     max_message_bytes: int = field(validator=[ge(0), le(_U64)])
     #: the tag prefix the receiver wants on two-sided data for it (ucx)
     tag_prefix: int = field(validator=[ge(0), le(_U64)])
-    regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 20))
+    regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 14))  # the converter's array cap
     #: backend specific: NIXL agent metadata, UCX worker address
     backend: bytes = field(validator=max_len(_BLOB))
     #: where the sender keeps, for this connection only, the proof of its pid that the handshake derives (see
@@ -171,7 +171,7 @@ class Refusal:
 class RegionsUpdate:
     """The sender's whole set of registered regions now, plus backend metadata for the new ones."""
 
-    regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 20))
+    regions: tuple[RegionInfo, ...] = field(validator=max_len(1 << 14))  # the converter's array cap
     backend: bytes = field(validator=max_len(_BLOB))
 
 

@@ -217,12 +217,17 @@ HELLO = wire.Hello(
     tag_prefix=3,
     regions=(REGION, TOP_REGION),
     backend=b"backend",
-    pid_proof=b"proof",
     pid_proof_address=1 << 30,
 )
 ROWS = fragments_bytes(np.array([[1 << 20, 64], [(1 << 20) + 128, 64]], dtype=np.uint64))
 TRANSPORT_SAMPLES: dict[type, list[Any]] = {
-    wire.Handshake: [wire.Handshake(wire.WIRE_VERSION, b"hash", wire.encode(CONVERTER, HELLO))],
+    wire.Greeting: [wire.Greeting(wire.WIRE_VERSION, bytes(range(32)), True)],
+    wire.Challenge: [
+        wire.Challenge(wire.WIRE_VERSION, bytes(32), bytes(32)),
+        wire.Challenge(3, bytes(32), b""),
+    ],
+    wire.Credentials: [wire.Credentials(bytes(32), b"hash"), wire.Credentials(b"", b"")],
+    wire.Welcome: [wire.Welcome(b"hash")],
     wire.Hello: [HELLO, attrs.evolve(HELLO, regions=())],
     wire.RegionsUpdate: [wire.RegionsUpdate((REGION, TOP_REGION), b"blob"), wire.RegionsUpdate((), b"")],
     wire.WriteRequest: [
@@ -241,10 +246,11 @@ TRANSPORT_SAMPLES: dict[type, list[Any]] = {
 _OVERFLOWING_REGION = {"address": 2**64 - 1, "length": 2, "device": "cpu"}
 TRANSPORT_REGRESSIONS: dict[type, list[bytes]] = {
     # bytes(2**60): MemoryError (a lax converter turned the int into bytes)
-    wire.Handshake: [
-        pack({"wire_version": 1, "compat_hash": b"", "body": 2**60}),
-        pack({"wire_version": 1.5, "compat_hash": "text", "body": [1, 2]}),
+    wire.Greeting: [
+        pack({"wire_version": 3, "nonce": 2**60, "authenticated": True}),
+        pack({"wire_version": 1.5, "nonce": "text", "authenticated": [1, 2]}),
     ],
+    wire.Credentials: [pack({"proof": 2**60, "compat_hash": b""})],
     # address + length > 2**64: OverflowError in RegionTable, later
     wire.Hello: [pack({**unpack(wire.encode(CONVERTER, HELLO)), "regions": [_OVERFLOWING_REGION]})],
     wire.RegionsUpdate: [
@@ -277,8 +283,14 @@ def _transport_target(cls: type, *, slow: bool) -> Callable[[], None]:
     )
 
 
-test_handshake = _transport_target(wire.Handshake, slow=False)
-test_handshake_long = _transport_target(wire.Handshake, slow=True)
+test_greeting = _transport_target(wire.Greeting, slow=False)
+test_greeting_long = _transport_target(wire.Greeting, slow=True)
+test_challenge = _transport_target(wire.Challenge, slow=False)
+test_challenge_long = _transport_target(wire.Challenge, slow=True)
+test_credentials = _transport_target(wire.Credentials, slow=False)
+test_credentials_long = _transport_target(wire.Credentials, slow=True)
+test_welcome = _transport_target(wire.Welcome, slow=False)
+test_welcome_long = _transport_target(wire.Welcome, slow=True)
 test_hello = _transport_target(wire.Hello, slow=False)
 test_hello_long = _transport_target(wire.Hello, slow=True)
 test_regions_update = _transport_target(wire.RegionsUpdate, slow=False)

@@ -617,20 +617,20 @@ def test_the_transport_converter_takes_exact_types() -> None:
     """Reported with the nixl blob (``bytes(2**60)``): a lax converter turned an int into bytes (allocating
     it), a str or a float into an int, bytes into a str. Each is refused now, as is an array over the cap."""
     converter = wire.make_converter()
-    good = {"wire_version": 1, "compat_hash": b"h", "body": b""}
-    assert wire.decode(converter, converter.dumps(good), wire.Handshake) == wire.Handshake(1, b"h", b"")
+    good = {"wire_version": 1, "nonce": bytes(32), "proof": b""}
+    assert wire.decode(converter, converter.dumps(good), wire.Challenge) == wire.Challenge(1, bytes(32), b"")
     for key, value in (
-        ("body", 2**60),
-        ("body", [1, 2]),
-        ("body", "text"),
-        ("compat_hash", 5),
+        ("proof", 2**60),
+        ("proof", [1, 2]),
+        ("proof", "text"),
+        ("nonce", 5),
         ("wire_version", True),
         ("wire_version", "1"),
         ("wire_version", 1.5),
         ("wire_version", b"1"),
     ):
         with pytest.raises(WireFormatError, match=key):
-            wire.decode(converter, converter.dumps({**good, key: value}), wire.Handshake)
+            wire.decode(converter, converter.dumps({**good, key: value}), wire.Challenge)
     with pytest.raises(WireFormatError):
         wire.decode(converter, converter.dumps({"reason": b"bytes"}), wire.Refusal)
     region = {"address": 4096, "length": 1, "device": "cpu"}
