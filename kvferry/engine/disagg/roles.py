@@ -86,14 +86,19 @@ log = logging.getLogger("kvferry.disagg")
 class HandoffCache:
     """The engine's cache operations over a :class:`~kvferry.engine.runner.LockstepCache`, plus hand-off.
 
-    ``hold(rid, callback)``: the next ``close(rid)`` keeps the request (suspended, never offloaded) and calls
-    ``callback(rid)`` instead. ``adopt(rid, n)``: the request exists (transferred, ``n`` tokens committed,
-    suspended); the engine's ``create`` skips it and its first ``resume`` reports ``n`` tokens as reused.
+    ``hold(rid, callback)``: the engine's close of ``rid`` once its whole prompt is committed keeps the request
+    (suspended, never offloaded) and calls ``callback(rid)`` instead. ``release(rid)`` closes it for good (see
+    there: never under a step the engine may still run). ``adopt(rid, n)``: the request exists (transferred,
+    ``n`` tokens committed, suspended); the engine's ``create`` skips it and its first ``resume`` reports ``n``
+    tokens as reused.
     """
 
     inner: LockstepCache
     _hold: dict[int, Callable[[int], None]] = attrs.field(factory=dict, init=False)
     _adopted: dict[int, int] = attrs.field(factory=dict, init=False)
+    #: requests the engine created and has not closed (it may still step them and commit their tokens), with
+    #: their prompt lengths
+    _engine_owned: dict[int, int] = attrs.field(factory=dict, init=False)
 
     @property
     def managers(self) -> tuple[Any, ...]:
@@ -108,6 +113,7 @@ class HandoffCache:
     def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
         if request_id not in self._adopted:
             self.inner.create(request_id, prompt_token_ids)
+        self._engine_owned[request_id] = len(prompt_token_ids)
 
     def resume(self, request_id: int) -> Resumed:
         info = self.inner.resume(request_id)
@@ -117,10 +123,18 @@ class HandoffCache:
         return info
 
     def close(self, request_id: int) -> None:
-        callback = self._hold.pop(request_id, None)
+        prompt = self._engine_owned.pop(request_id, None)
         self._adopted.pop(request_id, None)
         manager = self.inner.primary
-        if callback is not None and request_id in manager.request_ids():
+        if (
+            request_id in self._hold
+            and request_id in manager.request_ids()
+            and prompt is not None
+            and manager.num_committed_tokens(request_id) >= prompt
+        ):
+            # only a request whose prompt is all committed is held: the scheduler also closes a request whose
+            # admission did not fit (it creates it again later) and one cancelled before its prefill ended
+            callback = self._hold.pop(request_id)
             if manager.state(request_id) is CacheState.ACTIVE:
                 for m in self.inner.managers:
                     m.suspend(request_id, offload=Offload.NEVER)
@@ -129,8 +143,18 @@ class HandoffCache:
         self.inner.close(request_id)
 
     def release(self, request_id: int) -> None:
-        """Close a held request for good."""
-        self.inner.close(request_id)
+        """Close request ``request_id`` for good: now if the engine is done with it (held, or never created),
+        else when the engine closes it.
+
+        The engine still has a request whose stream ended before its prefill did (a cancel): it frees it at its
+        next step boundary, and until then may run a step that writes its pages and commit that step's tokens.
+        Closing it here would free the pages under that step and make the engine's commit fail
+        (:class:`~kvferry.errors.UnknownRequest` in its step loop), so the hold is dropped instead and the
+        engine's own close frees it. The caller must have ended the request's stream (the engine then closes
+        it at its next step boundary)."""
+        self._hold.pop(request_id, None)
+        if request_id not in self._engine_owned:
+            self.inner.close(request_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -371,7 +395,9 @@ class ContextWorker:
             await self._push(peer, peer_map, remote, rid, held.request, source)
         finally:
             self._held.pop(req.key, None)
-            self.cache.release(rid)  # synchronous: no cancel can interrupt it
+            # synchronous: no cancel can interrupt it. The stream has ended (collect returned or raised), so the
+            # engine has closed the request or will at its next step boundary: release frees it accordingly
+            self.cache.release(rid)
 
     async def _fail_request(self, peer: Peer, peer_map: PeerMap, request: ReceiveRequest, why: str) -> None:
         """A receive request we cannot serve: every writer reports a failure (nothing is written), so the
