@@ -2,8 +2,12 @@
 
 ``python -m kvferry.engine.disagg.serve --transport ucx --tp 2 ...`` starts a context engine, prints one line
 ``kvferry-context {"address": ..., "pid": ...}`` on stdout, serves the first generation peer that connects and
-exits when that peer goes away (or stdin closes). :func:`start_context_process` launches it; :func:`disaggregated` gives a
-connected :class:`~.router.Router` either way.
+exits when that peer goes away (or stdin closes, also before a peer connected). :func:`start_context_process`
+launches it; :func:`disaggregated` gives a connected :class:`~.router.Router` either way.
+
+Deadlines: every wait on the other side is bounded (see :class:`~.roles.GenerationWorker`); here, the context
+process has ``start_timeout`` seconds to say where it listens, and :func:`disaggregated` passes its
+``prefill_timeout``, ``handshake_timeout`` and ``control_timeout`` to the workers it builds.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -22,16 +27,26 @@ import anyio
 from attrs import define
 
 from kvferry.engine.disagg.mapping import BouncePolicy
-from kvferry.engine.disagg.roles import DEFAULT_STAGING_BYTES, ContextWorker, GenerationWorker
+from kvferry.engine.disagg.roles import (
+    DEFAULT_CONTROL_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_PREFILL_TIMEOUT,
+    DEFAULT_STAGING_BYTES,
+    ContextWorker,
+    GenerationWorker,
+)
 from kvferry.engine.disagg.router import Router
 from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
-from kvferry.errors import PeerDisconnected
+from kvferry.errors import ConfigError, PeerDisconnected, PeerTimeout
 from kvferry.transports import get_transport
 
-__all__ = ["ContextProcess", "disaggregated", "main", "start_context_process"]
+__all__ = ["DEFAULT_START_TIMEOUT", "ContextProcess", "disaggregated", "main", "start_context_process"]
 
 _MARKER = "kvferry-context "
+
+#: Seconds a context process has to print its address (imports, engine build, transport start).
+DEFAULT_START_TIMEOUT = 120.0
 
 
 def _options(tp: int, spec_k: int, seed: int, dtype: str) -> EngineOptions:
@@ -63,14 +78,15 @@ async def _serve_context(
         await worker.register()  # once, before anyone connects
         out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
         out.flush()
-        peer = await transport.accept()
         async with anyio.create_task_group() as tg:
 
             async def stdin_closed() -> None:
                 await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
                 tg.cancel_scope.cancel()
 
+            # the parent closing stdin ends the wait for its connection too (it may never come)
             tg.start_soon(stdin_closed)
+            peer = await transport.accept()
             await worker.serve(peer)
             tg.cancel_scope.cancel()
 
@@ -153,11 +169,17 @@ def start_context_process(
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> ContextProcess:
-    """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address.
+    """Launch ``python -m kvferry.engine.disagg.serve`` and wait (at most ``start_timeout`` seconds) for its
+    address.
 
+    :raises ~kvferry.errors.PeerTimeout: it did not tell its address within ``start_timeout`` seconds (it is
+        killed).
     :raises ~kvferry.errors.PeerDisconnected: it exited before telling its address.
     """
+    if not start_timeout > 0:
+        raise ConfigError(f"start_timeout must be > 0 seconds, got {start_timeout}")
     policy = BouncePolicy() if bounce is None else bounce
     proc = subprocess.Popen(
         [
@@ -189,16 +211,47 @@ def start_context_process(
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    while True:  # libraries may print to stdout before us: our line carries a marker
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait()
-            raise PeerDisconnected(f"the context process exited with {proc.returncode} before listening")
-        if line.startswith(_MARKER):
-            break
-    info = json.loads(line[len(_MARKER) :])
+    try:
+        info = _await_address(proc, start_timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        raise
     return ContextProcess(proc, info["address"], info["pid"])
+
+
+def _await_address(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The JSON object of ``proc``'s marker line on its stdout, within ``timeout`` seconds (else ``proc`` is
+    killed, which ends the read)."""
+    assert proc.stdout is not None
+    late = threading.Event()
+
+    def kill() -> None:
+        late.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        while True:  # libraries may print to stdout before us: our line carries a marker
+            line = proc.stdout.readline()
+            if line.startswith(_MARKER):
+                break
+            if not line:
+                proc.wait()
+                if late.is_set():
+                    raise PeerTimeout(f"the context process did not listen within {timeout} s (killed)")
+                raise PeerDisconnected(f"the context process exited with {proc.returncode} before listening")
+    finally:
+        timer.cancel()
+    if late.is_set():  # the deadline passed right as the line came: the process is being killed
+        raise PeerTimeout(f"the context process did not listen within {timeout} s (killed)")
+    info: dict[str, Any] = json.loads(line[len(_MARKER) :])
+    return info
 
 
 @asynccontextmanager
@@ -216,6 +269,10 @@ async def disaggregated(
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
+    prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    control_timeout: float = DEFAULT_CONTROL_TIMEOUT,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
     """A :class:`~.router.Router` over a context engine (another process, or this one with
     ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
@@ -224,7 +281,11 @@ async def disaggregated(
 
     ``staging_bytes``: each side's staging pool; ``bounce`` (default :class:`~.mapping.BouncePolicy`): the
     policy of both sides (``BouncePolicy.always()`` bounces every writer with bytes while the pools have
-    room). Each worker registers its memory once, before its handshake, for the life of its transport."""
+    room). Each worker registers its memory once, before its handshake, for the life of its transport.
+
+    Deadlines (seconds; see :class:`~.roles.GenerationWorker`): ``prefill_timeout`` (a prefill's answer),
+    ``handshake_timeout`` (each side's handshake), ``control_timeout`` (best-effort control messages, each
+    side), ``stall_timeout`` (a transfer's reports), ``start_timeout`` (the context process's start)."""
     policy = BouncePolicy() if bounce is None else bounce
     gen = build_engine("tiny", _options(gen_tp, spec_k, seed, dtype))
     factory = get_transport(transport)
@@ -232,7 +293,14 @@ async def disaggregated(
     try:
         async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:
             worker = GenerationWorker(
-                gen, gen_transport, stall_timeout=stall_timeout, staging_bytes=staging_bytes, bounce=policy
+                gen,
+                gen_transport,
+                stall_timeout=stall_timeout,
+                staging_bytes=staging_bytes,
+                bounce=policy,
+                prefill_timeout=prefill_timeout,
+                handshake_timeout=handshake_timeout,
+                control_timeout=control_timeout,
             )
             await worker.register()
             parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
@@ -249,6 +317,7 @@ async def disaggregated(
                         chunk_bytes=chunk_bytes,
                         staging_bytes=staging_bytes,
                         bounce=policy,
+                        start_timeout=start_timeout,
                     )
                 )
                 parts["context"] = context_process
@@ -266,6 +335,8 @@ async def disaggregated(
                         write_delay=write_delay,
                         staging_bytes=staging_bytes,
                         bounce=policy,
+                        handshake_timeout=handshake_timeout,
+                        control_timeout=control_timeout,
                     )
                     await context.register()
                     parts["context"] = context

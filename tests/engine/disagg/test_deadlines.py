@@ -4,8 +4,9 @@ A context side that stops answering (its handling paused, its engine stalled in 
 stopped with SIGSTOP) fails the prefill with :class:`~kvferry.errors.PrefillTimeout` within the generation
 worker's ``prefill_timeout``; the context side is told to drop the request, so once it runs again it frees
 everything (it stops the prefill, never answers, never pushes), and the next requests on the same connection
-get aggregated serving's tokens. A silent peer fails the handshake (:class:`~kvferry.errors.PeerTimeout`), and
-a prefill asked of a peer that is gone fails at once.
+get aggregated serving's tokens. A silent peer fails the handshake (:class:`~kvferry.errors.PeerTimeout`), a
+context process that never says where it listens fails its start, and a prefill asked of a peer that is gone
+fails at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,7 +27,7 @@ import pytest
 
 from kvferry.engine.disagg.protocol import ContextRequest, decode_control
 from kvferry.engine.disagg.roles import ContextWorker, GenerationWorker
-from kvferry.engine.disagg.serve import disaggregated
+from kvferry.engine.disagg.serve import _await_address, disaggregated, start_context_process
 from kvferry.engine.runner import build_engine
 from kvferry.errors import (
     ConfigError,
@@ -248,6 +251,27 @@ async def test_a_handshake_with_a_silent_peer_times_out(role: str) -> None:
         assert isinstance(info.value, PeerDisconnected) and isinstance(info.value, TimeoutError)
 
 
+def test_a_context_process_that_never_listens_is_killed_after_its_start_deadline() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('noise', flush=True); time.sleep(60)"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeout, match="did not listen"):
+            _await_address(proc, 0.5)
+        assert time.monotonic() - t0 < 5
+        assert proc.poll() is not None  # killed
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
 def test_deadlines_must_be_positive() -> None:
     built = build_engine("tiny", options())
     for field in ("prefill_timeout", "handshake_timeout", "control_timeout", "stall_timeout"):
@@ -256,6 +280,8 @@ def test_deadlines_must_be_positive() -> None:
     for field in ("hold_timeout", "handshake_timeout", "control_timeout"):
         with pytest.raises(ConfigError, match=field):
             ContextWorker(built, object(), **{field: -1.0})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="start_timeout"):
+        start_context_process("local", 1, 0, 0, start_timeout=0)
 
 
 @pytest.mark.slow  # two OS processes over nixl (about 30 s on 2 cores)
