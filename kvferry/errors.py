@@ -18,7 +18,9 @@ __all__ = [
     "MissingExtraError",
     "PeerDisconnected",
     "PeerIncompatible",
+    "PeerTimeout",
     "PoolExhausted",
+    "PrefillTimeout",
     "RebalanceRefused",
     "RegionError",
     "RequestAborted",
@@ -107,6 +109,10 @@ class PeerDisconnected(TransportError):
     """The peer went away (process died, connection reset) or nobody listens at its address."""
 
 
+class PeerTimeout(PeerDisconnected, TimeoutError):
+    """A peer did not answer within its deadline (handshake, start-up): it is treated as gone."""
+
+
 class RegionError(TransportError):
     """A source or destination range lies outside the memory registered for it; nothing was written."""
 
@@ -121,6 +127,10 @@ class TransferError(KvferryError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer made no progress within its stall deadline."""
+
+
+class PrefillTimeout(TransferTimeout):
+    """The context peer did not answer a prefill within its deadline; it was told to drop the request."""
 
 
 class TransferCancelled(TransferError):

@@ -18,7 +18,13 @@ from kvferry.engine.disagg.protocol import (
     reports_of,
 )
 from kvferry.engine.disagg.session import Receiver
-from kvferry.errors import ClosedResourceError, PeerDisconnected, TransportError, WireFormatError
+from kvferry.errors import (
+    ClosedResourceError,
+    PeerDisconnected,
+    PeerTimeout,
+    TransportError,
+    WireFormatError,
+)
 from kvferry.transports import Peer, Transport
 
 __all__ = ["exchange_hello", "pump"]
@@ -33,19 +39,22 @@ async def exchange_hello(
 ) -> PeerInfo:
     """Send our :class:`~.protocol.PeerInfo` and decode the peer's (wire version and hash compared first).
 
-    Both sides call this right after connecting; neither waits for the other before sending.
+    Both sides call this right after connecting; neither waits for the other before sending. The whole
+    exchange (our send included) takes at most ``within`` seconds.
 
     :raises ~kvferry.errors.PeerIncompatible: another wire version or model (only this peer is affected:
         the caller closes it).
     :raises ~kvferry.errors.WireFormatError: the peer's handshake is malformed.
-    :raises ~kvferry.errors.PeerDisconnected: the peer went away or sent nothing within ``within`` seconds.
+    :raises ~kvferry.errors.PeerTimeout: the exchange did not end within ``within`` seconds (a
+        :class:`~kvferry.errors.PeerDisconnected`: the peer is treated as gone).
+    :raises ~kvferry.errors.PeerDisconnected: the peer went away.
     """
-    await transport.send_message(peer, encode_hello(local))
-    try:
-        with anyio.fail_after(within):
-            data = await transport.receive_message(peer)
-    except TimeoutError:
-        raise PeerDisconnected(f"no handshake from the peer within {within} s") from None
+    data = b""
+    with anyio.move_on_after(within) as scope:
+        await transport.send_message(peer, encode_hello(local))
+        data = await transport.receive_message(peer)
+    if scope.cancelled_caught:
+        raise PeerTimeout(f"no handshake with the peer within {within} s")
     return decode_hello(data, wire_version=wire.WIRE_VERSION, compat_hash=local.compat_hash)
 
 

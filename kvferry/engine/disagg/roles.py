@@ -19,6 +19,17 @@ Memory registration: each worker registers its arenas and its staging buffer wit
 the handshake) and never deregisters them while the transport lives: NIXL refuses the metadata of a region
 registered at device addresses that an earlier, deregistered region used on the same live connection.
 
+Deadlines: every wait on the peer is bounded and ends in a typed error. The generation side waits at most
+``prefill_timeout`` for a prefill's answer (:class:`~kvferry.errors.PrefillTimeout`; the context side is then
+told to drop the request, which stops its prefill or frees its held cache), ``stall_timeout`` between a
+transfer's reports, ``handshake_timeout`` for the handshake (both sides, :class:`~kvferry.errors.PeerTimeout`),
+``control_timeout`` for a best-effort control message; the context side holds a prefilled cache at most
+``hold_timeout`` for its receive request. Sends and writes are bounded by the transport's stall deadline.
+
+Cancelling a prefill at any point (before its first step, during a step, between a step and its commit, during
+the push) ends the request's stream first; :meth:`HandoffCache.release` then frees the cache once the engine no
+longer has the request (the engine frees it at its next step boundary), never under a step it may still run.
+
 Bounce: each worker owns one bounded :class:`~.staging.StagingPool` (``staging_bytes``, on the arenas' device).
 The generation side offers staging areas in its receive requests to writers whose bytes land fragmented (by its
 ``bounce`` policy) while its pool has room; a context writer bounces when it was offered an area, its own
@@ -67,16 +78,50 @@ from kvferry.engine.disagg.transfer import (
 )
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine, LockstepCache
-from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, TransferError, TransportError
+from kvferry.errors import (
+    ConfigError,
+    KvferryError,
+    PeerDisconnected,
+    PrefillTimeout,
+    TransferError,
+    TransportError,
+)
 from kvferry.pools.manager import CacheState, Offload, Resumed
 from kvferry.transports import Peer, Registration, Transport
 
-__all__ = ["DEFAULT_STAGING_BYTES", "ContextWorker", "GenerationWorker", "Handoff", "HandoffCache"]
+__all__ = [
+    "DEFAULT_CONTROL_TIMEOUT",
+    "DEFAULT_HANDSHAKE_TIMEOUT",
+    "DEFAULT_PREFILL_TIMEOUT",
+    "DEFAULT_STAGING_BYTES",
+    "ContextWorker",
+    "GenerationWorker",
+    "Handoff",
+    "HandoffCache",
+]
 
 #: Bytes of each worker's staging pool (bounced transfers), on the arenas' device; 0 turns bouncing off.
 DEFAULT_STAGING_BYTES = 64 << 20
 
+#: Seconds the generation side waits for the context side's answer to a prefill (ContextRequest to
+#: ContextDone: queueing behind other prefills on the context engine included). Generous for any prompt a
+#: context engine takes (a long prompt under load prefills in seconds), finite so that a context engine that
+#: stopped answering (stopped, wedged, partitioned with the connection up) fails its requests with
+#: :class:`~kvferry.errors.PrefillTimeout` instead of holding them for ever. The same as the context side's
+#: ``hold_timeout``.
+DEFAULT_PREFILL_TIMEOUT = 60.0
+#: Seconds the handshake may take (both sides send their PeerInfo right after connecting).
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+#: Seconds a best-effort control message may take (ReleaseContext, CancelTransfer, CancelAck): it is given up
+#: after that (the peer's own deadlines free what it held).
+DEFAULT_CONTROL_TIMEOUT = 1.0
+
 log = logging.getLogger("kvferry.disagg")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be > 0 seconds, got {value}")
 
 
 # --- the cache adapter --------------------------------------------------------------------------------------
@@ -86,14 +131,19 @@ log = logging.getLogger("kvferry.disagg")
 class HandoffCache:
     """The engine's cache operations over a :class:`~kvferry.engine.runner.LockstepCache`, plus hand-off.
 
-    ``hold(rid, callback)``: the next ``close(rid)`` keeps the request (suspended, never offloaded) and calls
-    ``callback(rid)`` instead. ``adopt(rid, n)``: the request exists (transferred, ``n`` tokens committed,
-    suspended); the engine's ``create`` skips it and its first ``resume`` reports ``n`` tokens as reused.
+    ``hold(rid, callback)``: the engine's close of ``rid`` once its whole prompt is committed keeps the request
+    (suspended, never offloaded) and calls ``callback(rid)`` instead. ``release(rid)`` closes it for good (see
+    there: never under a step the engine may still run). ``adopt(rid, n)``: the request exists (transferred,
+    ``n`` tokens committed, suspended); the engine's ``create`` skips it and its first ``resume`` reports ``n``
+    tokens as reused.
     """
 
     inner: LockstepCache
     _hold: dict[int, Callable[[int], None]] = attrs.field(factory=dict, init=False)
     _adopted: dict[int, int] = attrs.field(factory=dict, init=False)
+    #: requests the engine created and has not closed (it may still step them and commit their tokens), with
+    #: their prompt lengths
+    _engine_owned: dict[int, int] = attrs.field(factory=dict, init=False)
 
     @property
     def managers(self) -> tuple[Any, ...]:
@@ -108,6 +158,7 @@ class HandoffCache:
     def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
         if request_id not in self._adopted:
             self.inner.create(request_id, prompt_token_ids)
+        self._engine_owned[request_id] = len(prompt_token_ids)
 
     def resume(self, request_id: int) -> Resumed:
         info = self.inner.resume(request_id)
@@ -117,10 +168,18 @@ class HandoffCache:
         return info
 
     def close(self, request_id: int) -> None:
-        callback = self._hold.pop(request_id, None)
+        prompt = self._engine_owned.pop(request_id, None)
         self._adopted.pop(request_id, None)
         manager = self.inner.primary
-        if callback is not None and request_id in manager.request_ids():
+        if (
+            request_id in self._hold
+            and request_id in manager.request_ids()
+            and prompt is not None
+            and manager.num_committed_tokens(request_id) >= prompt
+        ):
+            # only a request whose prompt is all committed is held: the scheduler also closes a request whose
+            # admission did not fit (it creates it again later) and one cancelled before its prefill ended
+            callback = self._hold.pop(request_id)
             if manager.state(request_id) is CacheState.ACTIVE:
                 for m in self.inner.managers:
                     m.suspend(request_id, offload=Offload.NEVER)
@@ -129,8 +188,18 @@ class HandoffCache:
         self.inner.close(request_id)
 
     def release(self, request_id: int) -> None:
-        """Close a held request for good."""
-        self.inner.close(request_id)
+        """Close request ``request_id`` for good: now if the engine is done with it (held, or never created),
+        else when the engine closes it.
+
+        The engine still has a request whose stream ended before its prefill did (a cancel): it frees it at its
+        next step boundary, and until then may run a step that writes its pages and commit that step's tokens.
+        Closing it here would free the pages under that step and make the engine's commit fail
+        (:class:`~kvferry.errors.UnknownRequest` in its step loop), so the hold is dropped instead and the
+        engine's own close frees it. The caller must have ended the request's stream (the engine then closes
+        it at its next step boundary)."""
+        self._hold.pop(request_id, None)
+        if request_id not in self._engine_owned:
+            self.inner.close(request_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -188,8 +257,12 @@ def _info(role: PeerRole, transport: Transport, built: BuiltEngine) -> PeerInfo:
 
 @define(eq=False)
 class _Held:
-    request_id: int
+    """One context request, from its arrival until its cache is freed."""
+
     ready: anyio.Event = attrs.field(factory=anyio.Event)
+    #: the prefill (until it is answered): a ReleaseContext before the answer cancels it
+    prefill: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    answered: bool = False
     request: ReceiveRequest | None = None
     released: bool = False
     #: the receiver cancelled the transfer before its push started: it never starts
@@ -202,7 +275,9 @@ class ContextWorker:
     :class:`~.protocol.ContextDone`, then pushes the request's cache when the receive request comes.
 
     A held cache is freed after its push (every posted write ended), on :class:`~.protocol.ReleaseContext`,
-    when the peer goes away, or after ``hold_timeout`` seconds without a receive request.
+    when the peer goes away, or after ``hold_timeout`` seconds without a receive request. A
+    :class:`~.protocol.ReleaseContext` that comes before the prefill was answered (the receiver stopped
+    waiting for it: its ``prefill_timeout`` ran out) stops the prefill; it is never answered.
 
     A :class:`~.protocol.CancelTransfer` stops a push in progress (its writers then report every chunk, which
     releases the receiver's pages); for any other session (receive request never seen, seen but the push not
@@ -212,7 +287,12 @@ class ContextWorker:
 
     built: BuiltEngine
     transport: Transport
-    hold_timeout: float = 60.0
+    #: seconds a prefilled cache is held for its receive request
+    hold_timeout: float = attrs.field(default=60.0, validator=_positive)
+    #: seconds the handshake with the generation peer may take (:func:`~.link.exchange_hello`)
+    handshake_timeout: float = attrs.field(default=DEFAULT_HANDSHAKE_TIMEOUT, validator=_positive)
+    #: seconds a best-effort control message may take (the CancelAck)
+    control_timeout: float = attrs.field(default=DEFAULT_CONTROL_TIMEOUT, validator=_positive)
     #: bytes per chunk (None: one write per direct writer, default_chunk_bytes(memory) per bounced chunk)
     max_chunk_bytes: int | None = None
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
@@ -256,14 +336,16 @@ class ContextWorker:
         :raises ~kvferry.errors.PeerIncompatible: the peer serves another model / wire version.
         """
         await self.register()
-        remote = await exchange_hello(self.transport, peer, self.info())
+        remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
         check_pairing(self.info(), remote)
         peer_map = PeerMap.build(list(self.info().page_tables), list(remote.page_tables))
         async with anyio.create_task_group() as tg:
 
             async def on_message(message: ControlBody) -> None:
                 if isinstance(message, ContextRequest):
-                    tg.start_soon(self._prefill_and_push, peer, peer_map, remote, message)
+                    # known from now on: a ReleaseContext read before the task below first runs finds it
+                    entry = self._held[message.key] = _Held()
+                    tg.start_soon(self._prefill_and_push, peer, peer_map, remote, message, entry)
                 elif isinstance(message, ReceiveRequest):
                     held = self._held.get(message.key)
                     if held is None:
@@ -281,6 +363,8 @@ class ContextWorker:
                     if held is not None:
                         held.released = True
                         held.ready.set()
+                        if not held.answered:
+                            held.prefill.cancel()  # nobody waits for its answer any more
                 elif isinstance(message, CancelTransfer):
                     await self._cancel(peer, message)
 
@@ -305,18 +389,33 @@ class ContextWorker:
             # never received (the control channel is ordered: it never will be) or already pushed (every write
             # returned before the reports were sent)
             reason = "no push in progress"
-        with anyio.move_on_after(1.0), contextlib.suppress(PeerDisconnected, KvferryError):
+        with anyio.move_on_after(self.control_timeout), contextlib.suppress(PeerDisconnected, KvferryError):
             await self.transport.send_message(peer, encode_control(CancelAck(message.session_id, reason)))
 
     async def _prefill_and_push(
-        self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, req: ContextRequest
+        self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, req: ContextRequest, held: _Held
     ) -> None:
-        # spec_k makes the runner keep the prompt's hidden states for the drafter (one token: nothing drafted)
-        generation = self.engine.generate(
-            req.prompt, max_tokens=1, seed=req.seed, temperature=req.temperature, spec_k=req.spec_k
-        )
+        """Prefill ``req``, answer it, hold its cache and push it when asked.
+
+        A cancel may come at any point (the peer went away, the receiver released the request, the worker
+        stops): the request's stream then ends first (the engine frees the request at its next step boundary)
+        and :meth:`HandoffCache.release` frees the cache only once the engine is done with it.
+        """
+        if held.released:  # released before this task first ran: nobody waits for its answer
+            self._forget(req.key, held)
+            self._counts["released"] += 1
+            return
+        try:
+            # spec_k makes the runner keep the prompt's hidden states for the drafter (one token: nothing drafted)
+            generation = self.engine.generate(
+                req.prompt, max_tokens=1, seed=req.seed, temperature=req.temperature, spec_k=req.spec_k
+            )
+        except KvferryError as exc:  # a prompt the engine refuses (a token outside its vocabulary, say)
+            self._forget(req.key, held)
+            self._counts["failed"] += 1
+            await self._answer(peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}"))
+            return
         rid = generation.request.request_id
-        held = _Held(rid)
         host_state = b""
         export_error: KvferryError | None = None
         runner = self.built.runner
@@ -334,18 +433,24 @@ class ContextWorker:
         wants_more = req.max_tokens > 1
         if wants_more:
             self.cache.hold(rid, on_hold)
-        self._held[req.key] = held
         try:
+            tokens: list[int] = []
             try:
-                tokens = await generation.collect()
+                with held.prefill:
+                    tokens = await generation.collect()
                 if export_error is not None:
                     raise export_error
             except KvferryError as exc:
+                held.answered = True
                 self._counts["failed"] += 1
                 await self._answer(
                     peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}")
                 )
                 return
+            if held.prefill.cancelled_caught:  # released before the answer: the receiver waits for none
+                self._counts["released"] += 1
+                return
+            held.answered = True
             first = tokens[0]
             keep = wants_more and first not in req.stop_ids
             self._counts["prefilled"] += 1
@@ -370,8 +475,14 @@ class ContextWorker:
             # finds the session either here (cancelled before the push) or sending (cancelled during it)
             await self._push(peer, peer_map, remote, rid, held.request, source)
         finally:
-            self._held.pop(req.key, None)
-            self.cache.release(rid)  # synchronous: no cancel can interrupt it
+            self._forget(req.key, held)
+            # synchronous: no cancel can interrupt it. The stream has ended (collect returned or raised), so the
+            # engine has closed the request or will at its next step boundary: release frees it accordingly
+            self.cache.release(rid)
+
+    def _forget(self, key: str, held: _Held) -> None:
+        if self._held.get(key) is held:  # not a later request that reuses the key
+            del self._held[key]
 
     async def _fail_request(self, peer: Peer, peer_map: PeerMap, request: ReceiveRequest, why: str) -> None:
         """A receive request we cannot serve: every writer reports a failure (nothing is written), so the
@@ -503,16 +614,28 @@ class GenerationWorker:
     """Receives transferred caches from one context peer and decodes them on its engine.
 
     Use :meth:`connect` (handshake + reader), then :meth:`prefill_remote` and :meth:`decode` per request.
+
+    Every wait on the context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
+    (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
+    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``); control
+    messages and writes are bounded by the transport's own stall deadline.
     """
 
     built: BuiltEngine
     transport: Transport
-    stall_timeout: float = 30.0
+    #: seconds without a report while a transfer's writers are still out (then in doubt, pages quarantined)
+    stall_timeout: float = attrs.field(default=30.0, validator=_positive)
     transfer_draft: bool = True
     #: bytes of this worker's staging pool (0: never offer staging)
     staging_bytes: int = DEFAULT_STAGING_BYTES
     #: which writers are offered a staging area (judged on the receiver's own fragments)
     bounce: BouncePolicy = attrs.field(factory=BouncePolicy)
+    #: seconds from sending a prefill to its answer (see :data:`DEFAULT_PREFILL_TIMEOUT`)
+    prefill_timeout: float = attrs.field(default=DEFAULT_PREFILL_TIMEOUT, validator=_positive)
+    #: seconds the handshake with the context peer may take (:func:`~.link.exchange_hello`)
+    handshake_timeout: float = attrs.field(default=DEFAULT_HANDSHAKE_TIMEOUT, validator=_positive)
+    #: seconds a best-effort control message may take (ReleaseContext, CancelTransfer)
+    control_timeout: float = attrs.field(default=DEFAULT_CONTROL_TIMEOUT, validator=_positive)
     cache: HandoffCache = attrs.field(init=False)
     staging: StagingPool | None = attrs.field(init=False)
     registrations: tuple[Registration, ...] = attrs.field(default=(), init=False)
@@ -521,6 +644,8 @@ class GenerationWorker:
     peer_map: PeerMap | None = attrs.field(default=None, init=False)
     receiver: Receiver | None = attrs.field(default=None, init=False)
     _waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict, init=False)
+    #: the reader ended: the peer is gone
+    _gone: bool = attrs.field(default=False, init=False)
     _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
     _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
 
@@ -547,13 +672,20 @@ class GenerationWorker:
         :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
         """
         await self.register()
-        remote = await exchange_hello(self.transport, peer, self.info())
+        remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
         pairing = check_pairing(remote, self.info())
         if not pairing.draft:
             self.transfer_draft = False
         peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
         self.peer, self.remote, self.peer_map = peer, remote, peer_map
-        self.receiver = Receiver(self.transport, peer, expected_writers(peer_map), self.stall_timeout)
+        self.receiver = Receiver(
+            self.transport,
+            peer,
+            expected_writers(peer_map),
+            self.stall_timeout,
+            control_timeout=self.control_timeout,
+        )
+        self._gone = False
         task_group.start_soon(self._read)
         return remote
 
@@ -571,24 +703,48 @@ class GenerationWorker:
             elif isinstance(message, CancelAck):
                 receiver.on_cancel_ack(message)  # no write of that session can land: release its pages
 
-        await pump(self.transport, self.peer, self.receiver, on_message=on_message)
-        for event, _ in self._waiting.values():
-            event.set()  # the peer is gone: wake every waiter
+        try:
+            await pump(self.transport, self.peer, self.receiver, on_message=on_message)
+        finally:
+            self._gone = True
+            for event, _ in self._waiting.values():
+                event.set()  # the peer is gone (or we stopped reading): wake every waiter
 
     async def prefill_remote(self, request: ContextRequest) -> Handoff:
         """Ask the context peer to prefill; returns its first token (and whether it holds the cache).
 
+        Waits at most ``prefill_timeout`` seconds for the answer. Whenever this ends without an answer (the
+        deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
+        ``control_timeout`` seconds): it stops the prefill, or frees the cache it holds for it; nothing stays
+        allocated here.
+
+        :raises ~kvferry.errors.PrefillTimeout: no answer within ``prefill_timeout`` seconds.
         :raises ~kvferry.errors.TransferError: the context side failed or went away.
         """
-        assert self.peer is not None
+        if self.peer is None:
+            raise TransferError(f"request {request.key}: not connected to a context peer")
+        if self._gone:
+            raise TransferError(f"request {request.key}: the context peer went away before prefilling it")
         event = anyio.Event()
-        self._waiting[request.key] = (event, [])
+        answers: list[ContextDone] = []
+        self._waiting[request.key] = (event, answers)
         try:
-            await self.transport.send_message(self.peer, encode_control(request))
-            await event.wait()
-            answers = self._waiting[request.key][1]
-        finally:
+            with anyio.move_on_after(self.prefill_timeout):
+                await self.transport.send_message(self.peer, encode_control(request))
+                await event.wait()
+        except BaseException:
             self._waiting.pop(request.key, None)
+            if not answers or answers[0].held:  # nobody will take the cache it prefills or holds
+                with anyio.CancelScope(shield=True):
+                    await self.release_remote(request.key)
+            raise
+        self._waiting.pop(request.key, None)
+        if not event.is_set():
+            with anyio.CancelScope(shield=True):
+                await self.release_remote(request.key)
+            raise PrefillTimeout(
+                f"request {request.key}: no answer from the context peer within {self.prefill_timeout} s"
+            )
         if not answers:
             raise TransferError(f"request {request.key}: the context peer went away before prefilling it")
         done = answers[0]
@@ -597,9 +753,13 @@ class GenerationWorker:
         return Handoff(done.key, done.first_token, done.held, done.host_state)
 
     async def release_remote(self, key: str) -> None:
-        """Tell the context side to drop a held cache (best effort)."""
-        if self.peer is not None:
-            with anyio.move_on_after(1.0), contextlib.suppress(PeerDisconnected, KvferryError):
+        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort,
+        at most ``control_timeout`` seconds)."""
+        if self.peer is not None and not self._gone:
+            with (
+                anyio.move_on_after(self.control_timeout),
+                contextlib.suppress(PeerDisconnected, KvferryError),
+            ):
                 await self.transport.send_message(self.peer, encode_control(ReleaseContext(key)))
 
     def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:

@@ -112,6 +112,10 @@ class Router:
 
         Leaving the ``async for`` early cancels the request: a held context cache is released, a transfer in
         progress is cancelled (its pages stay quarantined until every writer has reported).
+
+        Iterating raises :class:`~kvferry.errors.PrefillTimeout` when the context side does not answer the
+        prefill within the worker's ``prefill_timeout`` (it is told to drop the request), and
+        :class:`~kvferry.errors.TransferError` (or a subclass) when the prefill or the transfer fails.
         """
         return RoutedGeneration(
             self,

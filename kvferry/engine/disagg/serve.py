@@ -2,8 +2,12 @@
 
 ``python -m kvferry.engine.disagg.serve --transport ucx --tp 2 ...`` starts a context engine, prints one line
 ``kvferry-context {"address": ..., "pid": ...}`` on stdout, serves the first generation peer that connects and
-exits when that peer goes away (or stdin closes). :func:`start_context_process` launches it; :func:`disaggregated` gives a
-connected :class:`~.router.Router` either way.
+exits when that peer goes away (or stdin closes, also before a peer connected). :func:`start_context_process`
+launches it; :func:`disaggregated` gives a connected :class:`~.router.Router` either way.
+
+Deadlines: every wait on the other side is bounded (see :class:`~.roles.GenerationWorker`); here, the context
+process has ``start_timeout`` seconds to say where it listens, and :func:`disaggregated` passes its
+``prefill_timeout``, ``handshake_timeout`` and ``control_timeout`` to the workers it builds.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -22,17 +27,27 @@ import anyio
 from attrs import define
 
 from kvferry.engine.disagg.mapping import BouncePolicy
-from kvferry.engine.disagg.roles import DEFAULT_STAGING_BYTES, ContextWorker, GenerationWorker
+from kvferry.engine.disagg.roles import (
+    DEFAULT_CONTROL_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_PREFILL_TIMEOUT,
+    DEFAULT_STAGING_BYTES,
+    ContextWorker,
+    GenerationWorker,
+)
 from kvferry.engine.disagg.router import Router
 from kvferry.engine.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
-from kvferry.errors import PeerDisconnected
+from kvferry.errors import ConfigError, PeerDisconnected, PeerTimeout
 from kvferry.transports import get_transport
 from kvferry.transports.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret, new_secret
 
-__all__ = ["ContextProcess", "disaggregated", "main", "start_context_process"]
+__all__ = ["DEFAULT_START_TIMEOUT", "ContextProcess", "disaggregated", "main", "start_context_process"]
 
 _MARKER = "kvferry-context "
+
+#: Seconds a context process has to print its address (imports, engine build, transport start).
+DEFAULT_START_TIMEOUT = 120.0
 
 
 def _options(tp: int, spec_k: int, seed: int, dtype: str) -> EngineOptions:
@@ -65,14 +80,15 @@ async def _serve_context(
         await worker.register()  # once, before anyone connects
         out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
         out.flush()
-        peer = await transport.accept()
         async with anyio.create_task_group() as tg:
 
             async def stdin_closed() -> None:
                 await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
                 tg.cancel_scope.cancel()
 
+            # the parent closing stdin ends the wait for its connection too (it may never come)
             tg.start_soon(stdin_closed)
+            peer = await transport.accept()
             await worker.serve(peer)
             tg.cancel_scope.cancel()
 
@@ -162,12 +178,18 @@ def start_context_process(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
     secret: bytes | None = None,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> ContextProcess:
-    """Launch ``python -m kvferry.engine.disagg.serve`` and wait for its address. ``secret`` (authenticate the
-    peers with it) travels in the child's environment, never on its command line.
+    """Launch ``python -m kvferry.engine.disagg.serve`` and wait (at most ``start_timeout`` seconds) for its
+    address. ``secret`` (authenticate the peers with it) travels in the child's environment, never on its
+    command line.
 
+    :raises ~kvferry.errors.PeerTimeout: it did not tell its address within ``start_timeout`` seconds (it is
+        killed).
     :raises ~kvferry.errors.PeerDisconnected: it exited before telling its address.
     """
+    if not start_timeout > 0:
+        raise ConfigError(f"start_timeout must be > 0 seconds, got {start_timeout}")
     policy = BouncePolicy() if bounce is None else bounce
     proc = subprocess.Popen(
         [
@@ -200,15 +222,15 @@ def start_context_process(
         text=True,
         env=_child_environment(secret),
     )
-    assert proc.stdout is not None
-    while True:  # libraries may print to stdout before us: our line carries a marker
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait()
-            raise PeerDisconnected(f"the context process exited with {proc.returncode} before listening")
-        if line.startswith(_MARKER):
-            break
-    info = json.loads(line[len(_MARKER) :])
+    try:
+        info = _await_address(proc, start_timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        raise
     return ContextProcess(proc, info["address"], info["pid"])
 
 
@@ -217,6 +239,37 @@ def _child_environment(secret: bytes | None) -> dict[str, str]:
     if secret is not None:
         env[SECRET_ENV] = secret.decode()
     return env
+
+
+def _await_address(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The JSON object of ``proc``'s marker line on its stdout, within ``timeout`` seconds (else ``proc`` is
+    killed, which ends the read)."""
+    assert proc.stdout is not None
+    late = threading.Event()
+
+    def kill() -> None:
+        late.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        while True:  # libraries may print to stdout before us: our line carries a marker
+            line = proc.stdout.readline()
+            if line.startswith(_MARKER):
+                break
+            if not line:
+                proc.wait()
+                if late.is_set():
+                    raise PeerTimeout(f"the context process did not listen within {timeout} s (killed)")
+                raise PeerDisconnected(f"the context process exited with {proc.returncode} before listening")
+    finally:
+        timer.cancel()
+    if late.is_set():  # the deadline passed right as the line came: the process is being killed
+        raise PeerTimeout(f"the context process did not listen within {timeout} s (killed)")
+    info: dict[str, Any] = json.loads(line[len(_MARKER) :])
+    return info
 
 
 @asynccontextmanager
@@ -236,6 +289,10 @@ async def disaggregated(
     bounce: BouncePolicy | None = None,
     secret: bytes | None = None,
     authenticate: bool = True,
+    prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    control_timeout: float = DEFAULT_CONTROL_TIMEOUT,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> AsyncIterator[tuple[Router, dict[str, Any]]]:
     """A :class:`~.router.Router` over a context engine (another process, or this one with
     ``separate_process=False``) and a generation engine in this process. Yields (router, parts) where parts
@@ -247,7 +304,11 @@ async def disaggregated(
     room). Each worker registers its memory once, before its handshake, for the life of its transport.
 
     The two sides authenticate each other with ``secret`` (a fresh random one by default); ``authenticate=False``
-    runs them without (loopback only)."""
+    runs them without (loopback only).
+
+    Deadlines (seconds; see :class:`~.roles.GenerationWorker`): ``prefill_timeout`` (a prefill's answer),
+    ``handshake_timeout`` (each side's handshake), ``control_timeout`` (best-effort control messages, each
+    side), ``stall_timeout`` (a transfer's reports), ``start_timeout`` (the context process's start)."""
     policy = BouncePolicy() if bounce is None else bounce
     if secret is None and authenticate:
         secret = new_secret()
@@ -257,7 +318,14 @@ async def disaggregated(
     try:
         async with factory(secret=secret) as gen_transport, gen.engine, anyio.create_task_group() as tg:
             worker = GenerationWorker(
-                gen, gen_transport, stall_timeout=stall_timeout, staging_bytes=staging_bytes, bounce=policy
+                gen,
+                gen_transport,
+                stall_timeout=stall_timeout,
+                staging_bytes=staging_bytes,
+                bounce=policy,
+                prefill_timeout=prefill_timeout,
+                handshake_timeout=handshake_timeout,
+                control_timeout=control_timeout,
             )
             await worker.register()
             parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
@@ -275,6 +343,7 @@ async def disaggregated(
                         staging_bytes=staging_bytes,
                         bounce=policy,
                         secret=secret,
+                        start_timeout=start_timeout,
                     )
                 )
                 parts["context"] = context_process
@@ -292,6 +361,8 @@ async def disaggregated(
                         write_delay=write_delay,
                         staging_bytes=staging_bytes,
                         bounce=policy,
+                        handshake_timeout=handshake_timeout,
+                        control_timeout=control_timeout,
                     )
                     await context.register()
                     parts["context"] = context

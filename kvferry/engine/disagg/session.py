@@ -558,6 +558,8 @@ class Receiver:
     peer: Peer
     writers: tuple[int, ...]
     stall_timeout: float = 30.0
+    #: seconds the CancelTransfer of a cancelled transfer may take (best effort)
+    control_timeout: float = 1.0
     _sessions: dict[int, _Live] = attrs.field(factory=dict, init=False)
     _next_id: int = attrs.field(default=1, init=False)
     _lost: str | None = attrs.field(default=None, init=False)
@@ -678,7 +680,7 @@ class Receiver:
         action = session.cancel()
         if action is CancelAction.QUARANTINE:
             self._quarantine(live, notify=True)
-            with anyio.move_on_after(1.0), _suppress_transport():
+            with anyio.move_on_after(self.control_timeout), _suppress_transport():
                 await self.transport.send_message(
                     self.peer, encode_control(CancelTransfer(session.session_id, "receiver cancelled"))
                 )
