@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Progress", "positive_int", "progress", "say"]
+__all__ = ["Progress", "positive_int", "progress", "say", "seed_int", "status"]
 
 
 def say(text: str) -> None:
@@ -25,6 +25,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse type, the one rule of ``demo`` and ``generate``: a seed is an int in [0, 2**62)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if not 0 <= value < 2**62:
+        raise argparse.ArgumentTypeError(f"a seed is an int in [0, 2**62), got {value}")
     return value
 
 
