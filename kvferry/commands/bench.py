@@ -216,8 +216,13 @@ def _bench(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     status = _rich_status()
     if status is None:
         return bench(say)
+
+    def update(message: str) -> None:
+        status.update(message)
+        status.console.log(message)
+
     with status:
-        return bench(lambda message: (status.update(message), status.console.log(message)))
+        return bench(update)
 
 
 def _rich_status() -> Any:
