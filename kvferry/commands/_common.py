@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Progress", "positive_int", "progress", "say", "seed_int", "status"]
+__all__ = ["Progress", "positive_int", "progress", "say", "seed_int"]
 
 
 def say(text: str) -> None:
@@ -95,12 +95,3 @@ def progress(label: str, total: int) -> Iterator[Progress]:
         return
     with bar:
         yield Progress(label, total, bar=bar)
-
-
-def status(label: str) -> Callable[[str], None]:
-    """A callback that reports steps of work whose length is unknown, one line each on stderr."""
-
-    def update(message: str) -> None:
-        say(f"{label}: {message}" if label else message)
-
-    return update
