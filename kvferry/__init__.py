@@ -20,6 +20,10 @@ from kvferry.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
     from kvferry.engine.engine import Engine as Engine
+    from kvferry.engine.engine import EngineStatistics as EngineStatistics
+    from kvferry.engine.engine import Generation as Generation
+    from kvferry.engine.engine import GenerationStatistics as GenerationStatistics
+    from kvferry.engine.runner import BuiltEngine as BuiltEngine
     from kvferry.engine.runner import EngineOptions as EngineOptions
     from kvferry.engine.runner import build_engine as build_engine
     from kvferry.pools.arena import CacheArena as CacheArena
@@ -46,7 +50,11 @@ _LAZY: dict[str, str] = {
     "Transport": "kvferry.transports.base",
     "get_transport": "kvferry.transports.registry",
     "Engine": "kvferry.engine.engine",
+    "Generation": "kvferry.engine.engine",
+    "EngineStatistics": "kvferry.engine.engine",
+    "GenerationStatistics": "kvferry.engine.engine",
     "EngineOptions": "kvferry.engine.runner",
+    "BuiltEngine": "kvferry.engine.runner",
     "build_engine": "kvferry.engine.runner",
 }
 

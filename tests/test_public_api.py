@@ -20,6 +20,21 @@ def test_every_public_name_resolves_to_its_module_object() -> None:
     assert kvferry.get_transport is get_transport
 
 
+def test_the_engine_types_a_caller_meets_are_public() -> None:
+    """build_engine returns a BuiltEngine, generate a Generation, statistics() EngineStatistics and
+    GenerationStatistics: each is importable from kvferry, for annotations."""
+    from kvferry.engine.engine import EngineStatistics, Generation, GenerationStatistics
+    from kvferry.engine.runner import BuiltEngine
+
+    for name, obj in {
+        "Generation": Generation,
+        "EngineStatistics": EngineStatistics,
+        "GenerationStatistics": GenerationStatistics,
+        "BuiltEngine": BuiltEngine,
+    }.items():
+        assert name in kvferry.__all__ and getattr(kvferry, name) is obj
+
+
 def test_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NotAThing"):
         _ = kvferry.NotAThing  # type: ignore[attr-defined]

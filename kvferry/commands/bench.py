@@ -4,21 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from kvferry.commands._common import positive_int, say
+from kvferry.errors import ConfigError, MissingExtraError
 
 __all__ = ["add_arguments", "run"]
 
 MiB = 1 << 20
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    """A byte count: ``4096``, ``64K``, ``1M``, ``1G``, ``1T`` (powers of 1024; ``KiB``/``KB``/``k`` alike)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 4096, 64K, 1M, 1G)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     transfer.add_argument(
         "--processes", type=int, default=2, choices=[2], help="writer and receiver processes"
     )
-    transfer.add_argument("--repeats", type=int, default=5, help="timed writes per point (median reported)")
+    transfer.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed writes per point (median reported)"
+    )
     transfer.add_argument("--no-baselines", action="store_true", help="skip nixl-per-page and gloo")
     transfer.add_argument("--json", action="store_true", help="print the result as JSON")
     transfer.add_argument("--output", help="also write the JSON result to this file")
@@ -66,20 +87,117 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
+def _check_output(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{flag} {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{flag} {path}: the directory {directory} is not writable")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a directory")
 
-    # NIXL logs INFO lines to stdout, which would corrupt --json output
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+def _available_memory(device: str) -> int | None:
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(total: int, device: str) -> None:
+    """Refuse a write size that cannot be allocated: the source, its memcpy copy and the destination."""
+    needed = 3 * total
+    available = _available_memory(device)
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"--total-bytes {_bytes(total)} needs about {_bytes(needed)} of {device} memory (source, copy and "
+            f"destination); {available >> 20} MiB are available"
+        )
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Check everything that can be checked before the benchmark runs; return the transports to run.
+
+    :raises ~kvferry.errors.ConfigError: sizes that do not tile, a device or an output that cannot work
+    :raises ~kvferry.errors.MissingExtraError: a transport or ``--plot`` whose library is not installed
+    """
+    total = args.total_bytes
+    for fragment in args.fragment_bytes:
+        if fragment > total:
+            raise ConfigError(
+                f"--fragment-bytes {_bytes(fragment)} exceeds --total-bytes {_bytes(total)}: "
+                "a fragment is a run of pages within one write"
+            )
+        if total % fragment:
+            raise ConfigError(
+                f"--fragment-bytes {_bytes(fragment)} does not divide --total-bytes {_bytes(total)}: "
+                "every write is cut into whole fragments"
+            )
+        if args.page_bytes < fragment and fragment % args.page_bytes:
+            raise ConfigError(
+                f"--page-bytes {_bytes(args.page_bytes)} does not divide --fragment-bytes {_bytes(fragment)}: "
+                "a fragment is a run of whole pages"
+            )
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: CUDA is not available here (torch sees no GPU)")
+    _check_memory(total, args.device)
+    _check_output("--output", args.output)
+    _check_output("--plot", args.plot)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise MissingExtraError("matplotlib (for --plot)", "bench") from None
+    from kvferry.transports.registry import available_transports, get_transport
+
+    if args.transport != "all":
+        get_transport(args.transport)  # MissingExtraError names the extra
+        return [args.transport]
+    return [n for n, error in available_transports().items() if error is None]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvferry._stdio import quiet_library_env, stdout_to_stderr
+
+    quiet_library_env()  # before nixl or ucxx loads; the peer processes inherit it
+    # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
+    with stdout_to_stderr():
+        names = validate(args)
+        result = _bench(args, names)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        from kvferry.transports.bench import plot
+
+        plot(result, args.plot)
+    print(json.dumps(result, indent=2) if args.json else _table(result), flush=True)
+    failed = [r for r in result["rows"] if not r.get("verified", True)]
+    for r in failed:
+        say(
+            f"kvferry bench: {r['transport']} {r['kind']} of {_bytes(r['fragment_bytes'])} fragments: "
+            "the receiver's sha256 differs from the source's (bytes were lost or misplaced)"
+        )
+    return 1 if failed else 0
+
+
+def _bench(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     import anyio
 
-    from kvferry.transports.bench import plot, run_transfer_bench
-    from kvferry.transports.registry import available_transports
-
-    if args.transport == "all":
-        names = [n for n, error in available_transports().items() if error is None]
-    else:
-        names = [args.transport]
+    from kvferry.transports.bench import run_transfer_bench
 
     def bench(progress: Callable[[str], None]) -> dict[str, Any]:
         return anyio.run(
@@ -95,24 +213,24 @@ def run(args: argparse.Namespace) -> int:
             )
         )
 
+    status = _rich_status()
+    if status is None:
+        return bench(say)
+
+    def update(message: str) -> None:
+        status.update(message)
+        status.console.log(message)
+
+    with status:
+        return bench(update)
+
+
+def _rich_status() -> Any:
+    """A rich status line on a terminal (with the bench extra), else None (plain lines)."""
+    if not sys.stderr.isatty():
+        return None
     try:
         from rich.console import Console
-
-        console = Console(stderr=True)
-        status = console.status("starting")
-
-        def progress(message: str) -> None:
-            status.update(message)
-            console.log(message)
-
-        with status:
-            result = bench(progress)
     except ImportError:
-        result = bench(lambda m: print(m, file=sys.stderr))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.plot:
-        plot(result, args.plot)
-    print(json.dumps(result, indent=2) if args.json else _table(result))
-    return 0 if all(r.get("verified", True) for r in result["rows"]) else 1
+        return None
+    return Console(stderr=True).status("starting")

@@ -1,31 +1,37 @@
 """``kvferry demo``: aggregated vs disaggregated serving of the reference model, token for token.
 
 Runs N generated prompts of mixed lengths through one aggregated engine (the reference), then through a
-context engine (prefill, another OS process by default) and a generation engine (decode, this process) that
-hand each request's cache over a real transport, and compares every request's tokens and draft proposals.
-With speculation (``--spec-k``, default 2) it runs the disaggregated pass twice, with and without the draft KV
-transfer, to show what leaving the draft KV behind costs.
+context engine (prefill, another OS process when a cross-process transport is installed) and a generation
+engine (decode, this process) that hand each request's cache over a real transport, and compares every
+request's tokens and draft proposals. With speculation (``--spec-k``, default 2) it runs the disaggregated pass
+twice, with and without the draft KV transfer, to show what leaving the draft KV behind costs.
 
 Progress goes to stderr; stdout gets the summary table, or with ``--json`` exactly one JSON object with the
 keys of :data:`JSON_KEYS`. Library output (NIXL's log lines, anything written to file descriptor 1) is sent
 to stderr so that stdout stays parseable.
+
+Exit status: 0 identical, 1 a request differs, 2 bad arguments, 3 a typed runtime failure (one line on
+stderr), 130 interrupted (the context process is ended too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import random
-import sys
+import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
-
-from kvferry.errors import KvferryError
+from kvferry.commands._common import positive_int, progress, say, seed_int
+from kvferry.errors import ConfigError
 
 MAX_TOKENS = 12
+#: requests in flight at once: the generation engine holds a batch row (of 16) for every request whose cache
+#: is arriving besides those it runs, so more in flight exhaust its rows; more would also only queue
+CONCURRENCY = 8
 
 #: the keys of ``--json``, in order
 JSON_KEYS = (
@@ -35,30 +41,55 @@ JSON_KEYS = (
     "requests",
     "spec_k",
     "draft_transfer",  # False with --no-draft-transfer
-    "identical",  # every request's tokens and draft proposals equal the aggregated run's
+    "identical",  # see _judge: tokens in every pass; proposals too where the draft KV travels
     "mismatched_requests",  # indices of the requests that differ
     "bytes_transferred",  # of the reported pass (with draft KV unless --no-draft-transfer)
     "fragments",
-    "transfer_seconds",  # wall seconds with at least one transfer in flight (overlaps counted once)
-    "transfer_gbps",  # bytes_transferred / transfer_seconds / 1e9
-    "acceptance_rate",  # accepted / drafted drafts of the reported pass (0.0 without speculation)
+    "bytes_per_request",  # mean over the requests whose cache moved
+    "handoff_ms_median",  # per request: receive request -> last writer's report that its bytes landed
+    "handoff_ms_p99",
+    "acceptance_rate",  # accepted / drafted drafts of the reported pass (null without speculation)
     "acceptance_rate_without_draft_transfer",  # the other pass; null without speculation
     "tokens_identical_without_draft_transfer",  # null without speculation
     "wall_seconds",  # the whole demo
 )
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (the first token and one decoded), got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transport", choices=["auto", "nixl", "ucx", "local"], default="auto")
-    parser.add_argument("--ctx-tp", type=int, default=1, metavar="N", help="context engine TP ranks")
-    parser.add_argument("--gen-tp", type=int, default=1, metavar="M", help="generation engine TP ranks")
-    parser.add_argument("--requests", type=int, default=8, metavar="N")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="prompts and weights seed")
     parser.add_argument(
-        "--spec-k", type=int, default=None, metavar="K", help="draft tokens per step (default 2)"
+        "--transport",
+        choices=["auto", "nixl", "ucx", "local"],
+        default="auto",
+        help="auto: nixl, else ucx; without either the context engine runs in this process over local",
+    )
+    parser.add_argument("--ctx-tp", type=positive_int, default=1, metavar="N", help="context engine TP ranks")
+    parser.add_argument(
+        "--gen-tp", type=positive_int, default=1, metavar="M", help="generation engine TP ranks"
+    )
+    parser.add_argument("--requests", type=positive_int, default=8, metavar="N")
+    parser.add_argument("--seed", type=seed_int, default=0, metavar="S", help="prompts and weights seed")
+    parser.add_argument(
+        "--spec-k", type=_non_negative, default=None, metavar="K", help="draft tokens per step (default 2)"
     )
     parser.add_argument("--no-draft-transfer", action="store_true", help="leave the draft KV behind")
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N")
+    parser.add_argument("--max-tokens", type=_at_least_two, default=MAX_TOKENS, metavar="N")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -70,14 +101,60 @@ def _drafter_available() -> bool:
     return True
 
 
+def _check_tp(flag: str, tp: int) -> None:
+    """Refuse a TP size the tiny model's heads do not split over, before anything runs."""
+    from kvferry.pools.spec import preset
+
+    spec = preset("tiny")
+    try:
+        for rank in range(tp):
+            spec.shard(tp, rank)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {tp}: {exc}") from None
+
+
+def _resolve_transport(name: str) -> tuple[str, bool]:
+    """(transport, whether the context engine runs in another process). Missing extras fail here, in one line."""
+    from kvferry.errors import MissingExtraError
+    from kvferry.transports.registry import get_transport
+
+    if name == "local":
+        return "local", False
+    if name != "auto":
+        get_transport(name)  # MissingExtraError names the extra
+        return name, True
+    for candidate in ("nixl", "ucx"):
+        try:
+            get_transport(candidate)
+        except MissingExtraError:
+            continue
+        return candidate, True
+    say(
+        "no cross-process transport is installed (pip install 'kvferry[nixl]' or 'kvferry[ucx]'): "
+        "the context engine runs in this process, over local"
+    )
+    return "local", False
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [rng.choice((3, 7, 16, 33, 61, 100)) + rng.randrange(4) for _ in range(n)]
     return [[rng.randrange(256) for _ in range(length)] for length in lengths]
 
 
-def _say(args: argparse.Namespace, text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+async def _each(n: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """``one(i)`` for every ``i < n``, at most :data:`CONCURRENCY` at a time."""
+    import anyio
+
+    indices = iter(range(n))
+
+    async def worker() -> None:
+        for i in indices:
+            await one(i)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(CONCURRENCY, n)):
+            tg.start_soon(worker)
 
 
 async def _aggregated(
@@ -88,121 +165,141 @@ async def _aggregated(
 
     built = build_engine("tiny", _options(1, spec_k, args.seed, "float64"))
     out: list[dict[str, Any]] = [{}] * len(prompts)
-    async with built.engine:
+    with progress("aggregated reference", len(prompts)) as bar:
+        async with built.engine:
 
-        async def one(i: int) -> None:
-            g = built.engine.generate(prompts[i], max_tokens=args.max_tokens, spec_k=spec_k)
-            tokens = await g.collect()
-            out[i] = {"tokens": tokens, "drafts": list(g.request.draft_history)}
+            async def one(i: int) -> None:
+                g = built.engine.generate(prompts[i], max_tokens=args.max_tokens, spec_k=spec_k)
+                tokens = await g.collect()
+                out[i] = {"tokens": tokens, "drafts": list(g.request.draft_history)}
+                bar.advance()
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
+            await _each(len(prompts), one)
     return out
 
 
+def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
 async def _disaggregated(
-    prompts: list[list[int]], args: argparse.Namespace, spec_k: int
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    spec_k: int,
+    transport: str,
+    separate_process: bool,
+    children: list[Any],
+) -> dict[str, Any]:
     from kvferry.engine.disagg.serve import disaggregated
 
-    local = args.transport == "local"
-    results: list[dict[str, Any]] = [{}] * len(prompts)
-    extra: dict[str, Any] = {}
+    passes: dict[str, Any] = {}
     started = time.perf_counter()
-    where = "this process" if local else "another OS process"
-    _say(
-        args,
-        f"starting a context engine (TP {args.ctx_tp}, {where}) and a generation engine (TP {args.gen_tp})",
-    )
+    where = "another OS process" if separate_process else "this process"
+    say(f"starting a context engine (TP {args.ctx_tp}, {where}) and a generation engine (TP {args.gen_tp})")
     async with disaggregated(
-        transport=args.transport,
+        transport=transport,
         ctx_tp=args.ctx_tp,
         gen_tp=args.gen_tp,
         spec_k=spec_k,
         seed=args.seed,
-        separate_process=not local,
+        separate_process=separate_process,
     ) as (router, parts):
         worker = parts["worker"]
-        extra["transport"] = parts["transport"].name
-        _say(args, f"  connected over {extra['transport']} in {time.perf_counter() - started:.1f} s")
-        passes = [not args.no_draft_transfer]
+        context = parts["context"]
+        if separate_process:
+            children.append(context.proc)
+        pid = f", context engine pid {context.pid}" if separate_process else ""
+        say(f"  connected over {parts['transport'].name} in {time.perf_counter() - started:.1f} s{pid}")
+        order = [not args.no_draft_transfer]
         if spec_k and not args.no_draft_transfer:
-            passes.append(False)
-        for transfer_draft in passes:
+            order.append(False)
+        for transfer_draft in order:
             worker.transfer_draft = transfer_draft and worker.transfer_draft
-            start = len(worker.transfers())
-            done = 0
-            pass_results: list[dict[str, Any]] = [{}] * len(prompts)
+            results: list[dict[str, Any]] = [{}] * len(prompts)
             t0 = time.perf_counter()
+            label = f"disaggregated, {'with' if transfer_draft else 'without'} draft KV transfer"
+            with progress(label, len(prompts)) as bar:
 
-            async def one(i: int, results: list[dict[str, Any]] = pass_results) -> None:
-                nonlocal done
-                g = router.generate(prompts[i], max_tokens=args.max_tokens, spec_k=spec_k)
-                tokens = await g.collect()
-                request = None if g.generation is None else g.generation.request
-                results[i] = {
-                    "tokens": tokens,
-                    "drafts": g.draft_history,
-                    "drafted": 0 if request is None else request.num_drafted,
-                    "accepted": 0 if request is None else request.num_accepted,
-                }
-                done += 1
-                _say(
-                    args,
-                    f"  [{done}/{len(prompts)}] request {i}: {len(prompts[i])} prompt tokens -> {len(tokens)} tokens",
-                )
+                async def one(i: int, results: list[dict[str, Any]] = results, bar: Any = bar) -> None:
+                    g = router.generate(prompts[i], max_tokens=args.max_tokens, spec_k=spec_k)
+                    tokens = await g.collect()
+                    request = None if g.generation is None else g.generation.request
+                    results[i] = {
+                        "tokens": tokens,
+                        "drafts": g.draft_history,
+                        "drafted": 0 if request is None else request.num_drafted,
+                        "accepted": 0 if request is None else request.num_accepted,
+                        "transfer": g.transfer,
+                    }
+                    bar.advance()
 
-            _say(args, f"disaggregated run ({'with' if transfer_draft else 'without'} draft KV transfer)")
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            transfers = worker.transfers()[start:]
-            drafted = sum(r["drafted"] for r in pass_results)
-            accepted = sum(r["accepted"] for r in pass_results)
-            stats = {
-                "bytes": sum(t.nbytes for t in transfers),
-                "fragments": sum(t.fragments for t in transfers),
-                "seconds": worker.transfer_seconds(start),
-                "acceptance": accepted / drafted if drafted else 0.0,
-                "wall": time.perf_counter() - t0,
-            }
-            _say(args, f"  done in {stats['wall']:.1f} s")
-            if transfer_draft == (not args.no_draft_transfer):
-                results = pass_results
-                extra["main"] = stats
-            extra["with" if transfer_draft else "without"] = stats
-            extra["without_results"] = pass_results if not transfer_draft else extra.get("without_results")
-    return results, extra
+                await _each(len(prompts), one)
+            say(f"  done in {time.perf_counter() - t0:.1f} s")
+            passes["with" if transfer_draft else "without"] = results
+    return {"transport": transport, "passes": passes}
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _pass_stats(results: list[dict[str, Any]], spec_k: int) -> dict[str, Any]:
+    transfers = [r["transfer"] for r in results if r["transfer"] is not None]
+    drafted = sum(r["drafted"] for r in results)
+    accepted = sum(r["accepted"] for r in results)
+    latencies = [t.seconds * 1e3 for t in transfers]
+    nbytes = sum(t.nbytes for t in transfers)
+    return {
+        "bytes": nbytes,
+        "fragments": sum(t.fragments for t in transfers),
+        "bytes_per_request": nbytes / len(transfers) if transfers else None,
+        "handoff_ms_median": statistics.median(latencies) if latencies else None,
+        "handoff_ms_p99": _percentile(latencies, 99),
+        # no speculation: no rate (a 0.0 would read as "every draft rejected")
+        "acceptance": (accepted / drafted if drafted else 0.0) if spec_k else None,
+    }
+
+
+def _judge(
+    reference: list[dict[str, Any]], passes: dict[str, list[dict[str, Any]]]
+) -> tuple[list[int], bool | None]:
+    """(mismatched request indices, tokens identical in the pass without draft KV or None if it did not run).
+
+    What the demo reproduces: every request's tokens in every pass, and its draft proposals in the pass that
+    transfers the draft KV (without it the drafter starts from zeros, so its proposals are expected to
+    differ; the tokens must not)."""
+    mismatched: set[int] = set()
+    for name, results in passes.items():
+        for i, (a, b) in enumerate(zip(reference, results, strict=True)):
+            if a["tokens"] != b["tokens"] or (name == "with" and a["drafts"] != b["drafts"]):
+                mismatched.add(i)
+    without = passes.get("without")
+    tokens_without = (
+        None
+        if without is None
+        else all(a["tokens"] == b["tokens"] for a, b in zip(reference, without, strict=True))
+    )
+    return sorted(mismatched), tokens_without
+
+
+async def _run(
+    args: argparse.Namespace, spec_k: int, transport: str, separate_process: bool, children: list[Any]
+) -> dict[str, Any]:
     t0 = time.perf_counter()
-    spec_k = args.spec_k
-    if spec_k is None:
-        spec_k = 2 if _drafter_available() else 0
     prompts = _prompts(args.requests, args.seed)
-    _say(
-        args,
+    say(
         f"aggregated reference: {len(prompts)} requests, prompts of {min(map(len, prompts))}.."
-        f"{max(map(len, prompts))} tokens, spec_k={spec_k}",
+        f"{max(map(len, prompts))} tokens, spec_k={spec_k}"
     )
     reference = await _aggregated(prompts, args, spec_k)
-    _say(args, f"  done in {time.perf_counter() - t0:.1f} s")
-    results, extra = await _disaggregated(prompts, args, spec_k)
-    mismatched = [
-        i
-        for i, (a, b) in enumerate(zip(reference, results, strict=True))
-        if a["tokens"] != b["tokens"] or a["drafts"] != b["drafts"]
-    ]
-    without = extra.get("without_results") or []
-    tokens_identical_without = (
-        all(a["tokens"] == b["tokens"] for a, b in zip(reference, without, strict=True)) if without else None
-    )
-    main = extra["main"]
-    seconds = main["seconds"]
+    say(f"  done in {time.perf_counter() - t0:.1f} s")
+    disagg = await _disaggregated(prompts, args, spec_k, transport, separate_process, children)
+    passes = disagg["passes"]
+    mismatched, tokens_without = _judge(reference, passes)
+    main = _pass_stats(passes["without" if args.no_draft_transfer else "with"], spec_k)
+    other = _pass_stats(passes["without"], spec_k) if spec_k and "without" in passes else None
     result = {
-        "transport": extra["transport"],
+        "transport": disagg["transport"],
         "ctx_tp": args.ctx_tp,
         "gen_tp": args.gen_tp,
         "requests": len(prompts),
@@ -212,69 +309,83 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "mismatched_requests": mismatched,
         "bytes_transferred": main["bytes"],
         "fragments": main["fragments"],
-        "transfer_seconds": seconds,
-        "transfer_gbps": main["bytes"] / seconds / 1e9 if seconds else 0.0,
+        "bytes_per_request": main["bytes_per_request"],
+        "handoff_ms_median": main["handoff_ms_median"],
+        "handoff_ms_p99": main["handoff_ms_p99"],
         "acceptance_rate": main["acceptance"],
-        "acceptance_rate_without_draft_transfer": extra["without"]["acceptance"]
-        if spec_k and "without" in extra
-        else None,
-        "tokens_identical_without_draft_transfer": tokens_identical_without if spec_k else None,
+        "acceptance_rate_without_draft_transfer": None if other is None else other["acceptance"],
+        "tokens_identical_without_draft_transfer": tokens_without if spec_k else None,
         "wall_seconds": time.perf_counter() - t0,
     }
     assert tuple(result) == JSON_KEYS
     return result
 
 
+def _fmt(value: Any, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
 def _table(result: dict[str, Any]) -> str:
+    mismatched = result["mismatched_requests"]
+    judged = "tokens and draft proposals" if result["draft_transfer"] else "tokens"
     rows = [
         ("transport", result["transport"]),
         ("tp (context -> generation)", f"{result['ctx_tp']} -> {result['gen_tp']}"),
         ("requests", result["requests"]),
-        ("identical to aggregated", "yes" if result["identical"] else f"NO: {result['mismatched_requests']}"),
+        (
+            f"{judged} identical to aggregated",
+            "yes"
+            if result["identical"]
+            else f"NO: requests {mismatched[:20]}{' ...' if len(mismatched) > 20 else ''}",
+        ),
         ("bytes transferred", result["bytes_transferred"]),
         ("fragments", result["fragments"]),
-        ("transfer seconds", f"{result['transfer_seconds']:.4f}"),
-        ("transfer GB/s", f"{result['transfer_gbps']:.3g}"),
+        ("bytes per request", _fmt(result["bytes_per_request"], ".0f")),
+        (
+            "handoff ms (median / p99)",
+            f"{_fmt(result['handoff_ms_median'], '.2f')} / {_fmt(result['handoff_ms_p99'], '.2f')}",
+        ),
         ("spec_k", result["spec_k"]),
-        ("acceptance rate", f"{result['acceptance_rate']:.3f}"),
+        ("acceptance rate", _fmt(result["acceptance_rate"], ".3f", "- (no speculation)")),
     ]
     if result["acceptance_rate_without_draft_transfer"] is not None:
         rows.append(
             ("acceptance without draft KV", f"{result['acceptance_rate_without_draft_transfer']:.3f}")
+        )
+    if result["tokens_identical_without_draft_transfer"] is not None and result["draft_transfer"]:
+        rows.append(
+            (
+                "tokens identical without draft KV",
+                "yes" if result["tokens_identical_without_draft_transfer"] else "NO",
+            )
         )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 1 or args.ctx_tp < 1 or args.gen_tp < 1 or args.max_tokens < 2:
-        print(
-            "kvferry demo: --requests, --ctx-tp, --gen-tp must be >= 1 and --max-tokens >= 2", file=sys.stderr
-        )
-        return 2
-    if args.spec_k and not _drafter_available():
-        print(
-            "kvferry demo: --spec-k needs the drafter (kvferry.engine.drafter), not available in this build",
-            file=sys.stderr,
-        )
-        return 2
-    # NIXL logs INFO lines to stdout (its own handler), and C libraries may print there too: quiet NIXL
-    # (here and in the context process) and point file descriptor 1 at stderr for the whole run, keeping
-    # the real stdout for our one result
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    sys.stdout.flush()
-    stdout = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    import anyio
+
+    from kvferry._stdio import quiet_library_env, stdout_to_stderr
+
+    _check_tp("--ctx-tp", args.ctx_tp)
+    _check_tp("--gen-tp", args.gen_tp)
+    spec_k = args.spec_k
+    if spec_k is None:
+        spec_k = 2 if _drafter_available() else 0
+    if spec_k and not _drafter_available():
+        raise ConfigError("--spec-k needs the drafter (kvferry.engine.drafter), not available in this build")
+    quiet_library_env()  # before nixl or ucxx loads, and inherited by the context process
+    children: list[Any] = []
     try:
-        result = anyio.run(_run, args)
-    except KvferryError as exc:
-        print(f"kvferry demo: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
+        with stdout_to_stderr():
+            transport, separate_process = _resolve_transport(args.transport)
+            result = anyio.run(_run, args, spec_k, transport, separate_process, children)
     finally:
-        sys.stdout.flush()
-    with stdout:
-        if args.json:
-            print(json.dumps(result), file=stdout)
-        else:
-            print(_table(result), file=stdout)
+        for proc in children:  # normally gone already; on Ctrl-C or a failure make sure
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    print(json.dumps(result) if args.json else _table(result), flush=True)
     return 0 if result["identical"] else 1

@@ -1,14 +1,49 @@
-"""``kvferry generate``: generate tokens with the paged reference model (or a local NemotronH checkpoint)."""
+"""``kvferry generate``: generate tokens with the paged reference model (or a local NemotronH checkpoint).
+
+Text streams to stdout as it is generated (characters that are not printable, such as control bytes, are
+escaped: ``\\x1b``); a line of statistics per prompt goes to stderr. With ``--json``: one object per prompt,
+printed as each prompt ends.
+
+Seeds (``--seed``, ``--weights-seed``, and ``demo --seed``) are ints in [0, 2**62). Without ``--seed``
+generation is greedy; ``--temperature`` applies to seeded sampling only and is refused without ``--seed``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
-from kvferry.errors import ConfigError
+from kvferry.commands._common import positive_int, seed_int
+from kvferry.errors import ConfigError, PoolExhausted
+
+if TYPE_CHECKING:
+    from kvferry.engine.tokenizer import Tokenizer
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0.0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,22 +60,104 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt text (repeat for several prompts, run in order: later ones reuse shared prefixes)",
     )
     source.add_argument("--ids", nargs="+", type=int, metavar="N", help="prompt token ids")
-    parser.add_argument("--max-tokens", type=int, required=True, metavar="N", help="tokens to generate")
-    parser.add_argument("--spec-k", type=int, default=0, metavar="K", help="draft tokens per step (0: off)")
-    parser.add_argument("--tp", type=int, default=1, metavar="N", help="simulated tensor-parallel ranks")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, required=True, metavar="N", help="tokens to generate"
+    )
+    parser.add_argument(
+        "--spec-k", type=_non_negative, default=0, metavar="K", help="draft tokens per step (0: off)"
+    )
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, metavar="N", help="simulated tensor-parallel ranks"
+    )
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="sample with this seed (default: greedy)"
+        "--seed", type=seed_int, default=None, metavar="S", help="sample with this seed (default: greedy)"
     )
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --seed)")
+    parser.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=None,
+        metavar="T",
+        help="sampling temperature (needs --seed; default 1.0)",
+    )
     parser.add_argument(
         "--stop-ids", nargs="+", type=int, default=[], metavar="N", help="stop after these ids"
     )
     parser.add_argument(
-        "--weights-seed", type=int, default=0, metavar="S", help="seed of the tiny model's weights"
+        "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of the tiny model's weights"
     )
-    parser.add_argument("--num-pages", type=int, default=512, metavar="N", help="attention pages per rank")
+    parser.add_argument(
+        "--num-pages", type=positive_int, default=512, metavar="N", help="attention pages per rank"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+
+
+def escape(text: str) -> str:
+    """``text`` safe for a terminal: newlines and tabs stay, other unprintable characters are escaped."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of a ``--prompt``. Arguments that are not valid UTF-8 reach Python as lone surrogates: the
+    byte-level tiny model takes their bytes as they are; a checkpoint's tokenizer needs text."""
+    from kvferry.engine.tokenizer import ByteTokenizer
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        if isinstance(tokenizer, ByteTokenizer):
+            return list(os.fsencode(text))
+        raise ConfigError(
+            f"--prompt {text.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8; "
+            "this model's tokenizer needs text (or give --ids)"
+        ) from None
+    return tokenizer.encode(text)
+
+
+class _TextStream:
+    """Prints a prompt's text as its tokens arrive: whatever of the decoded text is final (a multi-byte
+    character split over tokens waits for its last byte), escaped for the terminal."""
+
+    def __init__(self, tokenizer: Tokenizer | None, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.tokenizer is None:
+            self.out.write(("" if len(self.tokens) == 1 else " ") + str(token))
+            self.out.flush()
+            return
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return  # maybe a character still incomplete: wait for the next token (or the end)
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        if not text.startswith(self.shown):
+            return  # the tokenizer rewrote text already shown (rare): keep what is on screen
+        self.out.write(escape(text[len(self.shown) :]))
+        self.out.flush()
+        self.shown = text
+
+    def end(self) -> None:
+        if self.tokenizer is not None:
+            self._show(self.tokenizer.decode(self.tokens))
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _check_model(model: str) -> None:
+    if model != "tiny" and not Path(model).exists():
+        raise ConfigError(f"--model {model}: no such directory (give 'tiny' or a checkpoint directory)")
+    if model != "tiny" and not Path(model).is_dir():
+        raise ConfigError(f"--model {model}: not a directory (give 'tiny' or a checkpoint directory)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,13 +166,18 @@ def run(args: argparse.Namespace) -> int:
     from kvferry.engine.runner import EngineOptions, build_engine
     from kvferry.engine.tokenizer import load_tokenizer
 
-    if args.max_tokens < 1:
-        raise ConfigError("--max-tokens must be at least 1")
+    if args.temperature is not None and args.seed is None:
+        raise ConfigError(
+            "--temperature needs --seed S: sampling is seeded (reproducible per seed); without --seed "
+            "generation is greedy"
+        )
+    temperature = 1.0 if args.temperature is None else args.temperature
+    _check_model(args.model)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
             raise ConfigError(f"{args.model} has no tokenizer: give token ids with --ids")
-        prompts = [tokenizer.encode(text) for text in args.prompt]
+        prompts = [_encode(tokenizer, text) for text in args.prompt]
     else:
         prompts = [list(args.ids)]
     built = build_engine(
@@ -70,46 +192,70 @@ def run(args: argparse.Namespace) -> int:
             step_in_thread=False,
         ),
     )
-    results: list[dict[str, Any]] = []
+    tokens_per_block = built.runner.model.spec.tokens_per_block
 
     async def main() -> None:
         async with built.engine as engine:
-            for prompt in prompts:
+            for index, prompt in enumerate(prompts):
                 started = time.perf_counter()
                 generation = engine.generate(
                     prompt,
                     max_tokens=args.max_tokens,
                     stop_ids=args.stop_ids,
                     seed=args.seed,
-                    temperature=args.temperature,
+                    temperature=temperature,
                     spec_k=args.spec_k,
                 )
-                tokens = await generation.collect()
-                stats = generation.statistics()
-                results.append(
-                    {
-                        "prompt_tokens": list(prompt),
-                        "tokens": tokens,
-                        "text": tokenizer.decode(tokens) if tokenizer is not None else None,
-                        "finish_reason": stats.finish_reason,
-                        "acceptance_rate": stats.acceptance_rate,
-                        "num_drafted": stats.num_drafted,
-                        "num_accepted": stats.num_accepted,
-                        "reused_tokens": stats.reused_tokens,
-                        "seconds": time.perf_counter() - started,
-                    }
-                )
+                stream = None if args.json else _TextStream(tokenizer, sys.stdout)
+                tokens: list[int] = []
+                try:
+                    async for token in generation:
+                        tokens.append(token)
+                        if stream is not None:
+                            stream.add(token)
+                except PoolExhausted as exc:
+                    if stream is not None:
+                        stream.end()
+                    needed = math.ceil((len(prompt) + args.max_tokens + args.spec_k) / tokens_per_block)
+                    raise ConfigError(
+                        f"prompt {index} ({len(prompt)} tokens) with --max-tokens {args.max_tokens} needs about "
+                        f"{needed} pages of {tokens_per_block} tokens; --num-pages {args.num_pages} holds "
+                        f"{args.num_pages - 1} (page 0 is reserved): raise --num-pages to at least {needed + 1}"
+                    ) from exc
+                if stream is not None:
+                    stream.end()
+                _report(args, prompt, tokens, tokenizer, generation.statistics(), started)
 
     anyio.run(main)
-    for result in results:
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(result["text"] if result["text"] is not None else " ".join(map(str, result["tokens"])))
-            print(
-                f"[{len(result['tokens'])} tokens, {result['finish_reason']}, "
-                f"acceptance {result['acceptance_rate']:.2f}, reused {result['reused_tokens']}, "
-                f"{result['seconds']:.2f} s]",
-                file=sys.stderr,
-            )
     return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    prompt: list[int],
+    tokens: list[int],
+    tokenizer: Tokenizer | None,
+    stats: Any,
+    started: float,
+) -> None:
+    seconds = time.perf_counter() - started
+    if args.json:
+        result = {
+            "prompt_tokens": list(prompt),
+            "tokens": tokens,
+            "text": tokenizer.decode(tokens) if tokenizer is not None else None,
+            "finish_reason": stats.finish_reason,
+            "acceptance_rate": stats.acceptance_rate,
+            "num_drafted": stats.num_drafted,
+            "num_accepted": stats.num_accepted,
+            "reused_tokens": stats.reused_tokens,
+            "seconds": seconds,
+        }
+        print(json.dumps(result), flush=True)
+        return
+    print(
+        f"[{len(tokens)} tokens, {stats.finish_reason}, acceptance {stats.acceptance_rate:.2f}, "
+        f"reused {stats.reused_tokens}, {seconds:.2f} s]",
+        file=sys.stderr,
+        flush=True,
+    )

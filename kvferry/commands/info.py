@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from typing import Any
+
+from kvferry.commands._common import say
+from kvferry.errors import ConfigError
 
 __all__ = ["add_arguments", "collect", "run"]
 
@@ -23,24 +27,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def collect(probe: bool = True, device: str = "auto") -> dict[str, Any]:
-    """Everything ``kvferry info`` shows, as a dict (the ``--json`` output)."""
+def collect(
+    probe: bool = True, device: str = "auto", progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Everything ``kvferry info`` shows, as a dict (the ``--json`` output). ``progress`` hears of each step.
+
+    :raises ~kvferry.errors.ConfigError: ``device="cuda"`` where torch sees no GPU
+    """
     from kvferry.transports.probe import probe_transport, versions
     from kvferry.transports.registry import available_transports
 
+    say = progress or (lambda message: None)
     for key, value in {"UCX_WARN_UNUSED_ENV_VARS": "n"}.items():
         os.environ.setdefault(key, value)
+    if device == "cuda" and not _cuda():
+        raise ConfigError("--device cuda: CUDA is not available here (torch sees no GPU)")
     devices = ["cpu"]
     if device == "cuda" or (device == "auto" and _cuda()):
         devices.append("cuda")
     if device == "cpu":
         devices = ["cpu"]
+    say("loading the transports")
     loading = available_transports()
     transports: dict[str, Any] = {}
     for name, error in loading.items():
         entry: dict[str, Any] = {"loads": error is None, "error": error}
         if probe and error is None and name != "local":
-            entry["memory"] = {d: probe_transport(name, d) for d in devices}
+            entry["memory"] = {}
+            for d in devices:
+                say(f"probing {name} with {d} memory: a transfer between two processes (--no-probe skips it)")
+                entry["memory"][d] = probe_transport(name, d)
         transports[name] = entry
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "UCXPY_", "NIXL_"))}
     return {"versions": versions(), "transports": transports, "environment": env}
@@ -53,11 +69,12 @@ def _cuda() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
+    from kvferry._stdio import quiet_library_env, stdout_to_stderr
 
-    # NIXL logs INFO lines to stdout, which would corrupt --json output
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-    info = collect(probe=not args.no_probe, device=args.device)
+    quiet_library_env()  # before nixl or ucxx loads
+    # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
+    with stdout_to_stderr():
+        info = collect(probe=not args.no_probe, device=args.device, progress=say)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

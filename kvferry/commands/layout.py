@@ -8,11 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-from kvferry.pools.layout import CacheLayout, Fit, GroupKind, fit
-from kvferry.pools.spec import DRAFT_LAYER_SHIFT, ModelSpec, preset, preset_names
+if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not import torch
+    from kvferry.pools.layout import Fit
+    from kvferry.pools.spec import ModelSpec
 
+#: the presets of kvferry.pools.spec (its preset_names(); listed here so that building the parser imports no
+#: torch; tests/test_cli.py checks that they agree)
+PRESETS = ("tiny", "nemotron-h-8b")
 #: Full request length per preset when --max-tokens is not given (the model's max position).
 DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-8b": 8192}
 
@@ -41,6 +46,13 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _memory(text: str) -> int:
+    value = parse_bytes(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -62,12 +74,10 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", choices=preset_names(), default="tiny", help="model preset (default: tiny)"
-    )
+    parser.add_argument("--model", choices=PRESETS, default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument(
-        "--memory", type=parse_bytes, default=None, help="cache memory per rank, e.g. 80GiB, 512MB, 1000000"
+        "--memory", type=_memory, default=None, help="cache memory per rank, e.g. 80GiB, 512MB, 1000000"
     )
     parser.add_argument(
         "--max-tokens",
@@ -89,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
+    from kvferry.pools.spec import preset
+
     model = preset(args.model)
     if args.dtype is not None:
         model = model.with_dtype(args.dtype)
@@ -100,6 +112,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 def _rank_report(
     model: ModelSpec, tp: int, rank: int, args: argparse.Namespace, max_tokens: int
 ) -> dict[str, Any]:
+    from kvferry.pools.layout import CacheLayout, GroupKind, fit
+
     spec = model.shard(tp, rank)
     sized: Fit | None = None
     if args.memory is not None:
@@ -214,6 +228,8 @@ def _bytes(value: float) -> str:
 
 
 def _layer_ids(ids: list[int]) -> str:
+    from kvferry.pools.spec import DRAFT_LAYER_SHIFT
+
     # draft layers print as D0, D1, ... (global id DRAFT_LAYER_SHIFT + i)
     text = ",".join(f"D{i - DRAFT_LAYER_SHIFT}" if i >= DRAFT_LAYER_SHIFT else str(i) for i in ids)
     return text if len(text) <= 24 else f"{len(ids)} layers {ids[0]}..{ids[-1]}"
@@ -283,7 +299,9 @@ def render(data: dict[str, Any]) -> str:
             f" + 8 B num_accepted = {rank['bytes_per_slot']} B"
         )
         sized = rank["fit"]
-        if sized is not None:
+        if sized is not None and sized["requests"] == 0:
+            out.append(f"    {_no_fit(data, sized)}")
+        elif sized is not None:
             out.append(
                 f"    in {_bytes(data['memory_bytes'])}: {sized['requests']} full-length requests "
                 f"({_bytes(sized['bytes_per_request'])} each): {sized['num_pages']} pages, {sized['num_slots']} slots, "
@@ -292,7 +310,23 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _no_fit(data: dict[str, Any], sized: dict[str, Any]) -> str:
+    return (
+        f"in {_bytes(data['memory_bytes'])}: no full-length request fits: one of {data['max_tokens']} tokens needs "
+        f"{_bytes(sized['bytes_per_request'])} ({sized['bytes_per_request']} B); raise --memory or lower --max-tokens"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     data = report(args)
     print(json.dumps(data) if args.json else render(data))
+    if args.json:
+        # the table says it in place; with --json say it on stderr, once per distinct rank figure
+        notes = {
+            _no_fit(data, r["fit"])
+            for r in data["ranks"]
+            if r["fit"] is not None and r["fit"]["requests"] == 0
+        }
+        for note in sorted(notes):
+            print(f"kvferry layout: {note}", file=sys.stderr)
     return 0

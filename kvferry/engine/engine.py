@@ -7,7 +7,10 @@
             ...
 
 The engine owns one background task, the step loop, in a task group that lives exactly as long as the
-``async with`` block. Each iteration of the loop:
+``async with`` block. That task group runs in a task of the event loop that the engine starts and owns (not
+in the task that enters the block), so ``async with`` may be entered in one task and left in another: an async
+fixture of pytest-asyncio or anyio sets up and tears down in different tasks. Leaving the block still cancels
+the loop and waits for it (shielded), as a task group of the caller's would. Each iteration of the loop:
 
 1. frees what cancelled requests held (the caller left its ``async for``, or a cancel scope hit it);
 2. asks the :class:`~kvferry.engine.scheduler.Scheduler` for a step plan (admission, chunks, preemption);
@@ -25,12 +28,12 @@ every request's cache and ends every open stream with :class:`~kvferry.errors.Re
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import attrs
@@ -181,6 +184,27 @@ class GenerationStatistics(NamedTuple):
     num_preemptions: int
 
 
+def start_owned_task(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> object:
+    """Start ``function(*args)`` in a new task of the running event loop that belongs to no task group of the
+    caller's (asyncio: a task, returned so that its owner keeps it referenced; trio: a system task). The
+    function must handle its own errors and end when its owner asks it to (or when the event loop ends)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio  # type: ignore[import-not-found,unused-ignore]
+
+        trio.lowlevel.spawn_system_task(function, *args)
+        return None
+    return loop.create_task(function(*args), name=getattr(function, "__qualname__", "kvferry task"))
+
+
+def unwrap_group(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups; ``exc`` otherwise."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _greedy_rows(logits: torch.Tensor) -> list[int]:
     """Argmax of every row of the step at once (on the CPU numpy's argmax is several times faster than torch's)."""
     if logits.shape[0] == 0:
@@ -285,7 +309,13 @@ class Engine:
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _task_group: TaskGroup | None = attrs.field(default=None, init=False)
-    _exit_stack: contextlib.AsyncExitStack | None = attrs.field(default=None, init=False)
+    #: set by __aexit__ (stop the loop) / by the owner task when it has ended and everything is freed
+    _stop: anyio.Event | None = attrs.field(default=None, init=False)
+    _done: anyio.Event | None = attrs.field(default=None, init=False)
+    #: the task that runs the loop's task group (kept referenced while it runs)
+    _owner: object = attrs.field(default=None, init=False)
+    #: what ended the loop on its own (None: it was stopped)
+    _crash: BaseException | None = attrs.field(default=None, init=False)
     _closed: bool = attrs.field(default=False, init=False)
     _next_id: int = attrs.field(default=0, init=False)
     _counts: dict[str, int] = attrs.field(
@@ -305,14 +335,22 @@ class Engine:
     # --- lifetime -----------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
-        if self._closed or self._task_group is not None:
+        if self._closed or self._stop is not None:
             raise EngineClosed("an Engine can be entered once")
-        async with contextlib.AsyncExitStack() as stack:
-            # callbacks unwind in reverse: the task group ends (a running step finishes) before shutdown frees
-            stack.callback(self._shutdown)
-            self._task_group = await stack.enter_async_context(anyio.create_task_group())
-            await self._task_group.start(self._step_loop)
-            self._exit_stack = stack.pop_all()
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        started = anyio.Event()
+        self._owner = start_owned_task(self._own, started)
+        try:
+            await started.wait()
+        except BaseException:
+            # cancelled while starting: stop the loop we started before giving up
+            self._stop.set()
+            with anyio.CancelScope(shield=True):
+                await self._done.wait()
+            raise
+        if self._crash is not None:
+            raise self._crash
         return self
 
     async def __aexit__(
@@ -321,18 +359,44 @@ class Engine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._exit_stack is not None and self._task_group is not None
-        self._task_group.cancel_scope.cancel()
-        # the body's own exception is not handed to the task group: the caller gets it as raised, not wrapped
-        # in an ExceptionGroup (the loop, cancelled above, ends without an error of its own)
-        await self._exit_stack.__aexit__(None, None, None)
+        if self._stop is None or self._done is None:
+            raise EngineClosed("the engine was not entered")
+        self._stop.set()
+        with anyio.CancelScope(shield=True):
+            # the loop is cancelled; a running step ends first, then every request is freed
+            await self._done.wait()
+        crash, self._crash = self._crash, None
+        if crash is not None and exc is None:
+            # the body's own exception wins; a loop that failed on its own (a bug) is raised here, unwrapped
+            raise crash
         return None
 
-    def _shutdown(self) -> None:
-        # synchronous, so no cancellation can interrupt it
+    async def _own(self, started: anyio.Event) -> None:
+        """The engine's own task: the step loop's task group, from ``__aenter__`` until ``__aexit__`` (or the event
+        loop itself ends, cancelling this task)."""
+        assert self._stop is not None and self._done is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                await tg.start(self._step_loop)
+                started.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        except Exception as exc:
+            self._crash = unwrap_group(exc)
+        finally:
+            # synchronous: no cancellation can interrupt it (also when the event loop cancels this task)
+            self._shutdown(self._crash)
+            self._done.set()
+            started.set()
+
+    def _shutdown(self, error: BaseException | None = None) -> None:
         self._closed = True
         for request in list(self._requests.values()):
-            self._end(request, RequestState.CANCELLED)
+            if error is None:
+                self._end(request, RequestState.CANCELLED)
+            else:
+                self._end(request, RequestState.FAILED, error)
         self._to_cancel.clear()
         self._idle.set()
         self._notify()

@@ -2,7 +2,7 @@
 
 ``python -m kvferry.transports._peer NAME [--device cpu|cuda]`` starts the transport, prints one JSON line
 prefixed with ``@@`` (``{"address": ...}``) and answers JSON commands read from stdin the same way. Libraries may
-print their own lines to stdout; only ``@@`` lines are ours.
+print their own lines to stdout, which points at stderr: only ``@@`` lines, on the original stdout, are ours.
 """
 
 from __future__ import annotations
@@ -11,20 +11,26 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 
+from kvferry._stdio import reserve_stdout
 from kvferry.transports.base import Peer, Transport
 from kvferry.transports.registry import get_transport
 
 __all__ = ["main"]
 
 
+#: our protocol lines (main() points it at the original stdout and fd 1 at stderr, where libraries log)
+_out: TextIO = sys.stdout
+
+
 def reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write("@@" + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    _out.write("@@" + json.dumps(obj) + "\n")
+    _out.flush()
 
 
 class _Server:
@@ -120,9 +126,10 @@ def main() -> None:
     parser.add_argument("name")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    import logging
-
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+    global _out
+    # the parent ends us by closing stdin: a Ctrl-C meant for it must not kill us with a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _out = reserve_stdout()
     anyio.run(_main, args.name, args.device)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from typing import IO, Any
 import anyio
 from attrs import define
 
+from kvferry._stdio import reserve_stdout
 from kvferry.engine.disagg.mapping import BouncePolicy
 from kvferry.engine.disagg.roles import (
     DEFAULT_CONTROL_TIMEOUT,
@@ -125,20 +127,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bounce-max-mean-bytes", type=int, default=default.max_mean_bytes)
     args = parser.parse_args(argv)
+    # the parent ends us by closing stdin: a Ctrl-C meant for it must not kill us with a traceback; our
+    # address line goes to the original stdout, everything the libraries print to stderr
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = reserve_stdout()
     options = _options(args.tp, args.spec_k, args.seed, args.dtype)
-    anyio.run(
-        partial(
-            _serve_context,
-            args.transport,
-            options,
-            sys.stdout,
-            write_delay=args.write_delay,
-            chunk_bytes=args.chunk_bytes or None,
-            staging_bytes=args.staging_bytes,
-            bounce=BouncePolicy(args.bounce_min_fragments, args.bounce_max_mean_bytes),
-            secret=load_secret(args.secret_file),
+    try:
+        anyio.run(
+            partial(
+                _serve_context,
+                args.transport,
+                options,
+                out,
+                write_delay=args.write_delay,
+                chunk_bytes=args.chunk_bytes or None,
+                staging_bytes=args.staging_bytes,
+                bounce=BouncePolicy(args.bounce_min_fragments, args.bounce_max_mean_bytes),
+                secret=load_secret(args.secret_file),
+            )
         )
-    )
+    except BaseException as exc:
+        from kvferry.cli import exit_status
+
+        # one line on stderr for a typed failure (the usual one: the generation side went away)
+        return exit_status("context engine", exc)
     return 0
 
 

@@ -1,0 +1,97 @@
+"""What the commands share: progress on stderr, and checks of their arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Progress", "positive_int", "progress", "say", "seed_int"]
+
+
+def say(text: str) -> None:
+    """One line of progress on stderr."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse type, the one rule of ``demo`` and ``generate``: a seed is an int in [0, 2**62)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if not 0 <= value < 2**62:
+        raise argparse.ArgumentTypeError(f"a seed is an int in [0, 2**62), got {value}")
+    return value
+
+
+class Progress:
+    """Counts finished units of a long piece of work and shows it on stderr: a rich progress bar on a terminal
+    (with the ``bench`` extra), else plain lines: at every tenth of the total and at most every ``interval``
+    seconds in between, and at the end."""
+
+    def __init__(self, label: str, total: int, *, interval: float = 5.0, bar: Any = None) -> None:
+        self.label = label
+        self.total = max(total, 1)
+        self.done = 0
+        self.interval = interval
+        self._bar = bar
+        self._task: Any = None
+        self._last_tenth = 0
+        self._last_time = time.monotonic()
+        if bar is not None:
+            self._task = bar.add_task(label, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+            return
+        tenth = self.done * 10 // self.total
+        now = time.monotonic()
+        if tenth != self._last_tenth or now - self._last_time >= self.interval or self.done == self.total:
+            self._last_tenth, self._last_time = tenth, now
+            say(f"  {self.label}: {self.done}/{self.total}")
+
+
+def _rich_bar() -> Any:
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(
+        TextColumn("  {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+
+
+@contextmanager
+def progress(label: str, total: int) -> Iterator[Progress]:
+    """A :class:`Progress` for the block (its bar, when there is one, ends with the block)."""
+    bar = _rich_bar()
+    if bar is None:
+        yield Progress(label, total)
+        return
+    with bar:
+        yield Progress(label, total, bar=bar)

@@ -1,0 +1,82 @@
+"""The CLI's shared behaviour: one-line typed errors and exit codes, quick help, and small command checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvferry import cli
+from kvferry.cli import main
+from kvferry.errors import ConfigError, PeerDisconnected, TransferTimeout
+
+
+def test_an_exception_group_of_typed_errors_prints_one_line_and_exits_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvferry.commands.layout as layout
+
+    def fail(args: object) -> int:
+        # what anyio task groups raise: the cause, nested, beside its echoes
+        inner = ExceptionGroup(
+            "tasks", [PeerDisconnected("the context process\nwent away"), TransferTimeout("t")]
+        )
+        raise ExceptionGroup("outer", [inner, PeerDisconnected("echo")])
+
+    monkeypatch.setattr(layout, "run", fail)
+    assert main(["layout"]) == 3
+    err = capsys.readouterr().err
+    assert err == "kvferry layout: error: the context process went away (PeerDisconnected)\n"
+
+
+def test_exit_codes_by_kind_of_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.exit_status("demo", ConfigError("--gen-tp 3: no")) == 2
+    assert cli.exit_status("demo", ExceptionGroup("g", [TransferTimeout("slow")])) == 3
+    assert cli.exit_status("demo", BaseExceptionGroup("g", [KeyboardInterrupt()])) == 130
+    assert cli.exit_status("demo", KeyboardInterrupt()) == 130
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "kvferry demo: error: --gen-tp 3: no (ConfigError)"
+    assert lines[2] == "kvferry demo: interrupted"
+    # a bug (no typed error anywhere) keeps its traceback
+    with pytest.raises(ExceptionGroup):
+        cli.exit_status("demo", ExceptionGroup("g", [ValueError("bug")]))
+
+
+def test_help_imports_no_torch() -> None:
+    """`kvferry --help` took 3.8 s, all of it importing torch to list the layout presets."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvferry.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])\n"
+        "for name in ('demo', 'generate', 'layout', 'info', 'bench'):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main([name, '--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'numpy', 'nixl_cu13', 'ucxx'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_layout_presets_match_the_specs() -> None:
+    from kvferry.commands.layout import PRESETS
+    from kvferry.pools.spec import preset_names
+
+    assert tuple(PRESETS) == tuple(preset_names())
+
+
+def test_layout_says_when_no_request_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layout", "--memory", "1KB"]) == 0
+    assert "no full-length request fits: one of 512 tokens needs" in capsys.readouterr().out
+    assert main(["layout", "--memory", "1KB", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ranks"][0]["fit"]["requests"] == 0
+    assert "no full-length request fits" in captured.err and "--memory" in captured.err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["layout", "--memory", "0"])
+    assert exit_info.value.code == 2
+    assert "--memory: must be at least 1 byte" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""``kvferry generate``: streamed, escaped text; bytes that are not UTF-8; errors that say what to change."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvferry.cli import main
+from kvferry.commands.generate import _TextStream, escape
+from kvferry.engine.tokenizer import ByteTokenizer
+
+FAST = ["--dtype", "float64"]
+
+
+class Recorder(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_escape_keeps_text_and_escapes_control_characters() -> None:
+    assert escape("héllo\n\tworld") == "héllo\n\tworld"
+    assert escape("a\x1b[2Jb\x00\x7f\u202e") == "a\\x1b[2Jb\\x00\\x7f\\u202e"
+
+
+def test_text_streams_as_tokens_arrive_and_waits_for_whole_characters() -> None:
+    out = Recorder()
+    stream = _TextStream(ByteTokenizer(), out)
+    for token in [0x41, 0x1B, 0xC3]:
+        stream.add(token)
+    assert "".join(out.writes) == "A\\x1b"  # shown at once; the first byte of é waits
+    stream.add(0xA9)
+    stream.add(0xFF)  # not UTF-8 anywhere: shown as U+FFFD at the end
+    stream.end()
+    assert out.getvalue() == "A\\x1bé\ufffd\n"
+
+
+def test_generate_streams_text_without_raw_control_bytes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = Recorder()
+    monkeypatch.setattr("sys.stdout", out)
+    assert main(["generate", "--prompt", "hello", "--max-tokens", "24", *FAST]) == 0
+    text = out.getvalue()
+    # printed piece by piece as tokens came (it was printed once, at the end), then one newline
+    assert len([w for w in out.writes if w]) > 2 and text.endswith("\n")
+    assert all(c.isprintable() or c in "\n\t" for c in text), repr(text)
+    assert "[24 tokens, length" in capsys.readouterr().err
+
+
+def test_a_prompt_that_is_not_utf8_is_taken_as_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = os.fsdecode(b"a\xff\x1bb")  # how Python hands over such an argument (lone surrogates)
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "3", "--json", *FAST]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == [0x61, 0xFF, 0x1B, 0x62]
+
+
+def test_a_missing_model_directory_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope"
+    assert main(["generate", "--model", str(missing), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"kvferry generate: error: --model {missing}: no such directory (give 'tiny' or a checkpoint "
+        "directory) (ConfigError)\n"
+    )
+
+
+def test_a_request_that_cannot_fit_names_the_sizes_and_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--ids", "1", "2", "3", "--max-tokens", "100", "--num-pages", "4", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "prompt 0 (3 tokens) with --max-tokens 100 needs about 26 pages of 4 tokens" in err
+    assert "--num-pages 4 holds 3" in err and "raise --num-pages to at least 27" in err
+
+
+def test_temperature_needs_a_seed_and_then_samples(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--prompt", "kv", "--max-tokens", "8", "--json", *FAST]
+    assert main([*argv, "--temperature", "0.5"]) == 2
+    assert "--temperature needs --seed" in capsys.readouterr().err
+    runs = []
+    for temperature in ("0.05", "50"):
+        assert main([*argv, "--seed", "7", "--temperature", temperature]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] != runs[1]  # the temperature is used (seeded: the same on every run)
+
+
+@pytest.mark.parametrize("command", [["generate", "--ids", "1", "--max-tokens", "2"], ["demo"]])
+def test_one_rule_for_seeds(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--seed", "-1"])
+    assert exit_info.value.code == 2
+    assert "argument --seed: a seed is an int in [0, 2**62), got -1" in capsys.readouterr().err
