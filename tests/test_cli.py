@@ -80,3 +80,21 @@ def test_layout_says_when_no_request_fits(capsys: pytest.CaptureFixture[str]) ->
         main(["layout", "--memory", "0"])
     assert exit_info.value.code == 2
     assert "--memory: must be at least 1 byte" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_short_secret_before_it_runs(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvferry.commands.demo as demo
+
+    path = tmp_path / "secret"  # type: ignore[operator]
+    path.write_text("short\n")
+    path.chmod(0o600)
+    monkeypatch.setattr(demo, "_run", lambda *a: pytest.fail("ran with a bad secret"))
+    assert main(["demo", "--secret-file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvferry demo: error: the secret file "
+        + str(path)
+        + " holds 5 bytes; a secret needs at least 16 (ConfigError)"
+    ]

@@ -91,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-draft-transfer", action="store_true", help="leave the draft KV behind")
     parser.add_argument("--max-tokens", type=_at_least_two, default=MAX_TOKENS, metavar="N")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="the secret both engines authenticate with (default: $KVFERRY_SECRET_FILE, $KVFERRY_SECRET, "
+        "else a fresh random one)",
+    )
 
 
 def _drafter_available() -> bool:
@@ -207,6 +214,7 @@ async def _disaggregated(
         spec_k=spec_k,
         seed=args.seed,
         separate_process=separate_process,
+        secret=args.secret,
     ) as (router, parts):
         worker = parts["worker"]
         context = parts["context"]
@@ -367,9 +375,11 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
+    from kvferry.transports.handshake import load_secret
 
     _check_tp("--ctx-tp", args.ctx_tp)
     _check_tp("--gen-tp", args.gen_tp)
+    args.secret = load_secret(args.secret_file)  # before anything runs: a bad secret is a usage error
     spec_k = args.spec_k
     if spec_k is None:
         spec_k = 2 if _drafter_available() else 0
