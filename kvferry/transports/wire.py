@@ -26,6 +26,8 @@ from kvferry.errors import WireFormatError
 
 __all__ = [
     "FRAME_HEADER",
+    "MAX_GRANT_FRAGMENTS",
+    "MAX_LIVE_GRANTS",
     "WIRE_VERSION",
     "FrameKind",
     "Handshake",
@@ -34,8 +36,10 @@ __all__ = [
     "RegionInfo",
     "RegionsUpdate",
     "WriteAbort",
+    "WriteGrant",
     "WriteReply",
     "WriteRequest",
+    "WriteRevoke",
     "WriteStatus",
     "decode",
     "encode",
@@ -47,7 +51,8 @@ __all__ = [
 #   1: handshake envelope + hello, regions, messages, notifications, two-sided writes
 #   2: a two-sided write may offer its source ranges for the receiver to read (same host): WriteRequest.src,
 #      WriteStatus.PULLING and PROGRESS; Hello.pid_proof and pid_proof_address
-WIRE_VERSION = 2
+#   3: grants: a peer writes only into ranges granted to it (GRANT / REVOKE frames, WriteGrant, WriteRevoke)
+WIRE_VERSION = 3
 
 #: kind (u8), body length (u64)
 FRAME_HEADER = struct.Struct("!BQ")
@@ -69,6 +74,10 @@ class FrameKind(enum.IntEnum):
     WRITE_ABORT = 7
     NOTIFY = 8
     GOODBYE = 9
+    #: a :class:`WriteGrant`: ranges of the sender's memory the receiver may now write into
+    GRANT = 10
+    #: a :class:`WriteRevoke`: a grant ends
+    REVOKE = 11
 
 
 @frozen
@@ -198,3 +207,29 @@ def decode(converter: MsgpackConverter, data: bytes, cls: type[T]) -> T:
         AttributeError,
     ) as exc:
         raise WireFormatError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+# --- grants (wire version 3) ------------------------------------------------------------------------------
+
+#: most fragments one :class:`WriteGrant` carries (a larger grant travels as several)
+MAX_GRANT_FRAGMENTS = 1 << 20
+#: most grants a peer may hold from one transport at once (one more is a protocol violation: the connection is
+#: dropped); :meth:`~kvferry.transports.Transport.grant` refuses to go past it
+MAX_LIVE_GRANTS = 1 << 16
+
+
+@frozen
+class WriteGrant:
+    """The sender grants the receiver the right to write into ``fragments`` of the sender's memory, until a
+    :class:`WriteRevoke` of ``grant_id``. Ids are the sender's, never reused on one connection."""
+
+    grant_id: int = field(validator=[ge(1), le(_U64)])
+    #: (n, 2) uint64 little-endian ``(address, length)`` rows, as bytes (at most :data:`MAX_GRANT_FRAGMENTS`)
+    fragments: bytes = field(validator=max_len(MAX_GRANT_FRAGMENTS * 16))
+
+
+@frozen
+class WriteRevoke:
+    """The grant ``grant_id`` (a live one of the sender's) ends: the receiver writes nothing more into it."""
+
+    grant_id: int = field(validator=[ge(1), le(_U64)])
