@@ -18,6 +18,9 @@ Memory registration: each worker registers its arenas and its staging buffer wit
 (:meth:`ContextWorker.register` / :meth:`GenerationWorker.register`, called by ``serve`` / ``connect`` before
 the handshake) and never deregisters them while the transport lives: NIXL refuses the metadata of a region
 registered at device addresses that an earlier, deregistered region used on the same live connection.
+Registered is not writable: the generation side grants its context peer, per transfer, only the bytes that
+transfer writes (:func:`~.transfer.destinations`, granted by the :class:`~.session.Receiver` before the receive
+request and revoked when the pages go back), so nobody else connected to its transport writes its pools.
 
 Bounce: each worker owns one bounded :class:`~.staging.StagingPool` (``staging_bytes``, on the arenas' device).
 The generation side offers staging areas in its receive requests to writers whose bytes land fragmented (by its
@@ -33,6 +36,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import anyio
@@ -60,6 +64,7 @@ from kvferry.engine.disagg.session import Receiver, SendSession, TransferStatist
 from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
 from kvferry.engine.disagg.transfer import (
     ManagerHold,
+    destinations,
     expected_writers,
     offer_staging,
     plan_transfer,
@@ -553,7 +558,13 @@ class GenerationWorker:
             self.transfer_draft = False
         peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
         self.peer, self.remote, self.peer_map = peer, remote, peer_map
-        self.receiver = Receiver(self.transport, peer, expected_writers(peer_map), self.stall_timeout)
+        self.receiver = Receiver(
+            self.transport,
+            peer,
+            expected_writers(peer_map),
+            self.stall_timeout,
+            destinations=partial(destinations, peer_map),
+        )
         task_group.start_soon(self._read)
         return remote
 
