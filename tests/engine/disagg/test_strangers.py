@@ -9,12 +9,17 @@ below decoded wrong tokens.
 
 Over ``ucx`` the stranger also skips its own grant check (a hostile writer): the generation side's receiver
 refuses it all the same. ``nixl``'s one-sided path has no receiver-side check (see the nixl module docstring):
-there only the writer's own check runs, which is what a stranger running this code meets."""
+there only the writer's own check runs, which is what a stranger running this code meets.
+
+Where the engines authenticate each other (a shared secret), the stranger holds the secret too: the handshake
+lets it in, and the grants still keep it out of the pools."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -79,9 +84,17 @@ async def test_a_stranger_writes_nothing_into_the_generation_pools(
     except Exception as exc:
         pytest.skip(str(exc))
     expected = await aggregated(PROMPTS)
+    secret: dict[str, Any] = {}
+    if "secret" in inspect.signature(disaggregated).parameters:  # engines that authenticate each other
+        from kvferry.transports.handshake import new_secret  # type: ignore[import-not-found,unused-ignore]
+
+        secret["secret"] = new_secret()  # the stranger's too: authenticated, never granted
     async with (
-        disaggregated(transport=transport, spec_k=SPEC_K, separate_process=False) as (router, parts),
-        get_transport(transport)(same_process="transport") as stranger,
+        disaggregated(transport=transport, spec_k=SPEC_K, separate_process=False, **secret) as (
+            router,
+            parts,
+        ),
+        get_transport(transport)(same_process="transport", **secret) as stranger,
     ):
         gen_transport = parts["transport"]
         if bypass:
