@@ -389,3 +389,17 @@ def test_every_transport_implements_grant() -> None:
         except Exception:
             continue
         assert issubclass(cls, Transport) and "grant" not in getattr(cls, "__abstractmethods__", ())
+
+
+def test_an_indexed_writes_destinations_are_the_rows_it_expands_to() -> None:
+    """What the device path of write_indexed checks against the grants (the rows the ids name) is what the
+    write writes: the rows of :meth:`IndexedRows.expand` (merged there), byte for byte."""
+    from test_transports import swapped_halves
+
+    rows = swapped_halves(1 << 30, 1 << 40, PAGE, 16, 64)
+    ids, dst_ids = np.arange(16), np.random.default_rng(2).permutation(64)[:16]
+    destinations = rows.destinations(dst_ids)
+    assert len(destinations) == len(rows)
+    _, expanded = rows.expand(ids, dst_ids)
+    assert GrantTable(destinations).ranges.tolist() == GrantTable(expanded).ranges.tolist()
+    assert int(destinations[:, 1].sum()) == rows.nbytes
