@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -56,6 +57,7 @@ from kvferry.engine.disagg.protocol import (
 from kvferry.engine.disagg.session import Receiver, SendSession, send
 from kvferry.engine.disagg.staging import StagingPool
 from kvferry.engine.disagg.transfer import (
+    destinations,
     expected_writers,
     offer_staging,
     plan_transfer,
@@ -305,7 +307,16 @@ async def run_case(
     remote = await hello(transport, peer, info(PeerRole.GENERATION, transport, arenas), notes.hellos)
     peer_map = PeerMap.build(list(remote.page_tables), tables)
     sums = await inbox.receive()
-    receiver = Receiver(transport, peer, expected_writers(peer_map), stall_timeout=120)
+    # each session grants the sender its request's destinations (as the generation worker does); the
+    # contiguous ceiling writes into ``flat``, granted for the case
+    receiver = Receiver(
+        transport,
+        peer,
+        expected_writers(peer_map),
+        stall_timeout=120,
+        destinations=partial(destinations, peer_map),
+    )
+    await transport.grant(peer, [[flat.data_ptr(), request_bytes]])
     notes.receiver = receiver
 
     base = ReceiveRequest(

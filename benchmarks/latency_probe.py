@@ -243,7 +243,7 @@ async def measure(args: Any) -> dict[str, Any]:
         try:
             peer = await transport.accept()
             target = torch.zeros(args.bytes, dtype=torch.uint8, device=args.device)
-            await transport.register(target)
+            await transport.grant(peer, await transport.register(target))  # the writer writes into it
             assert await transport.receive_message(peer) == b"ready"
             out: dict[str, Any] = {}
             stream = await anyio.connect_tcp("127.0.0.1", args.tcp_port)

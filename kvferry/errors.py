@@ -16,6 +16,7 @@ __all__ = [
     "KvferryError",
     "MessageTooLarge",
     "MissingExtraError",
+    "NotGranted",
     "PeerDisconnected",
     "PeerIncompatible",
     "PeerTimeout",
@@ -115,6 +116,11 @@ class PeerTimeout(PeerDisconnected, TimeoutError):
 
 class RegionError(TransportError):
     """A source or destination range lies outside the memory registered for it; nothing was written."""
+
+
+class NotGranted(RegionError):
+    """A destination range lies outside every range the peer granted to the writer
+    (:meth:`~kvferry.transports.Transport.grant`); nothing of the write was written."""
 
 
 class MessageTooLarge(TransportError):

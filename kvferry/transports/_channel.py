@@ -36,6 +36,7 @@ from kvferry.errors import (
     ConfigError,
     KvferryError,
     MessageTooLarge,
+    NotGranted,
     PeerDisconnected,
     PeerIncompatible,
     RegionError,
@@ -46,10 +47,11 @@ from kvferry.errors import (
 from kvferry.transports import wire
 from kvferry.transports._framing import FrameReader, close_quietly, discard, frame, tune
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
-from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
+from kvferry.transports._memory import CopyPlan, Grants, GrantTable, RegionTable, TensorRegistration
 from kvferry.transports.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Fragments,
+    Grant,
     Peer,
     PeerAttribute,
     PeerState,
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 
     from kvferry.transports.indexed import IndexedWrite
 
-__all__ = ["ChannelPeer", "ChannelTransport", "CheckedRows", "Guard"]
+__all__ = ["ChannelGrant", "ChannelPeer", "ChannelTransport", "CheckedRows", "Guard"]
 
 log = logging.getLogger("kvferry.transports")
 
@@ -139,6 +141,8 @@ class ChannelPeer(Peer):
         "_state",
         "backend",
         "error",
+        "granted",
+        "grants",
         "guards",
         "held_bytes",
         "hello",
@@ -196,6 +200,10 @@ class ChannelPeer(Peer):
         self.backend: Any = None
         #: templates of indexed writes to this peer checked for its device path
         self.indexed = IndexedCopies()
+        #: what this peer granted us (its GRANT frames): our writes to it must land inside
+        self.grants = Grants()
+        #: what we granted this peer (:meth:`ChannelTransport.grant`): its writes we receive must land inside
+        self.granted = Grants()
 
     @property
     def state(self) -> PeerState:
@@ -225,6 +233,47 @@ class ChannelPeer(Peer):
             f"<Peer {self.hello.address} [{self._state.value} | {where} | {len(self.regions)} regions, "
             f"{len(self.pending)} writes out, {len(self.incoming)} in]>"
         )
+
+
+class ChannelGrant(Grant):
+    """A grant of a :class:`ChannelTransport`: one or more wire grants (ids) to one peer."""
+
+    __slots__ = ("_active", "_fragments", "_peer", "ids", "transport")
+
+    def __init__(
+        self, transport: ChannelTransport, peer: ChannelPeer, ids: tuple[int, ...], fragments: Fragments
+    ) -> None:
+        self.transport = transport
+        self._peer = peer
+        self.ids = ids
+        self._fragments = fragments
+        self._active = True
+
+    @property
+    def peer(self) -> Peer:
+        return self._peer
+
+    @property
+    def fragments(self) -> Fragments:
+        return self._fragments
+
+    @property
+    def active(self) -> bool:
+        return self._active and self._peer.state is PeerState.CONNECTED
+
+    async def revoke(self) -> None:
+        if self._active:
+            self._active = False
+            await self.transport._revoke(self)
+
+    def revoke_nowait(self) -> None:
+        if self._active:
+            self._active = False
+            self.transport._revoke_nowait(self)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "revoked"
+        return f"<Grant to {self._peer.address} [{len(self._fragments)} ranges | {state}]>"
 
 
 class ChannelTransport(Transport):
@@ -323,6 +372,11 @@ class ChannelTransport(Transport):
         self._messages_sent = 0
         self._messages_received = 0
         self._refused = 0
+        self._next_grant_id = 1
+        #: our live grants, per peer (peers lost since are dropped at the next grant)
+        self._grants: dict[ChannelPeer, set[ChannelGrant]] = {}
+        self._writes_refused = 0
+        self._incoming_refused = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -711,6 +765,8 @@ class ChannelTransport(Transport):
                     waiter.send_nowait(reply)
         elif kind == wire.FrameKind.GOODBYE:
             raise PeerDisconnected(f"peer {peer.address} closed the connection")
+        elif kind in (wire.FrameKind.GRANT, wire.FrameKind.REVOKE):
+            self._granted_to_us(peer, kind, body)
         elif kind in (wire.FrameKind.WRITE_REQUEST, wire.FrameKind.WRITE_ABORT):
             await self._backend_frame(peer, kind, body)
         else:
@@ -853,6 +909,7 @@ class ChannelTransport(Transport):
             registration.deactivate()
             if self._state == "open":
                 await self._publish_regions(b"")
+                await self._revoke_unregistered()
             await self._backend_deregister(registration)
 
     async def _publish_regions(self, blob: bytes) -> None:
@@ -860,6 +917,111 @@ class ChannelTransport(Transport):
         for peer in list(self._peers):
             with suppress(TransportError):
                 await self.send_frame(peer, wire.FrameKind.REGIONS, update)
+
+    # --- grants --------------------------------------------------------------------------------------
+
+    async def grant(self, peer: Peer, fragments: npt.ArrayLike | Registration) -> Grant:
+        p = self._live_peer(peer)
+        if isinstance(fragments, Registration):
+            if not fragments.active:
+                raise RegionError("cannot grant a deregistered registration")
+            rows = fragments.fragments()
+        else:
+            rows = as_fragments(fragments)
+        self._own.locate(rows, f"memory granted to {p.address}")
+        # what travels (and what is checked) is the union: rows that overlap or touch merged, in address order
+        merged = GrantTable(rows).ranges
+        step = wire.MAX_GRANT_FRAGMENTS
+        pieces = [merged[i : i + step] for i in range(0, len(merged), step)] or [merged]
+        if len(p.granted) + len(pieces) > wire.MAX_LIVE_GRANTS:
+            raise TransportError(
+                f"{p.address} holds {len(p.granted)} grants from us, at most {wire.MAX_LIVE_GRANTS} may be "
+                "live: revoke some first"
+            )
+        ids = tuple(range(self._next_grant_id, self._next_grant_id + len(pieces)))
+        self._next_grant_id += len(pieces)
+        # ours first: a two-sided receiver checks the peer's writes against these, and the peer may write as
+        # soon as the frame is out
+        for grant_id, piece in zip(ids, pieces, strict=True):
+            p.granted.add(grant_id, piece)
+        frames = [
+            (wire.FrameKind.GRANT, wire.encode(self._converter, wire.WriteGrant(i, fragments_bytes(piece))))
+            for i, piece in zip(ids, pieces, strict=True)
+        ]
+        try:
+            # whole or not at all: a cancel waiting for the channel sends nothing, a frame cut midway loses the peer
+            await self.send_frames(p, frames)
+        except BaseException:
+            for grant_id in ids:
+                p.granted.remove(grant_id)
+            raise
+        grant = ChannelGrant(self, p, ids, rows)
+        for other in [q for q in self._grants if q.state is not PeerState.CONNECTED]:
+            del self._grants[other]
+        self._grants.setdefault(p, set()).add(grant)
+        return grant
+
+    def _forget(self, grant: ChannelGrant) -> bool:
+        """Drop ``grant`` on our side (our checks refuse from now on); True when its peer is to be told."""
+        p = grant._peer
+        self._grants.get(p, set()).discard(grant)
+        for grant_id in grant.ids:
+            p.granted.remove(grant_id)
+        self._backend_revoked(p)
+        return p.state is PeerState.CONNECTED and self._state == "open"
+
+    def _revoke_frames(self, grant: ChannelGrant) -> list[tuple[wire.FrameKind, bytes]]:
+        return [(wire.FrameKind.REVOKE, wire.encode(self._converter, wire.WriteRevoke(i))) for i in grant.ids]
+
+    async def _revoke(self, grant: ChannelGrant) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._forget(grant):
+                with suppress(TransportError):  # the peer is gone: its grants went with it
+                    await self.send_frames(grant._peer, self._revoke_frames(grant))
+
+    def _revoke_nowait(self, grant: ChannelGrant) -> None:
+        if self._forget(grant):
+            with suppress(ClosedResourceError):  # closing: the peer goes with it
+                self.spawn(self._send_revokes, grant)
+
+    async def _send_revokes(self, grant: ChannelGrant) -> None:
+        with suppress(TransportError):
+            await self.send_frames(grant._peer, self._revoke_frames(grant))
+
+    async def _revoke_unregistered(self) -> None:
+        """Revoke our grants that are no longer inside registered memory (a registration at the same addresses
+        later must not revive them)."""
+        for grants in list(self._grants.values()):
+            for grant in list(grants):
+                rows = grant.fragments
+                if len(rows) and int(self._own.holding(rows).min()) < 0:
+                    log.debug("%s: revoking %r: its memory was deregistered", self.instance_id, grant)
+                    await grant.revoke()
+
+    def _granted_to_us(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
+        """A GRANT or REVOKE frame of ``peer``: what our writes to it may write into."""
+        if kind == wire.FrameKind.GRANT:
+            grant = wire.decode(self._converter, body, wire.WriteGrant)
+            rows = fragments_from_bytes(grant.fragments)
+            if grant.grant_id in peer.grants:
+                raise WireFormatError(f"{peer.address} reused grant id {grant.grant_id}")
+            if len(peer.grants) >= wire.MAX_LIVE_GRANTS:
+                raise WireFormatError(f"{peer.address} holds more than {wire.MAX_LIVE_GRANTS} live grants")
+            peer.grants.add(grant.grant_id, rows)
+            return
+        revoke = wire.decode(self._converter, body, wire.WriteRevoke)
+        if not peer.grants.remove(revoke.grant_id):
+            raise WireFormatError(f"{peer.address} revoked grant {revoke.grant_id}, which is not live")
+
+    def _count_refused(self, p: ChannelPeer, exc: NotGranted) -> None:
+        """Count and log a write of ours refused for a destination outside ``p``'s grants."""
+        self._writes_refused += 1
+        log.warning("%s: refused a write to %s: %s", self.instance_id, p.address, exc)
+
+    def count_incoming_refused(self, p: ChannelPeer, exc: NotGranted) -> None:
+        """Count and log a write of ``p``'s into our memory refused (two-sided receivers)."""
+        self._incoming_refused += 1
+        log.warning("%s: refused a write from %s: %s", self.instance_id, p.address, exc)
 
     # --- writes --------------------------------------------------------------------------------------
 
@@ -895,7 +1057,11 @@ class ChannelTransport(Transport):
         stall_timeout: float | None = None,
     ) -> None:
         p = self._live_peer(peer)
-        checked = self._checked(p, write_rows(src, dst, merge=self._coalesce))
+        try:
+            checked = self._checked(p, write_rows(src, dst, merge=self._coalesce))
+        except NotGranted as exc:
+            self._count_refused(p, exc)
+            raise
         await self._write_checked(p, checked, notify, self._stall(stall_timeout))
 
     async def write_many(
@@ -936,6 +1102,8 @@ class ChannelTransport(Transport):
             try:
                 checked.append((i, self._checked(p, write_rows(src, dst, merge=self._coalesce)), notify))
             except (RegionError, ValueError) as exc:
+                if isinstance(exc, NotGranted):
+                    self._count_refused(p, exc)
                 outcomes[i] = exc
         if together and len(checked) > 1:
             joined = CheckedRows.joined([c for _, c, _ in checked])
@@ -979,6 +1147,9 @@ class ChannelTransport(Transport):
                     await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
             else:
                 await self._backend_write(p, rows, notify, stall)
+        except NotGranted as exc:  # a two-sided receiver refused it: nothing was written
+            self._count_refused(p, exc)
+            raise
         except BaseException:
             self._writes_failed += 1
             raise
@@ -1062,7 +1233,13 @@ class ChannelTransport(Transport):
         for i, w in enumerate(writes):
             try:
                 template = p.indexed.template(w.rows, self._own, p.regions, destinations, p.address)
+                if template is not None:
+                    # the template lies in registered memory; the rows these ids name must lie in the grants
+                    w.check()
+                    self._check_granted(p, w.rows.destinations(w.dst_ids))
             except RegionError as exc:  # refused before anything is written
+                if isinstance(exc, NotGranted):
+                    self._count_refused(p, exc)
                 outcomes[i] = exc
                 continue
             if template is None or (on_device and template.device != on_device[0][1].device):
@@ -1113,7 +1290,8 @@ class ChannelTransport(Transport):
 
     def _checked(self, p: ChannelPeer, rows: WriteRows) -> CheckedRows:
         """The rows to write (merged if they merge) and the registered ranges (of ours, of the peer's) that hold
-        each, once every row is known to lie in registered memory.
+        each, once every row is known to lie in registered memory, and every destination row in what the peer
+        granted us (else :class:`~kvferry.errors.NotGranted`, a RegionError).
 
         Merged rows are checked first (fewer rows: a merged row inside one registered range holds every row it
         merged); only when one is not, the rows as given are checked, which names the first bad one, or, when
@@ -1130,12 +1308,19 @@ class ChannelTransport(Transport):
             except RegionError:
                 pass
             else:
+                # merged rows are unions of rows as given: inside the grants' union iff those are
+                self._check_granted(p, rows.merged_dst, dst_bounds)
                 return CheckedRows(rows.merged_src, rows.merged_dst, src_index, dst_index)
             # the wrap-around check ran on the merged rows: the rows as given get it row by row now
             src, dst = as_fragments(src), as_fragments(dst)
         src_index = self._own.locate(src, "source", src_bounds)
         dst_index = p.regions.locate(dst, f"destination at {p.address}", dst_bounds)
+        self._check_granted(p, dst, dst_bounds)
         return CheckedRows(src, dst, src_index, dst_index)
+
+    def _check_granted(self, p: ChannelPeer, dst: Fragments, bounds: tuple[int, int] | None = None) -> None:
+        """:raises ~kvferry.errors.NotGranted: a destination row outside what ``p`` granted us."""
+        p.grants.table.check(dst, f"destination at {p.address}", bounds)
 
     @property
     def writes_in_flight(self) -> int:
@@ -1168,6 +1353,9 @@ class ChannelTransport(Transport):
             accept_errors=self._accept_errors,
             pending_handshakes=self._handshakes,
             buffered_bytes=self._budget.held,
+            writes_refused=self._writes_refused,
+            incoming_refused=self._incoming_refused,
+            grants=sum(len(g) for p, g in self._grants.items() if p.state is PeerState.CONNECTED),
         )
 
     def __repr__(self) -> str:
@@ -1221,6 +1409,10 @@ class ChannelTransport(Transport):
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         raise WireFormatError(f"{self.name} transport does not expect frame kind {kind}")
+
+    def _backend_revoked(self, peer: ChannelPeer) -> None:
+        """Grants of ours to ``peer`` ended (``peer.granted`` holds the live ones): a receiver that moves the
+        peer's writes itself stops those that now reach outside them."""
 
     def _backend_device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
         """Where ``peer``'s regions are mapped in this process for device copies (nixl: CUDA IPC), or None."""

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvferry import span_copy
-from kvferry.errors import RegionError, WireFormatError
+from kvferry.errors import NotGranted, RegionError, WireFormatError
 from kvferry.transports.base import Fragments, Registration, total_bytes
 from kvferry.transports.wire import RegionInfo
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CopyPlan",
+    "GrantTable",
+    "Grants",
     "RegionTable",
     "TensorRegistration",
     "byte_view",
@@ -126,81 +128,46 @@ def _bounds(regions: Sequence[RegionInfo]) -> tuple[npt.NDArray[np.uint64], npt.
     return starts, ends
 
 
-class RegionTable:
-    """Registered ranges, for checking that fragments lie inside them.
+class _Ranges:
+    """Ranges sorted by start, and the search that finds one holding each fragment (what :class:`RegionTable` and
+    :class:`GrantTable` share).
 
     Ranges may overlap. A fragment ``[a, a + n)`` is inside iff some range with ``start <= a`` ends at or
     after ``a + n``; the range with the largest end among those starting at or before ``a`` decides, so one
     ``searchsorted`` over a running maximum answers every fragment at once.
     """
 
-    __slots__ = ("_best", "_best_end", "_starts", "_views", "device", "regions")
+    __slots__ = ("_best", "_best_end", "_starts")
 
-    def __init__(self, regions: Sequence[RegionInfo]) -> None:
-        """:raises ~kvferry.errors.WireFormatError: (a ValueError) if a range is not inside the address space:
-        a negative address, a length below 1, or an end past ``2**64``."""
-        self.regions = tuple(regions)
-        devices = {r.device for r in self.regions}
-        #: the one device every range is on, or None (none, or several)
-        self.device: str | None = devices.pop() if len(devices) == 1 else None
-        self._views: dict[int, Any] = {}
-        starts, ends = _bounds(self.regions)
+    _best: npt.NDArray[np.int64]
+    _best_end: npt.NDArray[np.uint64]
+    _starts: npt.NDArray[np.uint64]
+
+    def _index(self, starts: npt.NDArray[np.uint64], ends: npt.NDArray[np.uint64]) -> None:
+        """Build the search over ranges ``[starts[i], ends[i])`` (any order; index ``i`` names range ``i``)."""
         order = np.argsort(starts, kind="stable")
-        ends = ends[order]
-        # the range with the largest end among those starting at or before each start (the first of equals)
-        best_end = np.maximum.accumulate(ends)
-        rises = np.ones(len(ends), dtype=bool)
-        rises[1:] = ends[1:] > best_end[:-1]
-        best = order[np.maximum.accumulate(np.where(rises, np.arange(len(ends)), 0))]
         # entry 0 is a sentinel, an empty range at address 0 (index -1): a search never lands before it
         self._starts = np.concatenate((np.zeros(1, dtype=np.uint64), starts[order]))
-        self._best = np.concatenate((np.full(1, -1, dtype=np.int64), best.astype(np.int64)))
+        sorted_ends = ends[order]
+        best_end = np.maximum.accumulate(sorted_ends) if len(order) else sorted_ends
+        # the range that first reached each running maximum (ties keep the earlier range)
+        rises = np.ones(len(order), dtype=np.bool_)
+        rises[1:] = sorted_ends[1:] > best_end[:-1]
+        first = np.maximum.accumulate(np.where(rises, np.arange(len(order)), 0)) if len(order) else order
+        self._best = np.concatenate((np.full(1, -1, dtype=np.int64), order[first].astype(np.int64)))
         self._best_end = np.concatenate((np.zeros(1, dtype=np.uint64), best_end))
 
-    def __len__(self) -> int:
-        return len(self.regions)
+    def _count(self) -> int:
+        return len(self._starts) - 1
 
-    def devices(self, index: npt.NDArray[np.int64]) -> set[str]:
-        """The devices of the ranges ``index`` names (as :meth:`locate` returns them)."""
-        if self.device is not None and len(index):
-            return {self.device}
-        return {self.regions[int(i)].device for i in np.unique(index)}
-
-    def view(self, index: int) -> Any:
-        """:func:`byte_view` of range ``index``, made once per table (the table is replaced when its ranges
-        change; the owner keeps the ranges registered while the table is in use)."""
-        view = self._views.get(index)
-        if view is None:
-            view = self._views[index] = byte_view(self.regions[index])
-        return view
-
-    def locate(
-        self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None
-    ) -> npt.NDArray[np.int64]:
-        """The index (into ``regions``) of a registered range holding each fragment.
+    def holding(self, fragments: Fragments, bounds: tuple[int, int] | None = None) -> npt.NDArray[np.int64]:
+        """The index of a range holding each fragment, -1 for a fragment outside every range (no error).
 
         ``bounds``: the fragments' lowest address and a bound on their highest end (no fragment ends past it),
         when the caller has them: one range holding that span answers every fragment without a pass over
         them.
-
-        :raises ~kvferry.errors.RegionError: naming the first fragment outside every range.
         """
-        if len(fragments) == 0:
-            return np.empty(0, dtype=np.int64)
-        if not self.regions:
-            raise RegionError(f"{what}: no memory is registered")
-        index = self.holding(fragments, bounds)
-        if int(index.min()) < 0:
-            bad = int(np.flatnonzero(index < 0)[0])
-            raise RegionError(
-                f"{what}: fragment {bad} [{int(fragments[bad, 0]):#x}, +{int(fragments[bad, 1])}) "
-                "is outside every registered region"
-            )
-        return index
-
-    def holding(self, fragments: Fragments, bounds: tuple[int, int] | None = None) -> npt.NDArray[np.int64]:
-        """As :meth:`locate`, with -1 for a fragment outside every range (no error)."""
-        if len(fragments) == 0 or not self.regions:
+        if len(fragments) == 0 or not self._count():
             return np.full(len(fragments), -1, dtype=np.int64)
         if len(fragments) > 1 and bounds is not None:
             one = self._one_range(*bounds, len(fragments))
@@ -225,6 +192,153 @@ class RegionTable:
         if int(self._best_end[first]) >= highest and lowest <= highest:
             return np.broadcast_to(self._best[first], count)
         return None
+
+    def _outside(
+        self, fragments: Fragments, bounds: tuple[int, int] | None
+    ) -> tuple[npt.NDArray[np.int64], int | None]:
+        """:meth:`holding`, and the first fragment outside every range (None: none is)."""
+        index = self.holding(fragments, bounds)
+        if len(index) and int(index.min()) < 0:
+            return index, int(np.flatnonzero(index < 0)[0])
+        return index, None
+
+
+def _describe(fragments: Fragments, row: int) -> str:
+    return f"fragment {row} [{int(fragments[row, 0]):#x}, +{int(fragments[row, 1])})"
+
+
+class RegionTable(_Ranges):
+    """Registered ranges, for checking that fragments lie inside them (see :class:`_Ranges`)."""
+
+    __slots__ = ("_views", "device", "regions")
+
+    def __init__(self, regions: Sequence[RegionInfo]) -> None:
+        """:raises ~kvferry.errors.WireFormatError: (a ValueError) if a range is not inside the address space:
+        a negative address, a length below 1, or an end past ``2**64``."""
+        self.regions = tuple(regions)
+        devices = {r.device for r in self.regions}
+        #: the one device every range is on, or None (none, or several)
+        self.device: str | None = devices.pop() if len(devices) == 1 else None
+        self._views: dict[int, Any] = {}
+        starts, ends = _bounds(self.regions)
+        self._index(starts, ends)
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+    def devices(self, index: npt.NDArray[np.int64]) -> set[str]:
+        """The devices of the ranges ``index`` names (as :meth:`locate` returns them)."""
+        if self.device is not None and len(index):
+            return {self.device}
+        return {self.regions[int(i)].device for i in np.unique(index)}
+
+    def view(self, index: int) -> Any:
+        """:func:`byte_view` of range ``index``, made once per table (the table is replaced when its ranges
+        change; the owner keeps the ranges registered while the table is in use)."""
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = byte_view(self.regions[index])
+        return view
+
+    def locate(
+        self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None
+    ) -> npt.NDArray[np.int64]:
+        """The index (into ``regions``) of a registered range holding each fragment (``bounds``: as
+        :meth:`holding`).
+
+        :raises ~kvferry.errors.RegionError: naming the first fragment outside every range.
+        """
+        if len(fragments) == 0:
+            return np.empty(0, dtype=np.int64)
+        if not self.regions:
+            raise RegionError(f"{what}: no memory is registered")
+        index, bad = self._outside(fragments, bounds)
+        if bad is not None:
+            raise RegionError(f"{what}: {_describe(fragments, bad)} is outside every registered region")
+        return index
+
+
+class GrantTable(_Ranges):
+    """The union of granted ranges, for checking that a write's destination lies inside it: ranges that overlap
+    or touch are merged first (a row across two grants that touch lies in the union)."""
+
+    __slots__ = ("nbytes", "ranges")
+
+    def __init__(self, fragments: Fragments) -> None:
+        rows = np.asarray(fragments, dtype=np.uint64).reshape(-1, 2)
+        order = np.argsort(rows[:, 0], kind="stable")
+        starts = rows[order, 0]
+        ends = starts + rows[order, 1]
+        if len(starts):
+            reach = np.maximum.accumulate(ends)
+            # a merged range starts where a row starts past everything before it ends (touching rows merge)
+            first = np.flatnonzero(np.concatenate(([True], starts[1:] > reach[:-1])))
+            last = np.concatenate((first[1:] - 1, [len(starts) - 1]))
+            starts, ends = starts[first], reach[last]
+        #: the merged ranges, ``(n, 2)`` ``(address, length)`` in address order
+        self.ranges: Fragments = np.stack([starts, ends - starts], axis=1).astype(np.uint64).reshape(-1, 2)
+        self.nbytes = int(self.ranges[:, 1].sum(dtype=np.uint64)) if len(starts) else 0
+        self._index(starts, ends)
+
+    def __len__(self) -> int:
+        return self._count()
+
+    def check(self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None) -> None:
+        """:raises ~kvferry.errors.NotGranted: naming the first fragment outside every granted range."""
+        if len(fragments) == 0:
+            return
+        if not self._count():
+            raise NotGranted(f"{what}: nothing is granted")
+        _, bad = self._outside(fragments, bounds)
+        if bad is not None:
+            raise NotGranted(f"{what}: {_describe(fragments, bad)} is outside every granted range")
+
+    def holds(self, fragments: Fragments) -> bool:
+        """Every fragment lies inside the union."""
+        return not len(fragments) or self._outside(fragments, None)[1] is None
+
+
+class Grants:
+    """The live grants of one direction of one peer (ours to it, or its to us): their rows by grant id, and the
+    union's :class:`GrantTable`, made when first asked for after a change (a change costs nothing until the next
+    check; the check after it sorts every live row once)."""
+
+    __slots__ = ("_rows", "_table")
+
+    def __init__(self) -> None:
+        self._rows: dict[int, Fragments] = {}
+        self._table: GrantTable | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, grant_id: object) -> bool:
+        return grant_id in self._rows
+
+    def add(self, grant_id: int, rows: Fragments) -> None:
+        self._rows[grant_id] = rows
+        self._table = None
+
+    def remove(self, grant_id: int) -> bool:
+        """Forget grant ``grant_id``; False if it was not live."""
+        if self._rows.pop(grant_id, None) is None:
+            return False
+        self._table = None
+        return True
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._table = None
+
+    @property
+    def table(self) -> GrantTable:
+        if self._table is None:
+            rows = list(self._rows.values())
+            self._table = GrantTable(np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.uint64))
+        return self._table
+
+    def __repr__(self) -> str:
+        return f"<Grants {len(self._rows)} live, {self.table.nbytes} bytes>"
 
 
 class _CudaArray:

@@ -3,6 +3,10 @@
 ``python -m kvferry.transports._peer NAME [--device cpu|cuda]`` starts the transport, prints one JSON line
 prefixed with ``@@`` (``{"address": ...}``) and answers JSON commands read from stdin the same way. Libraries may
 print their own lines to stdout, which points at stderr: only ``@@`` lines, on the original stdout, are ours.
+
+It grants every buffer it allocates to every peer that connects (a benchmark's other end: whoever measures
+may write into it): to the peers connected when it allocates (then it sends ``registered`` to the latest), and
+to a peer that connects later (then it sends that peer ``granted``, after which its writes find the grants).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, TextIO
 import anyio
 
 from kvferry._stdio import reserve_stdout
-from kvferry.transports.base import Peer, Transport
+from kvferry.transports.base import Peer, PeerState, Registration, Transport
 from kvferry.transports.registry import get_transport
 
 __all__ = ["main"]
@@ -42,12 +46,20 @@ class _Server:
         self.device = device
         self.buffers: dict[str, Any] = {}
         self.peer: Peer | None = None
+        self.peers: list[Peer] = []
+        self.registrations: list[Registration] = []
         self.ready = anyio.Event()
         self.gloo_ready = False
 
     async def accept_forever(self) -> None:
         while True:
-            self.peer = await self.transport.accept()
+            peer = await self.transport.accept()
+            for registration in self.registrations:
+                await self.transport.grant(peer, registration)
+            if self.registrations:
+                await self.transport.send_message(peer, b"granted")
+            self.peers.append(peer)
+            self.peer = peer
             self.ready.set()
 
     async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +72,11 @@ class _Server:
         if op == "alloc":
             tensor = torch.zeros(cmd["size"], dtype=torch.uint8, device=self.device)
             self.buffers[cmd["name"]] = tensor
-            await self.transport.register(tensor)
+            registration = await self.transport.register(tensor)
+            self.registrations.append(registration)
+            for peer in self.peers:
+                if peer.state is PeerState.CONNECTED:
+                    await self.transport.grant(peer, registration)
             await self.transport.send_message(self.peer, b"registered")
             return {"address": tensor.data_ptr()}
         if op == "notifications":

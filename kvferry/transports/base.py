@@ -6,6 +6,12 @@ A :class:`Transport` listens at an :attr:`~Transport.address`, connects to peers
 into a peer's registered memory (:meth:`~Transport.write`), delivering a notification to the peer only after
 the data has landed (:meth:`~Transport.receive_notification`).
 
+Grants, not regions: a peer may write only into memory we *granted* to it (:meth:`~Transport.grant`, ended by
+:meth:`Grant.revoke`), never into everything we registered. Deny by default: a peer holding no grant writes
+nothing. The receiver announces each grant on the control channel, which is ordered, so a grant made before a
+message is known to the writer before the message is. Where the check runs, per path, and what a path cannot
+check: :meth:`~Transport.grant`.
+
 Fragments are numpy arrays of shape ``(n, 2)``, one row ``(address, length)`` per contiguous range, never
 Python lists of tuples. Row ``i`` of the source goes to row ``i`` of the destination, so both arrays have the
 same lengths row by row. :func:`as_fragments`, :func:`coalesce`, :func:`tensor_fragments` and
@@ -43,6 +49,7 @@ __all__ = [
     "MERGE_SHARE",
     "Capabilities",
     "Fragments",
+    "Grant",
     "Peer",
     "PeerAttribute",
     "PeerState",
@@ -381,6 +388,51 @@ class Registration(metaclass=ABCMeta):
         return as_fragments(np.array(rows, dtype=np.uint64).reshape(-1, 2))
 
 
+class Grant(metaclass=ABCMeta):
+    """Memory of ours that one peer may write into; returned by :meth:`Transport.grant`.
+
+    Ends with :meth:`revoke` (or :meth:`revoke_nowait`; both idempotent), with the peer's connection, or when
+    memory it covers is deregistered. ``async with grant:`` revokes on exit.
+    """
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def peer(self) -> Peer:
+        """The peer that may write."""
+
+    @property
+    @abstractmethod
+    def fragments(self) -> Fragments:
+        """The granted ``(address, length)`` rows, as given."""
+
+    @property
+    @abstractmethod
+    def active(self) -> bool:
+        """False once revoked (or its peer is gone)."""
+
+    @abstractmethod
+    async def revoke(self) -> None:
+        """End the grant; idempotent, shielded from cancellation. Writes of the peer that our side checks from
+        now on are refused (:class:`~kvferry.errors.NotGranted`); returns once the peer has been told (the
+        control channel is ordered: what we send after this arrives after the revoke). What happens to a write
+        in flight depends on the path (:meth:`Transport.grant`)."""
+
+    @abstractmethod
+    def revoke_nowait(self) -> None:
+        """:meth:`revoke` for synchronous code: our side refuses at once; the peer is told by a background
+        task (its own check may pass a write until that arrives)."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.revoke()
+
+
 class TransportStatistics(NamedTuple):
     """A snapshot of a transport's state (``transport.statistics()``)."""
 
@@ -420,6 +472,13 @@ class TransportStatistics(NamedTuple):
     pending_handshakes: int = 0
     #: bytes of peers' messages and notifications held for the application now
     buffered_bytes: int = 0
+    #: writes of ours refused since start because a destination lies outside what the peer granted us
+    #: (:class:`~kvferry.errors.NotGranted`; refused by our own check, or by a two-sided receiver)
+    writes_refused: int = 0
+    #: writes of peers into our memory refused since start for the same reason (two-sided transports)
+    incoming_refused: int = 0
+    #: grants of ours live now, to every peer (:meth:`Transport.grant`)
+    grants: int = 0
 
 
 async def outcomes_of(calls: Sequence[Callable[[], Awaitable[object]]]) -> list[Exception | None]:
@@ -517,7 +576,8 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         """Register contiguous CPU or CUDA tensors so that they can be written from and into.
 
         Peers learn about the new regions before any message we send after this call returns (the control
-        channel is ordered), so register first, then tell the peer where to write.
+        channel is ordered). A peer writes into them only where we :meth:`grant` it: register, grant, then
+        tell the peer where to write.
 
         :raises ValueError: if a tensor is not contiguous or lives on a device this transport cannot use.
         :raises ~kvferry.errors.TransportError: if the library refuses the registration.
@@ -525,7 +585,52 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
 
     @abstractmethod
     async def deregister(self, registration: Registration) -> None:
-        """Deregister; idempotent. Peers stop accepting writes into it. Shielded from cancellation."""
+        """Deregister; idempotent. Peers stop accepting writes into it, and our grants that covered any of it
+        are revoked. Shielded from cancellation."""
+
+    @abstractmethod
+    async def grant(self, peer: Peer, fragments: npt.ArrayLike | Registration) -> Grant:
+        """Let ``peer`` write into ``fragments`` of our registered memory (``(n, 2)`` ``(address, length)`` rows,
+        as :meth:`write` takes them, or a :class:`Registration` of ours, granted whole) until the returned
+        :class:`Grant` is revoked. Without a grant a peer writes nothing into our memory (deny by default).
+
+        The peer learns of the grant before any message we send after this returns (the control channel is
+        ordered): grant first, then tell the peer where to write. Grants may overlap and touch; a write is
+        allowed when each of its destination rows lies inside the union of the peer's live grants.
+
+        Where it is checked, per path (a write outside is refused with
+        :class:`~kvferry.errors.NotGranted`, nothing of it written, and counted in
+        :attr:`TransportStatistics.writes_refused` of the writer or :attr:`~TransportStatistics.incoming_refused`
+        of the receiver):
+
+        - every transport, in the writer, before any byte moves: our own ``write``, ``write_many`` and
+          ``write_indexed`` check every destination row against the grants the peer sent us. This is all
+          there is for the writer-driven paths (``local`` copies, ``nixl``'s NIXL WRITE, its
+          ``process_vm_writev`` and CUDA IPC copies): there the receiver's CPU takes no part, so only a writer
+          running our code is held to its grants. Whoever holds our NIXL metadata can write into any memory we
+          registered through NIXL, a process of this host allowed to ``ptrace`` us can write anywhere, and a
+          process holding a CUDA IPC handle we exported can write the whole exported region; so that metadata
+          and those handles may go only to authenticated peers (the handshake's job, not the grant's).
+        - ``ucx`` (two-sided): also in the receiver, which moves the bytes itself: every destination row of a
+          write request must lie inside a live grant of *that* peer, else it answers REGION and writes nothing,
+          whatever the writer checked.
+
+        Revoking while a write is in flight: a write whose check comes after the revoke is refused. One already
+        checked: ``local``, ``nixl`` finish it (the writer checked it; the bytes may land after
+        :meth:`Grant.revoke` returned); ``ucx`` stops it in the receiver, which posts no more receives and
+        pulls no more slices for it and answers REGION (the writer gets :class:`~kvferry.errors.NotGranted`), but
+        the receives it had posted (up to its ``window`` of messages) and the slice it was pulling may still
+        land. So revoke only when no write into the memory is expected any more, as a receiver does once every
+        writer reported.
+
+        A cancel leaves nothing granted.
+
+        :raises ~kvferry.errors.RegionError: if a range is not inside our registered memory.
+        :raises ~kvferry.errors.PeerDisconnected: if the peer is gone.
+        :raises ~kvferry.errors.TransportError: if the peer would hold more than
+            :data:`~kvferry.transports.wire.MAX_LIVE_GRANTS` grants from us.
+        :raises ValueError: if the fragment array is malformed.
+        """
 
     @abstractmethod
     async def send_message(self, peer: Peer, data: bytes) -> None:
@@ -567,6 +672,8 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
 
         :raises ~kvferry.errors.RegionError: if a source range is not inside our registered memory or a
             destination range is not inside memory the peer registered; nothing was written.
+        :raises ~kvferry.errors.NotGranted: (a RegionError) if a destination range is not inside what the peer
+            granted us (:meth:`grant`); nothing was written.
         :raises ~kvferry.errors.PeerDisconnected: if the peer is gone or dies during the write.
         :raises ~kvferry.errors.TransferTimeout: if the write makes no progress within ``stall_timeout``.
         :raises ValueError: if the fragment arrays are malformed or do not pair.

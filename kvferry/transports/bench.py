@@ -111,7 +111,7 @@ async def _bench_transport(
                 peer = await transport.connect(local_peer.address)
                 remote = await local_peer.accept()
                 dst_tensor = torch.zeros(total, dtype=torch.uint8, device=device)
-                await local_peer.register(dst_tensor)
+                await local_peer.grant(remote, await local_peer.register(dst_tensor))
                 await local_peer.send_message(remote, b"registered")
                 dst = dst_tensor.data_ptr()
 
@@ -213,6 +213,9 @@ async def _nixl_baselines(
     ):
         plain_peer = await plain.connect(proc.address)
         naive_peer = await naive.connect(proc.address)
+        # the peer grants them its buffer as they connect, then says so (the control channel is ordered)
+        await plain.receive_message(plain_peer)
+        await naive.receive_message(naive_peer)
         await plain.register(src)
         await naive.register(src)
         progress("nixl alone: contiguous")

@@ -140,6 +140,14 @@ class IndexedRows:
                     f"indexed write: {what} id {int(ids[bad])} at position {bad} outside [0, {int(limit[bad])})"
                 )
 
+    def destinations(self, dst_ids: Int64Array) -> Fragments:
+        """The destination rows (one per template row, not merged) that ``dst_ids`` name; the ids must have
+        passed :meth:`check_ids`."""
+        rows = np.empty((len(self), 2), dtype=np.uint64)
+        rows[:, 0] = self.dst_base + dst_ids[self.dst_slot] * self.dst_stride
+        rows[:, 1] = self.length
+        return rows
+
     def expand(self, src_ids: Int64Array, dst_ids: Int64Array) -> tuple[Fragments, Fragments]:
         """One write's rows as plain fragments (rows contiguous on both sides merged), for a transport without
         an indexed path.

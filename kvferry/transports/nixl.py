@@ -38,6 +38,15 @@ Measured behaviour this follows (../shared/reference/feasibility.md):
   writes) and only NIXL writes into those regions fail, with a :class:`~kvferry.errors.RegionError` naming
   the cause ("re-registration at a freed device address on a live NIXL connection; reconnect"), until the peer
   registers them again and NIXL accepts it. Keep VRAM registered for a connection's lifetime where possible.
+- Grants (:meth:`~kvferry.transports.Transport.grant`) are checked by the writer only: before any byte moves,
+  every destination row of a write, whatever its path (NIXL, ``process_vm_writev``, CUDA IPC), must lie inside
+  what the peer granted us, else :class:`~kvferry.errors.NotGranted`. The receiver cannot check: its CPU takes
+  no part in a one-sided write, and its NIXL agent accepts a WRITE from any agent that loaded its metadata,
+  into any memory registered with it (NIXL knows registrations, not peers' rights); likewise the kernel lets
+  any process of this host that may ``ptrace`` it write its memory, and a process holding a CUDA IPC handle it
+  exported can write the whole region. So a grant holds against a confused writer running this code, not
+  against a hostile one: what bounds that is giving the NIXL metadata (and the IPC handles) only to peers that
+  authenticated themselves, which is the handshake's job. ``ucx`` checks in the receiver as well.
 - nixl_cu13 is imported directly (not the ``nixl`` meta package, which imports torch and picks a variant by
   import order) so it pairs with ucxx-cu13.
 """

@@ -6,8 +6,10 @@ How a write travels:
 
 1. the writer sends a ``WriteRequest`` (destination fragments, how they are cut, the notification, and, to a
    peer on this host with host memory on both sides, its source fragments);
-2. the receiver checks that every destination range lies inside memory it registered, *before* anything is
-   copied or posted; a range outside is refused (``RegionError`` at the writer) and nothing is written;
+2. the receiver checks that every destination range lies inside memory it registered and inside what it granted
+   *that* writer (:meth:`~kvferry.transports.Transport.grant`), *before* anything is copied or posted, whatever
+   the writer checked itself; a range outside is refused (``RegionError``, ``NotGranted`` outside the grants,
+   at the writer; counted in the receiver's ``incoming_refused``) and nothing is written;
 3. with source fragments offered, the receiver answers PULLING and copies them out of the writer's process with
    batched ``process_vm_readv`` calls (:mod:`~kvferry.transports._cma`; PROGRESS answers meanwhile). Where the
    kernel will not let it attach, it answers READY instead and the write goes on as in 4;
@@ -52,6 +54,7 @@ from contextlib import suppress
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 import ucxx
@@ -60,6 +63,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from kvferry.errors import (
     ConfigError,
+    NotGranted,
     PeerDisconnected,
     RegionError,
     TransferTimeout,
@@ -94,6 +98,8 @@ _MAX_PACK_BYTES = 1 << 30
 _U64 = (1 << 64) - 1
 #: a pulling receiver tells the writer about progress at most this often
 _PULL_PROGRESS_SECONDS = 0.05
+#: how a REGION reply's detail starts when the write reached outside what the receiver granted the writer
+_NOT_GRANTED = "not granted: "
 
 
 def translate(exc: BaseException, what: str) -> TransportError:
@@ -434,6 +440,11 @@ class UcxTransport(ChannelTransport):
         self._worker_events: WorkerEvents | None = None
         self._next_incoming = 0
         self._endpoints = 0
+        #: the destination rows of each write being received, by (peer, write id): a revoke stops the ones
+        #: that no longer lie inside the peer's grants
+        self._incoming_dst: dict[tuple[ChannelPeer, int], Fragments] = {}
+        #: writes being received that a revoke stopped (answered REGION)
+        self._revoked_writes: set[tuple[ChannelPeer, int]] = set()
 
     async def _backend_open(self) -> None:
         keep_transports = self._cma or self._endpoint_error_handling or "UCX_TLS" in os.environ
@@ -636,6 +647,7 @@ class UcxTransport(ChannelTransport):
                 scope.cancel()
             return
         request = wire.decode(self._converter, body, wire.WriteRequest)
+        what = f"destination of a write from {peer.address}"
         try:
             # from the length alone, before a row is parsed: a longer write comes as several requests
             if len(request.dst) > MAX_WRITE_FRAGMENTS * _ROW_BYTES:
@@ -647,10 +659,17 @@ class UcxTransport(ChannelTransport):
                 raise ValueError(f"packed messages of {request.pack_bytes} bytes")
             dst = fragments_from_bytes(request.dst)
             # Every destination range is checked before anything is posted: a refused write writes nothing.
-            views = _Views(self.own_regions, dst, f"destination of a write from {peer.address}")
+            # Inside our registered memory, and inside what we granted this peer (whatever the writer checked).
+            views = _Views(self.own_regions, dst, what)
+            peer.granted.table.check(dst, what)
             plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
         except WireFormatError:
             raise  # malformed fragments: the peer is dropped
+        except NotGranted as exc:
+            self.count_incoming_refused(peer, exc)
+            reply = wire.WriteReply(request.write_id, wire.WriteStatus.REGION, _NOT_GRANTED + str(exc))
+            await self._reply(peer, reply)
+            return
         except (RegionError, ValueError) as exc:
             status = wire.WriteStatus.REGION if isinstance(exc, RegionError) else wire.WriteStatus.FAILED
             await self._reply(peer, wire.WriteReply(request.write_id, status, str(exc)))
@@ -660,6 +679,7 @@ class UcxTransport(ChannelTransport):
         source = self._pull_source(peer, request, views)
         scope = anyio.CancelScope()
         peer.incoming[request.write_id] = scope
+        self._incoming_dst[peer, request.write_id] = dst
         if source is not None:
             self.spawn(self._pull, peer, request, source, views, plan, scope)
         else:
@@ -706,17 +726,19 @@ class UcxTransport(ChannelTransport):
         status, detail = wire.WriteStatus.FAILED, "cancelled"
         try:
             with scope:
+                # stopped before it started (its grant revoked, an abort): ends here, nothing read
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 scope.deadline = anyio.current_time() + self._stall_timeout
                 await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.PULLING))
                 status, detail = await self._pull_slices(peer, request.write_id, src, views.fragments, scope)
                 if status is wire.WriteStatus.DONE and request.notify is not None:
                     with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                         peer.notifications_out.send_nowait(request.notify)
-            if scope.cancelled_caught and scope.deadline <= anyio.current_time():
-                status, detail = wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+            if scope.cancelled_caught:
+                status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
             if status is not wire.WriteStatus.READY:
-                peer.incoming.pop(request.write_id, None)
+                self._end_incoming(peer, request.write_id)
                 with anyio.CancelScope(shield=True):
                     if peer.state.value == "connected":
                         await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
@@ -751,6 +773,45 @@ class UcxTransport(ChannelTransport):
         self.cma_reads += 1
         return wire.WriteStatus.DONE, ""
 
+    def _cancelled_status(
+        self,
+        peer: ChannelPeer,
+        write_id: int,
+        scope: anyio.CancelScope,
+        status: wire.WriteStatus,
+        detail: str,
+    ) -> tuple[wire.WriteStatus, str]:
+        """Why a write being received was stopped: a revoke of its grant (REGION), its stall deadline
+        (TIMEOUT), or else as it was (an abort, the peer's loss)."""
+        if (peer, write_id) in self._revoked_writes:
+            return wire.WriteStatus.REGION, (
+                f"{_NOT_GRANTED}the grant of a write from {peer.address} was revoked while it was received"
+            )
+        if scope.deadline <= anyio.current_time():
+            return wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+        return status, detail
+
+    def _end_incoming(self, peer: ChannelPeer, write_id: int) -> None:
+        peer.incoming.pop(write_id, None)
+        self._incoming_dst.pop((peer, write_id), None)
+        self._revoked_writes.discard((peer, write_id))
+
+    def _backend_revoked(self, peer: ChannelPeer) -> None:
+        """Stop every write of ``peer`` being received that reaches outside its live grants now: it posts no more
+        receives, pulls no more slices and answers REGION. Receives already posted (ucxx cannot cancel one
+        request) and the slice being pulled may still land."""
+        if not peer.incoming:
+            return
+        table = peer.granted.table
+        for write_id, scope in list(peer.incoming.items()):
+            dst = self._incoming_dst.get((peer, write_id))
+            if dst is not None and not table.holds(dst):
+                log.warning(
+                    "%s: stopping a write from %s: its grant was revoked", self.instance_id, peer.address
+                )
+                self._revoked_writes.add((peer, write_id))
+                scope.cancel()
+
     async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
         with suppress(TransportError):  # the peer is gone; its writer learns that from the control channel
             await self.send_frame(peer, wire.FrameKind.WRITE_REPLY, wire.encode(self._converter, reply))
@@ -768,6 +829,8 @@ class UcxTransport(ChannelTransport):
         status, detail = wire.WriteStatus.FAILED, "cancelled"
         try:
             with scope:
+                # stopped before it started (its grant revoked, an abort): ends here, nothing posted
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 scope.deadline = anyio.current_time() + self._stall_timeout
                 await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.READY, tag=tag))
 
@@ -799,10 +862,10 @@ class UcxTransport(ChannelTransport):
                         with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                             peer.notifications_out.send_nowait(request.notify)
                     status, detail = wire.WriteStatus.DONE, ""
-            if scope.cancelled_caught and scope.deadline <= anyio.current_time():
-                status, detail = wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+            if scope.cancelled_caught:
+                status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
-            peer.incoming.pop(request.write_id, None)
+            self._end_incoming(peer, request.write_id)
             with anyio.CancelScope(shield=True):
                 if peer.state.value == "connected":
                     await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
@@ -818,6 +881,8 @@ def _raise_for(reply: wire.WriteReply, peer: ChannelPeer, expected: wire.WriteSt
     if reply.status is expected:
         return
     if reply.status is wire.WriteStatus.REGION:
+        if reply.detail.startswith(_NOT_GRANTED):
+            raise NotGranted(f"{peer.address} refused the write: {reply.detail}")
         raise RegionError(f"{peer.address} refused the write: {reply.detail}")
     if reply.status is wire.WriteStatus.TIMEOUT:
         raise TransferTimeout(f"{peer.address} received nothing for its stall deadline: {reply.detail}")

@@ -30,6 +30,8 @@ from kvferry.errors import WireFormatError
 
 __all__ = [
     "FRAME_HEADER",
+    "MAX_GRANT_FRAGMENTS",
+    "MAX_LIVE_GRANTS",
     "WIRE_VERSION",
     "Challenge",
     "Credentials",
@@ -41,8 +43,10 @@ __all__ = [
     "RegionsUpdate",
     "Welcome",
     "WriteAbort",
+    "WriteGrant",
     "WriteReply",
     "WriteRequest",
+    "WriteRevoke",
     "WriteStatus",
     "decode",
     "encode",
@@ -56,7 +60,8 @@ __all__ = [
 #      WriteStatus.PULLING and PROGRESS; Hello.pid_proof and pid_proof_address
 #   3: the handshake authenticates both sides by challenge-response (Greeting, Challenge, Credentials, Welcome);
 #      the pid proof is derived from the handshake, not sent (Hello.pid_proof is gone)
-WIRE_VERSION = 3
+#   4: grants: a peer writes only into ranges granted to it (GRANT / REVOKE frames, WriteGrant, WriteRevoke)
+WIRE_VERSION = 4
 
 #: bytes of each side's handshake nonce
 NONCE_BYTES = 32
@@ -81,6 +86,10 @@ class FrameKind(enum.IntEnum):
     WRITE_ABORT = 7
     NOTIFY = 8
     GOODBYE = 9
+    #: a :class:`WriteGrant`: ranges of the sender's memory the receiver may now write into
+    GRANT = 10
+    #: a :class:`WriteRevoke`: a grant ends
+    REVOKE = 11
 
 
 _MAC = 64
@@ -311,3 +320,29 @@ def _describe(exc: Exception) -> str:
 def _format_exception(exc: BaseException, cls: type | None) -> str:
     described = format_exception(exc, cls)
     return f"{described} ({exc})" if isinstance(exc, ValueError | TypeError) else described
+
+
+# --- grants (wire version 4) ------------------------------------------------------------------------------
+
+#: most fragments one :class:`WriteGrant` carries (a larger grant travels as several)
+MAX_GRANT_FRAGMENTS = 1 << 20
+#: most grants a peer may hold from one transport at once (one more is a protocol violation: the connection is
+#: dropped); :meth:`~kvferry.transports.Transport.grant` refuses to go past it
+MAX_LIVE_GRANTS = 1 << 16
+
+
+@frozen
+class WriteGrant:
+    """The sender grants the receiver the right to write into ``fragments`` of the sender's memory, until a
+    :class:`WriteRevoke` of ``grant_id``. Ids are the sender's, never reused on one connection."""
+
+    grant_id: int = field(validator=[ge(1), le(_U64)])
+    #: (n, 2) uint64 little-endian ``(address, length)`` rows, as bytes (at most :data:`MAX_GRANT_FRAGMENTS`)
+    fragments: bytes = field(validator=max_len(MAX_GRANT_FRAGMENTS * 16))
+
+
+@frozen
+class WriteRevoke:
+    """The grant ``grant_id`` (a live one of the sender's) ends: the receiver writes nothing more into it."""
+
+    grant_id: int = field(validator=[ge(1), le(_U64)])

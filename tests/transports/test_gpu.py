@@ -109,7 +109,7 @@ async def _local_cuda() -> None:
         src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
         dst = torch.zeros_like(src)
         await a.register(src)
-        await b.register(dst)
+        await b.grant(remote, await b.register(dst))
         await b.send_message(remote, b"registered")
         await a.receive_message(peer)
         page = 64 << 10
@@ -194,7 +194,7 @@ async def test_cuda_indexed_writes_on_the_device(transport_name: str) -> None:
             peer = await transport.connect(here.address)
             remote_peer = await here.accept()
             pool = torch.zeros(2 * size + 2 * page, dtype=torch.uint8, device="cuda")
-            await here.register(pool[page : page + 2 * size])
+            await here.grant(remote_peer, await here.register(pool[page : page + 2 * size]))
             await here.send_message(remote_peer, b"registered")
             await transport.receive_message(peer)
             dst = pool.data_ptr() + page

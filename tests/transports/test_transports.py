@@ -440,7 +440,7 @@ async def test_a_peer_that_cannot_show_its_pid_gets_no_same_host_copies(
         assert pb.same_host  # type: ignore[attr-defined]  (a's own proof holds)
         src, dst = random_tensor(MiB, seed=3), torch.zeros(MiB, dtype=torch.uint8)
         await a.register(src)
-        await b.register(dst)
+        await b.grant(pb, await b.register(dst))
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         await a.write(pa, [[src.data_ptr(), MiB]], [[dst.data_ptr(), MiB]], b"n")
@@ -557,7 +557,7 @@ async def local_pair(
         pb = await b.accept()
         src, dst = random_tensor(size), torch.zeros(size, dtype=torch.uint8)
         await a.register(src)
-        await b.register(dst)
+        await b.grant(pb, await b.register(dst))
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         yield a, pa, b, src, dst
@@ -645,7 +645,7 @@ async def test_rows_across_adjacent_registrations_are_written_unmerged(count: in
         pb = await b.accept()
         src, dst = random_tensor(2 * MiB), torch.zeros(2 * MiB, dtype=torch.uint8)
         await a.register([src[:MiB], src[MiB:]])
-        await b.register([dst[:MiB], dst[MiB:]])
+        await b.grant(pb, await b.register([dst[:MiB], dst[MiB:]]))
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         part = 2 * MiB // count
@@ -668,7 +668,7 @@ async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPat
         pb = await b.accept()
         src, dst = random_tensor(MiB), torch.zeros(MiB, dtype=torch.uint8)
         await a.register(src)
-        await b.register(dst)
+        await b.grant(pb, await b.register(dst))
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         if transport_name == "ucx":

@@ -49,7 +49,7 @@ async def pair(
         src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
         dst = torch.zeros(size, dtype=torch.uint8)
         await a.register(src)
-        await b.register(dst)
+        await b.grant(pb, await b.register(dst))
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         yield a, b, pa, pb, src, dst

@@ -3,7 +3,8 @@
 Run as ``python tests/transports/transport_peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
 prints ``{"address": ...}`` and then answers one command per line (see ``_COMMANDS``). Every connection that
 reaches it is accepted in the background; commands act on the latest one. Offsets are relative to a named
-buffer's start; addresses are absolute.
+buffer's start; addresses are absolute. A buffer it registers is granted whole to the latest peer (unless
+``alloc`` says ``grant: false``); ``grant`` / ``revoke`` grant parts of it and revoke them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import anyio
 import numpy as np
 import torch
 
-from kvferry.transports import Peer, Registration, Transport, get_transport
+from kvferry.transports import Grant, Peer, Registration, Transport, get_transport
 
 
 class PeerServer:
@@ -28,6 +29,7 @@ class PeerServer:
         self.device = device
         self.buffers: dict[str, torch.Tensor] = {}
         self.registrations: dict[str, Registration] = {}
+        self.grants: dict[str, list[Grant]] = {}
         self.peer: Peer | None = None
         self.peer_ready = anyio.Event()
 
@@ -41,11 +43,16 @@ class PeerServer:
         assert self.peer is not None
         return self.peer
 
-    async def register(self, name: str, length: int | None = None) -> dict[str, Any]:
+    async def register(self, name: str, length: int | None = None, *, grant: bool = True) -> dict[str, Any]:
         t = self.buffers[name] if length is None else self.buffers[name][:length]
         self.registrations[name] = await self.transport.register(t)
         if self.peer is not None:
-            # The control channel is ordered: once this message arrives, the peer knows the region.
+            if grant:
+                self.grants.setdefault(name, []).append(
+                    await self.transport.grant(self.peer, self.registrations[name])
+                )
+            # The control channel is ordered: once this message arrives, the peer knows the region (and the
+            # grant).
             await self.transport.send_message(self.peer, json.dumps({"registered": name}).encode())
         return {"address": t.data_ptr()}
 
@@ -69,9 +76,27 @@ class PeerServer:
                 t = torch.zeros(size, dtype=torch.uint8)
             t = t.to(self.device)[guard : guard + cmd["size"]]
             self.buffers[cmd["name"]] = t
-            return await self.register(cmd["name"])
+            return await self.register(cmd["name"], grant=cmd.get("grant", True))
+        if op == "grant":
+            # ``fragments``: (offset, length) rows of the named buffer, granted to the latest peer
+            base = self.buffers[cmd["name"]].data_ptr()
+            rows = np.array([[base + o, n] for o, n in cmd["fragments"]], dtype=np.uint64).reshape(-1, 2)
+            try:
+                grant = await self.transport.grant(await self.current_peer(), rows)
+            except Exception as exc:
+                return {"error": type(exc).__name__, "message": str(exc)}
+            self.grants.setdefault(cmd["name"], []).append(grant)
+            # ordered after the grant: once this message arrives, the peer knows it
+            await self.transport.send_message(self.peer, b"granted")  # type: ignore[arg-type]
+            return {"ok": True}
+        if op == "revoke":
+            for grant in self.grants.pop(cmd["name"], []):
+                await grant.revoke()
+            await self.transport.send_message(self.peer, b"revoked")  # type: ignore[arg-type]
+            return {"ok": True}
         if op == "deregister":
-            await self.transport.deregister(self.registrations.pop(cmd["name"]))
+            await self.transport.deregister(self.registrations.pop(cmd["name"]))  # revokes its grants
+            self.grants.pop(cmd["name"], None)
             if self.peer is not None:
                 await self.transport.send_message(
                     self.peer, json.dumps({"deregistered": cmd["name"]}).encode()

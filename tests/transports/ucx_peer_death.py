@@ -65,7 +65,7 @@ async def receive(moment: float, path: str) -> None:
             with anyio.fail_after(60):
                 peer = await transport.accept()
                 dst = torch.zeros(NBYTES, dtype=torch.uint8, device=device(path))
-                await transport.register(dst)
+                await transport.grant(peer, await transport.register(dst))
                 await transport.send_message(peer, str(dst.data_ptr()).encode())
                 assert await transport.receive_notification(peer) == b"written"
                 assert bool((dst == 1).all())

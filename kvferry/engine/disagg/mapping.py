@@ -1161,6 +1161,18 @@ class RankMap:
         address = self._addresses(layout, dst, src=False)
         return _runs(address, layout.length, layout.dst_pool, self._dst_pools, self._dst_bases)
 
+    def destinations(self, dst: RequestCache, tokens: TokenRange) -> Fragments:
+        """The receiver's byte ranges this sender rank writes for a request (needs no sender ids): its units'
+        destinations, in canonical order, merged where contiguous on the receiver's side within one pool. The
+        same bytes as :meth:`plan`'s ``dst`` (and :meth:`indexed_write`'s rows): what the receiver grants the
+        writer for the request (:func:`~.transfer.destinations`).
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`plan`, for the receiver's ids.
+        """
+        layout = self._layout(tokens)
+        address = self._addresses(layout, dst, src=False)
+        return _fragments(address, layout.length, _run_starts(address, layout.length, layout.dst_pool))
+
     def nbytes(self, dst: RequestCache, tokens: TokenRange) -> int:
         """Bytes this sender rank writes for a request (from the receiver's side; no sender ids needed)."""
         layout = self._layout(tokens)

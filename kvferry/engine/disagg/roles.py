@@ -18,6 +18,9 @@ Memory registration: each worker registers its arenas and its staging buffer wit
 (:meth:`ContextWorker.register` / :meth:`GenerationWorker.register`, called by ``serve`` / ``connect`` before
 the handshake) and never deregisters them while the transport lives: NIXL refuses the metadata of a region
 registered at device addresses that an earlier, deregistered region used on the same live connection.
+Registered is not writable: the generation side grants its context peer, per transfer, only the bytes that
+transfer writes (:func:`~.transfer.destinations`, granted by the :class:`~.session.Receiver` before the receive
+request and revoked when the pages go back), so nobody else connected to its transport writes its pools.
 
 Deadlines: every wait on the peer is bounded and ends in a typed error. The generation side waits at most
 ``prefill_timeout`` for a prefill's answer (:class:`~kvferry.errors.PrefillTimeout`; the context side is then
@@ -44,6 +47,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import anyio
@@ -71,6 +75,7 @@ from kvferry.engine.disagg.session import Receiver, SendSession, TransferStatist
 from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
 from kvferry.engine.disagg.transfer import (
     ManagerHold,
+    destinations,
     expected_writers,
     offer_staging,
     plan_transfer,
@@ -684,6 +689,7 @@ class GenerationWorker:
             expected_writers(peer_map),
             self.stall_timeout,
             control_timeout=self.control_timeout,
+            destinations=partial(destinations, peer_map),
         )
         self._gone = False
         task_group.start_soon(self._read)

@@ -3,7 +3,8 @@
 One transfer moves one request's cache from the context engine's ranks (the *writers*) into pages and a slot
 the generation engine allocated. Its life, per DESIGN.md "Disaggregation protocol":
 
-- the receiver (:class:`ReceiveSession`) sends a :class:`~.protocol.ReceiveRequest`;
+- the receiver (:class:`ReceiveSession`) grants the context peer the bytes the transfer writes (its transport
+  refuses the peer's writes anywhere else) and sends a :class:`~.protocol.ReceiveRequest`;
 - each writer (:class:`SendSession`, one per request on the context side, with a chunk list per writer)
   pushes its chunks with ``transport.write(..., notify=<its ChunkResult>)``; the transport delivers the notify
   only after the data landed. A failed write is reported as FAILED on the control channel, a chunk never
@@ -76,7 +77,7 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import Fragments, Peer, Transport, coalesce, total_bytes
+from kvferry.transports import Fragments, Grant, Peer, Transport, coalesce, total_bytes
 from kvferry.transports.indexed import IndexedWrite
 
 __all__ = [
@@ -542,6 +543,8 @@ class _Live:
     staging: ReceiveStaging | None = None
     changed: anyio.Event = attrs.field(factory=anyio.Event)
     release: Callable[[], None] | None = None
+    #: what the context peer may write for this session (revoked when the pages go back)
+    grant: Grant | None = None
 
 
 @define(eq=False)
@@ -552,6 +555,11 @@ class Receiver:
     (:meth:`peer_lost`) and its answers to our cancels (:meth:`on_cancel_ack`); call :meth:`receive` once per
     request. Quarantined pages of cancelled or in-doubt transfers are released here when their writers report,
     the peer acknowledges a cancel, or the peer is gone, so they outlive :meth:`receive`.
+
+    ``destinations``: the byte ranges the writers of a receive request may write
+    (:func:`~.transfer.destinations`); each session grants them to the peer before its request is sent and
+    revokes them when the session is over (see :meth:`receive`). None: nothing is granted here (the caller
+    grants, or its transport needs none); the peer's writes are then refused unless granted otherwise.
     """
 
     transport: Transport
@@ -560,6 +568,7 @@ class Receiver:
     stall_timeout: float = 30.0
     #: seconds the CancelTransfer of a cancelled transfer may take (best effort)
     control_timeout: float = 1.0
+    destinations: Callable[[ReceiveRequest], Fragments] | None = None
     _sessions: dict[int, _Live] = attrs.field(factory=dict, init=False)
     _next_id: int = attrs.field(default=1, init=False)
     _lost: str | None = attrs.field(default=None, init=False)
@@ -578,10 +587,19 @@ class Receiver:
         return session
 
     async def receive(self, session: ReceiveSession, request: ReceiveRequest) -> TransferStatistics:
-        """Send ``request`` and wait until every writer has reported every chunk.
+        """Grant the peer the request's destinations, send ``request`` and wait until every writer has reported
+        every chunk.
 
         On success the pages hold the request's cache and stay with the caller. Otherwise the hold is freed
         (everyone reported, or the peer is gone) or quarantined (writers still out) before this raises.
+
+        The grant (:attr:`destinations`) is made before the request is sent (the control channel is ordered:
+        the peer knows it before it reads the request) and lasts exactly as long as writes may land: it is
+        revoked on success before this returns, and otherwise when the pages go back to the pools (freed, or
+        released from quarantine), never later. Our own checks refuse at once (a two-sided receiver's too); the
+        peer's check follows when the revoke reaches it, and no writer of the session writes by then (it has
+        reported, acknowledged a cancel, or is gone). A grant the transport refuses fails the transfer before
+        the request is sent.
 
         A cancel before the request is sent frees the pages at once. A later one sends
         :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until no write can
@@ -609,10 +627,14 @@ class Receiver:
                 # the cancel path below (quarantine until the writers report or the peer is gone: the request
                 # may have left before the failure).
                 session.requested()
-                try:
-                    await self.transport.send_message(self.peer, encode_control(request))
-                except MessageTooLarge as exc:
-                    session.not_sent(f"receive request refused by the transport: {exc}")
+                refused = await self._grant(live, request)
+                if refused is not None:
+                    session.not_sent(refused)
+                else:
+                    try:
+                        await self.transport.send_message(self.peer, encode_control(request))
+                    except MessageTooLarge as exc:
+                        session.not_sent(f"receive request refused by the transport: {exc}")
             while True:
                 # unpack each staged chunk as soon as it landed (overlaps the chunks still being written)
                 await self._scatter(live, scattered)
@@ -643,6 +665,9 @@ class Receiver:
             raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {failures[0]}")
         if session.state is ReceiveState.COMPLETE:
             self._sessions.pop(session.session_id, None)
+            if live.grant is not None:  # every writer reported: nothing more may land (shielded)
+                grant, live.grant = live.grant, None
+                await grant.revoke()
             if live.staging is not None:
                 live.staging.release()
             self._counts["complete"] += 1
@@ -691,8 +716,26 @@ class Receiver:
         if live.release is None:
             live.release = live.hold.quarantine()
 
+    async def _grant(self, live: _Live, request: ReceiveRequest) -> str | None:
+        """Grant the peer ``request``'s destinations (:attr:`destinations`); why it could not, or None.
+
+        :raises ~kvferry.errors.PeerDisconnected: the peer is gone (nothing was granted).
+        """
+        if self.destinations is None:
+            return None
+        try:
+            live.grant = await self.transport.grant(self.peer, self.destinations(request))
+        except (PeerDisconnected, ClosedResourceError):
+            raise
+        except (TransportError, KvferryError, ValueError) as exc:  # RegionError, too many grants, bad ids
+            return f"granting the receive request's destinations failed: {type(exc).__name__}: {exc}"
+        return None
+
     def _finish(self, live: _Live) -> None:
-        """The session is over and nothing can land: give its pages back and forget it."""
+        """The session is over and nothing can land: revoke its grant, give its pages back and forget it."""
+        if live.grant is not None:
+            grant, live.grant = live.grant, None
+            grant.revoke_nowait()  # before the pages go back: our side refuses at once
         self._sessions.pop(live.session.session_id, None)
         state = live.session.state
         if state is ReceiveState.FAILED:

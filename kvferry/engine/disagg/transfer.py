@@ -42,6 +42,7 @@ __all__ = [
     "WriterPlan",
     "check_request",
     "default_chunk_bytes",
+    "destinations",
     "offer_staging",
     "plan_transfer",
     "prepare_source",
@@ -351,6 +352,28 @@ def offer_staging(
         out.release()
         raise
     return attrs.evolve(request, staging=out.areas()), out
+
+
+def destinations(peer_map: PeerMap, request: ReceiveRequest) -> Fragments:
+    """Every byte range of the receiver's memory that the writers of ``request`` may write: on every receiving
+    rank, each writing pair's destination runs (:meth:`~.mapping.RankMap.destinations`, the bytes its direct
+    write lands on, packed or not) and the staging areas the request offers (a bouncing writer lands there).
+    What the receiver grants the context peer for the session, and nothing more
+    (:meth:`~.session.Receiver.receive`): the request's pages only where its transfer writes them (its token
+    range, every layer and head the writers hold, draft pages when the draft travels), its state slot's
+    transferred sections.
+
+    :raises ~kvferry.errors.ConfigError: the request's ids do not fit the receiver's tables.
+    """
+    tokens, dst = _tokens(request), _dst_cache(request)
+    parts = [
+        peer_map.pair(s, d).destinations(dst, tokens)
+        for d in range(peer_map.dst_tp)
+        for s in peer_map.expected_writers(d)
+        if peer_map.writes(s, d)
+    ]
+    parts.append(np.array([[a.address, a.nbytes] for a in request.staging], dtype=np.uint64).reshape(-1, 2))
+    return np.concatenate(parts)
 
 
 class ManagerHold:

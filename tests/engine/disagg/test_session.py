@@ -4,6 +4,7 @@ transport (bit-exact pages, poisoned receivers, cancellation at every step, stal
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvferry.engine.disagg.mapping import PeerMap
 from kvferry.engine.disagg.protocol import (
     BlockIds,
     CancelAck,
+    CancelTransfer,
     ChunkResult,
     ChunkResults,
     ChunkStatus,
@@ -39,6 +41,7 @@ from kvferry.engine.disagg.session import (
 from kvferry.engine.disagg.transfer import (
     ManagerHold,
     _dst_cache,
+    destinations,
     expected_writers,
     plan_transfer,
     prepare_source,
@@ -169,6 +172,32 @@ class GatedTransport:
 PROMPT = list(range(3, 40))  # 37 tokens: 10 attention blocks of 4, 5 draft blocks of 8
 
 
+async def send_when_asked(transport: Any, peer: Peer, session: SendSession, **options: Any) -> None:
+    """:func:`send` once the receive request arrived, as a context side does: the receiver grants the request's
+    destinations before it sends the request, so its writes find the grant (the control channel is ordered)."""
+    assert isinstance(decode_control(await transport.receive_message(peer)), ReceiveRequest)
+    await send(transport, peer, session, **options)
+
+
+class ContextMessages:
+    """A context side's reader for tests that run :func:`send` themselves: ``asked`` is set once the receive
+    request arrived (send after it: it follows the grant), and a CancelTransfer cancels ``session``."""
+
+    def __init__(self, session: SendSession) -> None:
+        self.session = session
+        self.asked = anyio.Event()
+
+    async def __call__(self, message: Any) -> None:
+        if isinstance(message, ReceiveRequest):
+            self.asked.set()
+        elif isinstance(message, CancelTransfer) and message.session_id == self.session.session_id:
+            self.session.cancel()
+
+    async def send(self, transport: Any, peer: Peer, **options: Any) -> None:
+        await self.asked.wait()
+        await send(transport, peer, self.session, **options)
+
+
 def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int = 1 << 20) -> Any:
     request = gen.receive_request(sid, "r", "g", len(PROMPT))
     peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
@@ -256,6 +285,19 @@ def writers(ctx: Side, gen: Side) -> tuple[int, ...]:
     )
 
 
+def receiver_for(ctx: Side, gen: Side, peer: Peer, stall_timeout: float = 10) -> Receiver:
+    """The generation side's receiver from ``ctx``: it grants each request's destinations (as the roles do)."""
+    assert gen.transport is not None
+    peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
+    return Receiver(
+        gen.transport,
+        peer,
+        expected_writers(peer_map),
+        stall_timeout=stall_timeout,
+        destinations=partial(destinations, peer_map),
+    )
+
+
 @pytest.mark.parametrize("chunk_bytes", [4096, None])
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
 @pytest.mark.asyncio
@@ -270,7 +312,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
     before = gen.free_counts()
     async with connected(ctx, gen) as (to_gen, to_ctx):
         assert gen.transport is not None and ctx.transport is not None
-        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        receiver = receiver_for(ctx, gen, to_ctx)
         gen.create("g", PROMPT)
         for m_arena, m in zip(gen.arenas, gen.managers, strict=True):  # poison the receiving pages
             m_arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
@@ -289,7 +331,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
             stats_box = []
 
             async def run_send() -> None:
-                await send(ctx.transport, to_gen, SendSession(session.session_id, plan))  # type: ignore[arg-type]
+                await send_when_asked(ctx.transport, to_gen, SendSession(session.session_id, plan))  # type: ignore[arg-type]
 
             tg.start_soon(run_send)
             stats_box.append(await receiver.receive(session, request))
@@ -324,7 +366,7 @@ async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
     ctx.fake_prefill("c", PROMPT, seed=4)
     async with connected(ctx, gen) as (to_gen, to_ctx):
         assert gen.transport is not None and ctx.transport is not None
-        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        receiver = receiver_for(ctx, gen, to_ctx)
         gen.create("g", PROMPT)
         session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
         request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=None)  # type: ignore[arg-type]
@@ -337,7 +379,7 @@ async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
         sending = SendSession(session.session_id, plan)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
-            tg.start_soon(send, ctx.transport, to_gen, sending)
+            tg.start_soon(send_when_asked, ctx.transport, to_gen, sending)
             with pytest.raises(TransferError, match=rf"writer {bad_writer} .*RegionError"):
                 await receiver.receive(session, request)
             tg.cancel_scope.cancel()
@@ -353,7 +395,7 @@ async def run_pair(ctx: Side, gen: Side, body: Any, *, gated: bool = False, stal
     async with connected(ctx, gen) as (to_gen, to_ctx):
         assert gen.transport is not None and ctx.transport is not None
         sender_transport: Any = GatedTransport(ctx.transport) if gated else ctx.transport
-        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=stall)
+        receiver = receiver_for(ctx, gen, to_ctx, stall)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
             result = await body(receiver, sender_transport, to_gen, tg)
@@ -399,23 +441,20 @@ async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_l
     async with connected(ctx, gen) as (to_gen, to_ctx):
         assert gen.transport is not None and ctx.transport is not None
         gated = GatedTransport(ctx.transport)
-        receiver = Receiver(gen.transport, to_ctx, writers(ctx, gen), stall_timeout=10)
+        receiver = receiver_for(ctx, gen, to_ctx)
         gen.create("g", PROMPT)
         quarantined = list(gen.managers[0].block_table("g"))
         session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
         request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=2048)
         assert len(plan[0]) > 3
         send_session = SendSession(session.session_id, plan)
-
-        async def on_ctx_message(message: Any) -> None:  # the context side obeys CancelTransfer
-            if message.session_id == send_session.session_id:
-                send_session.cancel()
+        context = ContextMessages(send_session)  # the context side obeys CancelTransfer
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=on_ctx_message))  # type: ignore[arg-type]
+            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=context))  # type: ignore[arg-type]
             if where == "during_writes":
                 tg.start_soon(pump, gen.transport, to_ctx, receiver)
-                tg.start_soon(send, gated, to_gen, send_session)
+                tg.start_soon(context.send, gated, to_gen)
                 with anyio.CancelScope() as scope:
                     tg.start_soon(_cancel_when, scope, lambda: gated.posted >= 1)
                     await receiver.receive(session, request)
@@ -424,7 +463,7 @@ async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_l
                 gated.gate.set()
                 with anyio.CancelScope() as scope:
                     tg.start_soon(_cancel_when, scope, lambda: send_session.finished)
-                    tg.start_soon(send, gated, to_gen, send_session)
+                    tg.start_soon(context.send, gated, to_gen)
                     await receiver.receive(session, request)
             assert scope.cancelled_caught
             # the caller is gone; its pages are out of the pools, not free
@@ -440,6 +479,10 @@ async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_l
             poisoned = attention_rows(gen, taken)
             if where == "after_writes_before_result":
                 tg.start_soon(pump, gen.transport, to_ctx, receiver)  # now the reports arrive
+            else:
+                with anyio.fail_after(5):  # the context side got the CancelTransfer before the writes go on
+                    while not send_session.cancelled:  # noqa: ASYNC110
+                        await anyio.sleep(0.002)
             gated.gate.set()
             with anyio.fail_after(10):
                 while receiver.statistics()["quarantined"] or not send_session.finished:  # noqa: ASYNC110

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ import torch
 from kvferry.engine.disagg.link import pump
 from kvferry.engine.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.engine.disagg.protocol import ChunkResult, ChunkStatus, ReceiveRequest
-from kvferry.engine.disagg.session import Receiver, ReceiveSession, SendSession, send
+from kvferry.engine.disagg.session import Receiver, ReceiveSession, SendSession
 from kvferry.engine.disagg.staging import ReceiveStaging, StagingPool
 from kvferry.engine.disagg.transfer import (
     ManagerHold,
     WriterPlan,
+    destinations,
     expected_writers,
     offer_staging,
     plan_transfer,
@@ -32,7 +34,7 @@ from kvferry.pools.pagetable import PageTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Side, connected, make_side, tiny_spec, whole_cache
-from test_session import GatedTransport, _cancel_when
+from test_session import ContextMessages, GatedTransport, _cancel_when, send_when_asked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,7 +159,13 @@ async def transfer(
         assert await ctx.transport.receive_message(to_gen) == b"registered"
         tables = [a.page_table() for a in gen.arenas]
         peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
-        receiver = Receiver(gen.transport, to_ctx, expected_writers(peer_map), stall_timeout=10)
+        receiver = Receiver(
+            gen.transport,
+            to_ctx,
+            expected_writers(peer_map),
+            stall_timeout=10,
+            destinations=partial(destinations, peer_map),
+        )
         gen.create("g", PROMPT)
         for arena, m in zip(gen.arenas, gen.managers, strict=True):
             arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
@@ -177,7 +185,7 @@ async def transfer(
         plan = sender_plan(ctx, peer_map, request, tables, tx_pool, policy=policy, chunk=chunk)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
-            tg.start_soon(send, ctx.transport, to_gen, SendSession(session.session_id, plan))
+            tg.start_soon(send_when_asked, ctx.transport, to_gen, SendSession(session.session_id, plan))
             stats = await receiver.receive(session, request)
             tg.cancel_scope.cancel()
         assert receiver.statistics()["sessions"] == 0 and receiver.statistics()["staging_bytes"] == 0
@@ -277,7 +285,13 @@ async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer
         gated = GatedTransport(ctx.transport)
         tables = [a.page_table() for a in gen.arenas]
         peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], tables)
-        receiver = Receiver(gen.transport, to_ctx, expected_writers(peer_map), stall_timeout=10)
+        receiver = Receiver(
+            gen.transport,
+            to_ctx,
+            expected_writers(peer_map),
+            stall_timeout=10,
+            destinations=partial(destinations, peer_map),
+        )
         gen.create("g", PROMPT)
         request = gen.receive_request(0, "r", "g", len(PROMPT))
         request, staging = offer_staging(
@@ -292,15 +306,12 @@ async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer
         assert len(plan[0]) > 3 and all(c.staged is not None for c in plan[0])
         send_session = SendSession(session.session_id, plan)
         area = rx_pool.used
-
-        async def on_ctx_message(message: Any) -> None:  # the context side obeys CancelTransfer
-            if message.session_id == send_session.session_id:
-                send_session.cancel()
+        context = ContextMessages(send_session)  # the context side obeys CancelTransfer
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=on_ctx_message))  # type: ignore[arg-type]
+            tg.start_soon(lambda: pump(ctx.transport, to_gen, on_message=context))  # type: ignore[arg-type]
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
-            tg.start_soon(lambda: send(gated, to_gen, send_session, max_in_flight=1))  # type: ignore[arg-type]
+            tg.start_soon(lambda: context.send(gated, to_gen, max_in_flight=1))
             with anyio.CancelScope() as scope:
                 tg.start_soon(_cancel_when, scope, lambda: gated.posted >= 1)
                 await receiver.receive(session, request)
@@ -309,6 +320,9 @@ async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer
             assert rx_pool.used == area > 0 and tx_pool.used > 0
             assert receiver.statistics()["quarantined"] == 1
             assert rx_pool.try_reserve(rx_pool.capacity - area + 1) is None
+            with anyio.fail_after(5):  # the context side got the CancelTransfer before the writes go on
+                while not send_session.cancelled:  # noqa: ASYNC110
+                    await anyio.sleep(0.002)
             gated.gate.set()
             with anyio.fail_after(10):
                 while receiver.statistics()["quarantined"] or not send_session.finished:  # noqa: ASYNC110
