@@ -147,7 +147,10 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         reader = FrameReader(stream)
         nonce = os.urandom(wire.NONCE_BYTES)
         await stream.send(
-            frame(wire.FrameKind.HANDSHAKE, wire.encode(CONVERTER, wire.Greeting(3, nonce, True)))
+            frame(
+                wire.FrameKind.HANDSHAKE,
+                wire.encode(CONVERTER, wire.Greeting(wire.WIRE_VERSION, nonce, True)),
+            )
         )
         _kind, body = await read_frame(reader, 1 << 20)
         challenge = wire.decode(CONVERTER, body, wire.Challenge)

@@ -81,7 +81,7 @@ async def serves_an_honest_peer(transport: Transport, name: str, secret: bytes |
             src = torch.arange(MiB, dtype=torch.uint8)
             dst = torch.zeros(MiB, dtype=torch.uint8)
             await honest.register(src)
-            await transport.register(dst)
+            await transport.grant(accepted, await transport.register(dst))
             await transport.send_message(accepted, b"ready")
             assert await honest.receive_message(peer) == b"ready"
             await honest.write(peer, [[src.data_ptr(), MiB]], [[dst.data_ptr(), MiB]], b"landed")
