@@ -23,6 +23,7 @@ import anyio
 
 from kvferry._stdio import reserve_stdout
 from kvferry.transports.base import Peer, PeerState, Registration, Transport
+from kvferry.transports.handshake import load_secret
 from kvferry.transports.registry import get_transport
 
 __all__ = ["main"]
@@ -119,7 +120,7 @@ class _Server:
 
 
 async def _main(name: str, device: str) -> None:
-    async with get_transport(name)() as transport, anyio.create_task_group() as tg:
+    async with get_transport(name)(secret=load_secret()) as transport, anyio.create_task_group() as tg:
         server = _Server(transport, device)
         tg.start_soon(server.accept_forever)
         reply({"address": transport.address, "pid": os.getpid()})

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvferry.transports._process import PeerProcess
 from kvferry.transports.base import page_fragments
+from kvferry.transports.handshake import SECRET_ENV, new_secret
 from kvferry.transports.registry import get_transport
 
 __all__ = ["plot", "run_transfer_bench"]
@@ -91,6 +92,7 @@ async def _bench_transport(
 ) -> list[dict[str, Any]]:
     import torch
 
+    secret = new_secret()  # both ends authenticate, as engines do
     rows: list[dict[str, Any]] = []
     src = torch.randint(0, 256, (total,), dtype=torch.uint8).to(device)
     host_copy = torch.empty_like(src)
@@ -105,8 +107,8 @@ async def _bench_transport(
         async with AsyncExitStack() as stack:
             if name == "local":
                 # entered first, left last: task groups nest
-                local_peer = await stack.enter_async_context(get_transport("local")())
-            transport = await stack.enter_async_context(get_transport(name)())
+                local_peer = await stack.enter_async_context(get_transport("local")(secret=secret))
+            transport = await stack.enter_async_context(get_transport(name)(secret=secret))
             if name == "local":
                 peer = await transport.connect(local_peer.address)
                 remote = await local_peer.accept()
@@ -123,7 +125,9 @@ async def _bench_transport(
                     return h.hexdigest()
 
             else:
-                proc = await anyio.to_thread.run_sync(partial(PeerProcess, name, device=device))
+                proc = await anyio.to_thread.run_sync(
+                    partial(PeerProcess, name, device=device, env={SECRET_ENV: secret.decode()})
+                )
                 peer = await transport.connect(proc.address)
                 dst = (await proc.call(op="alloc", name="dst", size=total))["address"]
                 process = proc
@@ -137,7 +141,7 @@ async def _bench_transport(
             if baselines and name == "nixl":
                 # NIXL alone first, before the main transport maps the peer's CUDA memory by IPC
                 rows += await _nixl_baselines(
-                    proc, src, dst, total, fragment_sizes, page_bytes, repeats, progress
+                    proc, src, dst, total, fragment_sizes, page_bytes, repeats, progress, secret
                 )
             await transport.register(src)
             progress(f"{name}: ceilings")
@@ -201,6 +205,7 @@ async def _nixl_baselines(
     page_bytes: int,
     repeats: int,
     progress: Progress,
+    secret: bytes,
 ) -> list[dict[str, Any]]:
     """What NIXL alone does (no CUDA IPC path): coalesced descriptors, and one descriptor per page."""
     assert proc is not None
@@ -208,8 +213,8 @@ async def _nixl_baselines(
     whole = np.array([[src.data_ptr(), total]], dtype=np.uint64)
     whole_dst = np.array([[dst, total]], dtype=np.uint64)
     async with (
-        get_transport("nixl")(cuda_ipc=False, host_cma=False) as plain,
-        get_transport("nixl")(coalesce=False, cuda_ipc=False, host_cma=False) as naive,
+        get_transport("nixl")(cuda_ipc=False, host_cma=False, secret=secret) as plain,
+        get_transport("nixl")(coalesce=False, cuda_ipc=False, host_cma=False, secret=secret) as naive,
     ):
         plain_peer = await plain.connect(proc.address)
         naive_peer = await naive.connect(proc.address)
