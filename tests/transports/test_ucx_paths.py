@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.errors import TransferTimeout, TransportError
+from kvferry.errors import PeerDisconnected, TransferTimeout, TransportError
 from kvferry.transports import Peer, Transport, _cma, get_transport, wire
 from kvferry.transports._channel import fragments_bytes
 
@@ -307,8 +307,10 @@ def test_the_plan_refuses_more_fragments_than_the_cap() -> None:
 
 async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reported: a WriteRequest of 4M tiny fragments held the receiver's event loop for 1.7 s (parsed, located,
-    planned) before it was refused. Now it is answered FAILED from the length of ``dst`` alone, nothing of it
-    parsed, and the connection serves the next write."""
+    planned) before it was refused. Now a request over the fragment cap is answered FAILED from the length of
+    ``dst`` alone, nothing of it parsed, and the connection serves the next write; the 4M-fragment request itself
+    (64 MiB) is past the control-frame cap, so its sender is dropped before a byte of it is read, and the
+    receiver serves on."""
     parsed: list[int] = []
     parse = ucx_module.fragments_from_bytes
 
@@ -318,7 +320,7 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
 
     async with pair(MiB) as (a, b, pa, pb, src, dst):
         monkeypatch.setattr(ucx_module, "fragments_from_bytes", spy)
-        count = 4 << 20
+        count = ucx_module.MAX_WRITE_FRAGMENTS + 1
         rows = np.stack([dst.data_ptr() + np.arange(count) % MiB, np.ones(count, dtype=np.int64)], axis=1)
         channel = a._peer(pa)  # type: ignore[attr-defined]
         replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](1)
@@ -339,6 +341,13 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
         await write_all(a, pa, src, dst)
         assert await b.receive_notification(pb) == b"n"
         assert torch.equal(src, dst)
+        huge = np.zeros((4 << 20, 2), dtype=np.uint64)
+        request = wire.WriteRequest(a.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x")  # type: ignore[attr-defined]
+        with anyio.fail_after(30), pytest.raises(PeerDisconnected):
+            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, wire.encode(a._converter, request))  # type: ignore[attr-defined]
+            await pa.lost.wait()  # type: ignore[attr-defined]
+            raise pa.error  # type: ignore[attr-defined]
+        assert b.statistics().dropped_peers == 1
 
 
 @pytest.mark.parametrize("host_cma", [True, False])
