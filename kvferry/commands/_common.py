@@ -17,23 +17,32 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+def _int(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag in its error)."""
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """An argparse type, the one rule of ``demo`` and ``generate``: a seed is an int in [0, 2**62)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    value = _int(text)
     if not 0 <= value < 2**62:
         raise argparse.ArgumentTypeError(f"a seed is an int in [0, 2**62), got {value}")
     return value

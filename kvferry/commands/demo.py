@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvferry.commands._common import positive_int, progress, say, seed_int
+from kvferry.commands._common import non_negative_int, positive_int, progress, say, seed_int
 from kvferry.errors import ConfigError
 
 MAX_TOKENS = 12
@@ -55,16 +55,6 @@ JSON_KEYS = (
 )
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
 def _at_least_two(text: str) -> int:
     value = positive_int(text)
     if value < 2:
@@ -86,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=positive_int, default=8, metavar="N")
     parser.add_argument("--seed", type=seed_int, default=0, metavar="S", help="prompts and weights seed")
     parser.add_argument(
-        "--spec-k", type=_non_negative, default=None, metavar="K", help="draft tokens per step (default 2)"
+        "--spec-k", type=non_negative_int, default=None, metavar="K", help="draft tokens per step (default 2)"
     )
     parser.add_argument("--no-draft-transfer", action="store_true", help="leave the draft KV behind")
     parser.add_argument("--max-tokens", type=_at_least_two, default=MAX_TOKENS, metavar="N")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvferry.commands._common import positive_int, seed_int
+from kvferry.commands._common import non_negative_int, positive_int, seed_int
 from kvferry.errors import ConfigError, PoolExhausted
 
 if TYPE_CHECKING:
@@ -33,16 +33,6 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0.0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value
 
 
@@ -64,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=positive_int, required=True, metavar="N", help="tokens to generate"
     )
     parser.add_argument(
-        "--spec-k", type=_non_negative, default=0, metavar="K", help="draft tokens per step (0: off)"
+        "--spec-k", type=non_negative_int, default=0, metavar="K", help="draft tokens per step (0: off)"
     )
     parser.add_argument(
         "--tp", type=positive_int, default=1, metavar="N", help="simulated tensor-parallel ranks"
