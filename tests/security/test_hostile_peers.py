@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from anyio.abc import ByteReceiveStream
 
 from kvferry.errors import AuthenticationFailed, ConfigError
 from kvferry.transports import PeerAttribute, Transport, get_transport
@@ -43,6 +44,21 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def limit_leaving(free: int) -> int:
+    """The descriptor limit under which exactly ``free`` numbers are unused (a new descriptor takes the lowest)."""
+    in_use = {int(name) for name in os.listdir("/proc/self/fd")}
+    limit = 0
+    while limit - len([fd for fd in in_use if fd < limit]) < free:
+        limit += 1
+    return limit
+
+
+async def read_all(stream: ByteReceiveStream | None, into: dict[str, bytes], key: str) -> None:
+    assert stream is not None
+    chunks = [chunk async for chunk in stream]
+    into[key] = b"".join(chunks)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -51,16 +67,28 @@ def rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
+def hostile_argv(attack: str, address: str, *args: str, secret: bool = False) -> list[str]:
+    argv = [sys.executable, str(HERE / "hostile.py"), attack, address, "--transport", address.split(":")[0]]
+    return [*argv, *args, *(["--secret-env"] if secret else [])]
+
+
+def hostile_env() -> dict[str, str]:
+    return {**os.environ, SECRET_ENV: SECRET.decode()}
+
+
+def seen_by(returncode: int | None, stdout: bytes, stderr: bytes) -> dict[str, Any]:
+    assert returncode == 0, stderr.decode()[-2000:]
+    result: dict[str, Any] = json.loads(stdout.decode().strip().splitlines()[-1])
+    return result
+
+
 async def hostile(attack: str, address: str, *args: str, secret: bool = False) -> dict[str, Any]:
     """Run one attack from its own process; what it saw."""
-    env = {**os.environ, SECRET_ENV: SECRET.decode()}
-    argv = [sys.executable, str(HERE / "hostile.py"), attack, address, "--transport", address.split(":")[0]]
-    argv += [*args, *(["--secret-env"] if secret else [])]
     with anyio.fail_after(60):
-        done = await anyio.run_process(argv, env=env, check=False)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    return result
+        done = await anyio.run_process(
+            hostile_argv(attack, address, *args, secret=secret), env=hostile_env(), check=False
+        )
+    return seen_by(done.returncode, done.stdout, done.stderr)
 
 
 @asynccontextmanager
@@ -198,11 +226,20 @@ async def test_running_out_of_descriptors_does_not_end_the_listener() -> None:
     (EMFILE); the listener waits and goes on, and serves once descriptors are free again."""
     async with target("local") as transport:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 4, hard))
-        try:
-            seen = await hostile("hold-connections", transport.address, "--count", "30", "--seconds", "1")
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        argv = hostile_argv("hold-connections", transport.address, "--count", "30", "--seconds", "1")
+        # the attacker starts first (spawning needs descriptors of its own); the limit drops before it connects
+        async with await anyio.open_process(argv, env=hostile_env()) as process:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit_leaving(3), hard))
+            try:
+                with anyio.fail_after(60):
+                    output: dict[str, bytes] = {}
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(read_all, process.stdout, output, "stdout")
+                        group.start_soon(read_all, process.stderr, output, "stderr")
+                    await process.wait()
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        seen = seen_by(process.returncode, output["stdout"], output["stderr"])
         assert seen["opened"] == 30, seen
         assert transport.statistics().accept_errors >= 1
         await serves_an_honest_peer(transport, "local")
