@@ -98,3 +98,20 @@ def test_demo_refuses_a_short_secret_before_it_runs(
         + str(path)
         + " holds 5 bytes; a secret needs at least 16 (ConfigError)"
     ]
+
+
+@pytest.mark.parametrize("command", ["demo", "layout", "generate", "info", "bench transfer"])
+def test_the_readme_usage_of_each_command_lists_all_its_flags(command: str) -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    usage = re.search(rf"```\nkvferry {command} (.*?)```", readme, re.DOTALL)
+    assert usage is not None, f"no usage block for kvferry {command}"
+    parser = cli.build_parser()
+    for word in command.split():
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert not {f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", usage.group(1))}
