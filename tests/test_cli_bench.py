@@ -158,3 +158,26 @@ def test_json_is_all_of_stdout_and_library_logs_go_to_stderr() -> None:
     assert {r["kind"] for r in result["rows"]} >= {"write", "contiguous", "memcpy"}
     # this process's agent and the peer process's agent both logged, to stderr
     assert proc.stderr.count("Initialized NIXL agent") >= 2, proc.stderr[-3000:]
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    # it ran the whole benchmark, then died in savefig with a traceback (ValueError: Format 'foo')
+    line = _refused(
+        capsys, "--total-bytes", "64K", "--fragment-bytes", "64K", "--plot", str(tmp_path / "p.foo")
+    )
+    assert "matplotlib cannot write .foo files" in line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_output_that_cannot_be_written_keeps_the_result_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a traceback (OSError: No space left on device) after the run, and the result was never printed
+    argv = ["--total-bytes", "64K", "--fragment-bytes", "64K", "--no-baselines", "--json"]
+    assert main([*BENCH, *argv, "--output", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["rows"]
+    assert captured.err.splitlines()[-1].startswith("kvferry bench: error: --output /dev/full: No space left")
