@@ -115,3 +115,18 @@ def test_the_readme_usage_of_each_command_lists_all_its_flags(command: str) -> N
         parser = sub.choices[word]
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     assert not {f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", usage.group(1))}
+
+
+def test_demo_refuses_max_tokens_the_pools_cannot_hold_before_it_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvferry.commands.demo as demo
+
+    # it decoded for minutes, then failed with "request 0 cannot fit in the cache pools" (exit 3)
+    monkeypatch.setattr(demo, "_run", lambda *a: pytest.fail("ran"))
+    assert main(["demo", "--requests", "8", "--max-tokens", "1982"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvferry demo: error: --max-tokens 1982: the longest prompt (64 tokens) leaves room for at most 1981 "
+        "generated tokens in the engines' 511 pages of 4 tokens (ConfigError)"
+    ]
