@@ -130,3 +130,14 @@ def test_demo_refuses_max_tokens_the_pools_cannot_hold_before_it_runs(
         "kvferry demo: error: --max-tokens 1982: the longest prompt (64 tokens) leaves room for at most 1981 "
         "generated tokens in the engines' 511 pages of 4 tokens (ConfigError)"
     ]
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "1"])
+def test_demo_max_tokens_below_two_names_the_one_rule(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 said "must be at least 1", and then 1 was refused too
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--max-tokens", value])
+    assert exit_info.value.code == 2
+    assert f"argument --max-tokens: must be at least 2 (the first token and one decoded), got {value}" in (
+        capsys.readouterr().err
+    )

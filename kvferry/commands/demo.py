@@ -66,7 +66,10 @@ def _non_negative(text: str) -> int:
 
 
 def _at_least_two(text: str) -> int:
-    value = positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2 (the first token and one decoded), got {value}")
     return value
