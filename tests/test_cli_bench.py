@@ -181,3 +181,25 @@ def test_an_output_that_cannot_be_written_keeps_the_result_and_says_why(
     captured = capsys.readouterr()
     assert json.loads(captured.out)["rows"]
     assert captured.err.splitlines()[-1].startswith("kvferry bench: error: --output /dev/full: No space left")
+
+
+def test_the_table_shows_sizes_below_a_kib() -> None:
+    from kvferry.commands.bench import _table
+
+    row = {
+        "kind": "write",
+        "transport": "local",
+        "fragment_bytes": 512,
+        "page_bytes": 1536,
+        "bytes": 3072,
+        "fragments": 6,
+        "seconds": 1.0,
+        "gbps": 0.001,
+        "ratio_contiguous": 1.0,
+        "ratio_memcpy": 1.0,
+    }
+    line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
+    assert line.split()[:5] == ["write", "local", "512", "1536", "6"]  # was "0K 1K"
+    row.update(fragment_bytes=1 << 20, page_bytes=64 << 10)
+    line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
+    assert line.split()[:4] == ["write", "local", "1M", "64K"]

@@ -75,7 +75,7 @@ def _table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         contiguous = r.get("ratio_contiguous")
         lines.append(
-            f"{r['kind']:<14}{r['transport']:<10}{r['fragment_bytes'] >> 10:>9}K{r['page_bytes'] >> 10:>7}K{r['fragments']:>7}"
+            f"{r['kind']:<14}{r['transport']:<10}{_bytes(r['fragment_bytes']):>10}{_bytes(r['page_bytes']):>8}{r['fragments']:>7}"
             f"{r['seconds']:>10.4f}{r['gbps']:>8.2f}{'-' if contiguous is None else f'{contiguous:.2f}':>10}"
             f"{r['ratio_memcpy'] or 0:>10.2f}" + ("" if r.get("verified", True) else "  NOT VERIFIED")
         )
