@@ -98,3 +98,46 @@ def test_demo_refuses_a_short_secret_before_it_runs(
         + str(path)
         + " holds 5 bytes; a secret needs at least 16 (ConfigError)"
     ]
+
+
+@pytest.mark.parametrize("command", ["demo", "layout", "generate", "info", "bench transfer"])
+def test_the_readme_usage_of_each_command_lists_all_its_flags(command: str) -> None:
+    import argparse
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    usage = re.search(rf"```\nkvferry {command} (.*?)```", readme, re.DOTALL)
+    assert usage is not None, f"no usage block for kvferry {command}"
+    parser = cli.build_parser()
+    for word in command.split():
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert not {f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", usage.group(1))}
+
+
+def test_demo_refuses_max_tokens_the_pools_cannot_hold_before_it_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvferry.commands.demo as demo
+
+    # it decoded for minutes, then failed with "request 0 cannot fit in the cache pools" (exit 3)
+    monkeypatch.setattr(demo, "_run", lambda *a: pytest.fail("ran"))
+    assert main(["demo", "--requests", "8", "--max-tokens", "1982"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvferry demo: error: --max-tokens 1982: the longest prompt (64 tokens) leaves room for at most 1981 "
+        "generated tokens in the engines' 511 pages of 4 tokens (ConfigError)"
+    ]
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "1"])
+def test_demo_max_tokens_below_two_names_the_one_rule(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 said "must be at least 1", and then 1 was refused too
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--max-tokens", value])
+    assert exit_info.value.code == 2
+    assert f"argument --max-tokens: must be at least 2 (the first token and one decoded), got {value}" in (
+        capsys.readouterr().err
+    )

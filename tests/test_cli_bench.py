@@ -158,3 +158,48 @@ def test_json_is_all_of_stdout_and_library_logs_go_to_stderr() -> None:
     assert {r["kind"] for r in result["rows"]} >= {"write", "contiguous", "memcpy"}
     # this process's agent and the peer process's agent both logged, to stderr
     assert proc.stderr.count("Initialized NIXL agent") >= 2, proc.stderr[-3000:]
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    # it ran the whole benchmark, then died in savefig with a traceback (ValueError: Format 'foo')
+    line = _refused(
+        capsys, "--total-bytes", "64K", "--fragment-bytes", "64K", "--plot", str(tmp_path / "p.foo")
+    )
+    assert "matplotlib cannot write .foo files" in line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_output_that_cannot_be_written_keeps_the_result_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a traceback (OSError: No space left on device) after the run, and the result was never printed
+    argv = ["--total-bytes", "64K", "--fragment-bytes", "64K", "--no-baselines", "--json"]
+    assert main([*BENCH, *argv, "--output", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["rows"]
+    assert captured.err.splitlines()[-1].startswith("kvferry bench: error: --output /dev/full: No space left")
+
+
+def test_the_table_shows_sizes_below_a_kib() -> None:
+    from kvferry.commands.bench import _table
+
+    row = {
+        "kind": "write",
+        "transport": "local",
+        "fragment_bytes": 512,
+        "page_bytes": 1536,
+        "bytes": 3072,
+        "fragments": 6,
+        "seconds": 1.0,
+        "gbps": 0.001,
+        "ratio_contiguous": 1.0,
+        "ratio_memcpy": 1.0,
+    }
+    line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
+    assert line.split()[:5] == ["write", "local", "512", "1536", "6"]  # was "0K 1K"
+    row.update(fragment_bytes=1 << 20, page_bytes=64 << 10)
+    line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
+    assert line.split()[:4] == ["write", "local", "1M", "64K"]

@@ -79,6 +79,17 @@ def test_a_request_that_cannot_fit_names_the_sizes_and_the_flag(capsys: pytest.C
     assert "--num-pages 4 holds 3" in err and "raise --num-pages to at least 27" in err
 
 
+def test_a_request_that_cannot_fit_fails_before_generating(capsys: pytest.CaptureFixture[str]) -> None:
+    # it generated (and printed) all that fitted first: a minute of text before the error for 5000 tokens
+    argv = ["generate", "--prompt", "hi", "--num-pages", "10", *FAST]
+    assert main([*argv, "--max-tokens", "36"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "needs about 10 pages of 4 tokens; --num-pages 10 holds 9" in err
+    # 2 + 35 tokens, the last one's KV never written: 36 tokens, 9 pages exactly
+    assert main([*argv, "--max-tokens", "35", "--spec-k", "2"]) == 0
+    assert "[35 tokens, length" in capsys.readouterr().err
+
+
 def test_temperature_needs_a_seed_and_then_samples(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "--prompt", "kv", "--max-tokens", "8", "--json", *FAST]
     assert main([*argv, "--temperature", "0.5"]) == 2

@@ -75,7 +75,7 @@ def _table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         contiguous = r.get("ratio_contiguous")
         lines.append(
-            f"{r['kind']:<14}{r['transport']:<10}{r['fragment_bytes'] >> 10:>9}K{r['page_bytes'] >> 10:>7}K{r['fragments']:>7}"
+            f"{r['kind']:<14}{r['transport']:<10}{_bytes(r['fragment_bytes']):>10}{_bytes(r['page_bytes']):>8}{r['fragments']:>7}"
             f"{r['seconds']:>10.4f}{r['gbps']:>8.2f}{'-' if contiguous is None else f'{contiguous:.2f}':>10}"
             f"{r['ratio_memcpy'] or 0:>10.2f}" + ("" if r.get("verified", True) else "  NOT VERIFIED")
         )
@@ -161,6 +161,14 @@ def validate(args: argparse.Namespace) -> list[str]:
             import matplotlib  # noqa: F401
         except ImportError:
             raise MissingExtraError("matplotlib (for --plot)", "bench") from None
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        suffix = os.path.splitext(args.plot)[1][1:].lower()
+        if suffix and suffix not in formats:
+            raise ConfigError(
+                f"--plot {args.plot}: matplotlib cannot write .{suffix} files (try .png, .svg or .pdf)"
+            )
     from kvferry.transports.registry import available_transports, get_transport
 
     if args.transport != "all":
@@ -177,14 +185,21 @@ def run(args: argparse.Namespace) -> int:
     with stdout_to_stderr():
         names = validate(args)
         result = _bench(args, names)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.plot:
-        from kvferry.transports.bench import plot
-
-        plot(result, args.plot)
+    # the result first: a file that cannot be written after all (a full disk) must not lose the run
     print(json.dumps(result, indent=2) if args.json else _table(result), flush=True)
+    try:
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(result, f, indent=2)
+    except OSError as exc:
+        raise ConfigError(f"--output {args.output}: {exc.strerror or exc}") from None
+    try:
+        if args.plot:
+            from kvferry.transports.bench import plot
+
+            plot(result, args.plot)
+    except OSError as exc:
+        raise ConfigError(f"--plot {args.plot}: {exc.strerror or exc}") from None
     failed = [r for r in result["rows"] if not r.get("verified", True)]
     for r in failed:
         say(

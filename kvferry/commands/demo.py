@@ -56,7 +56,10 @@ JSON_KEYS = (
 
 
 def _at_least_two(text: str) -> int:
-    value = positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2 (the first token and one decoded), got {value}")
     return value
@@ -108,6 +111,23 @@ def _check_tp(flag: str, tp: int) -> None:
             spec.shard(tp, rank)
     except ConfigError as exc:
         raise ConfigError(f"{flag} {tp}: {exc}") from None
+
+
+def _check_fits(args: argparse.Namespace) -> None:
+    """Refuse a ``--max-tokens`` that the engines' pages cannot hold for the longest prompt, before anything
+    runs (it failed with PoolExhausted once the aggregated pass had decoded that far: minutes)."""
+    from kvferry.engine.disagg.serve import _options
+    from kvferry.pools.spec import preset
+
+    tokens_per_block = preset("tiny").tokens_per_block
+    pages = _options(1, 0, args.seed, "float64").num_pages - 1  # per rank; page 0 is reserved
+    longest = max(map(len, _prompts(args.requests, args.seed)))
+    most = pages * tokens_per_block - longest + 1  # the last token's KV is never written
+    if args.max_tokens > most:
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens}: the longest prompt ({longest} tokens) leaves room for at most "
+            f"{most} generated tokens in the engines' {pages} pages of {tokens_per_block} tokens"
+        )
 
 
 def _resolve_transport(name: str) -> tuple[str, bool]:
@@ -369,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_tp("--ctx-tp", args.ctx_tp)
     _check_tp("--gen-tp", args.gen_tp)
+    _check_fits(args)
     args.secret = load_secret(args.secret_file)  # before anything runs: a bad secret is a usage error
     spec_k = args.spec_k
     if spec_k is None:

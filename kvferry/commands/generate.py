@@ -150,6 +150,22 @@ def _check_model(model: str) -> None:
         raise ConfigError(f"--model {model}: not a directory (give 'tiny' or a checkpoint directory)")
 
 
+def _pages_needed(prompt: list[int], args: argparse.Namespace, tokens_per_block: int) -> int:
+    max_tokens: int = args.max_tokens
+    return math.ceil((len(prompt) + max_tokens - 1) / tokens_per_block)
+
+
+def _cannot_fit(
+    index: int, prompt: list[int], args: argparse.Namespace, tokens_per_block: int
+) -> ConfigError:
+    needed = _pages_needed(prompt, args, tokens_per_block)
+    return ConfigError(
+        f"prompt {index} ({len(prompt)} tokens) with --max-tokens {args.max_tokens} needs about "
+        f"{needed} pages of {tokens_per_block} tokens; --num-pages {args.num_pages} holds "
+        f"{args.num_pages - 1} (page 0 is reserved): raise --num-pages to at least {needed + 1}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import anyio
 
@@ -183,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     tokens_per_block = built.runner.model.spec.tokens_per_block
+    for index, prompt in enumerate(prompts):
+        # at once, not after generating what fits: the last token's KV is never written
+        if _pages_needed(prompt, args, tokens_per_block) > args.num_pages - 1:
+            raise _cannot_fit(index, prompt, args, tokens_per_block)
 
     async def main() -> None:
         async with built.engine as engine:
@@ -206,12 +226,7 @@ def run(args: argparse.Namespace) -> int:
                 except PoolExhausted as exc:
                     if stream is not None:
                         stream.end()
-                    needed = math.ceil((len(prompt) + args.max_tokens + args.spec_k) / tokens_per_block)
-                    raise ConfigError(
-                        f"prompt {index} ({len(prompt)} tokens) with --max-tokens {args.max_tokens} needs about "
-                        f"{needed} pages of {tokens_per_block} tokens; --num-pages {args.num_pages} holds "
-                        f"{args.num_pages - 1} (page 0 is reserved): raise --num-pages to at least {needed + 1}"
-                    ) from exc
+                    raise _cannot_fit(index, prompt, args, tokens_per_block) from exc
                 if stream is not None:
                     stream.end()
                 _report(args, prompt, tokens, tokenizer, generation.statistics(), started)

@@ -487,6 +487,11 @@ class Engine:
             await self._step()
             # let consumers take their tokens (and cancel) before the next step
             await anyio.lowlevel.checkpoint()
+            if not self.config.step_in_thread:
+                # and a turn without a step: anyio delivers a cancellation only to a task whose wake-up is not
+                # pending, and a step run on the loop wakes every consumer just before each delivery attempt,
+                # so a timeout or Ctrl-C around them would never arrive while the engine is busy
+                await anyio.lowlevel.checkpoint()
 
     def _reap(self) -> None:
         if self._to_cancel:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import anyio
@@ -96,3 +97,33 @@ async def test_cancelled_while_entering_leaves_nothing_running() -> None:
         await engine.__aenter__()
     assert engine._done is not None and engine._done.is_set()
     assert cache.free_pages == 256
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("in_thread", [False, True])
+@pytest.mark.parametrize("consumers", [1, 8])
+async def test_a_cancel_scope_reaches_consumers_of_a_busy_engine(in_thread: bool, consumers: int) -> None:
+    # anyio delivers a cancellation only to a task whose wake-up is not pending; a step run on the loop itself
+    # woke every consumer just before each delivery attempt, so a timeout (or Ctrl-C: `kvferry demo` and
+    # `generate` step on the loop) never reached them while the engine was busy
+    cache = FakeCache(num_pages=1 << 20, num_slots=16, tokens_per_block=4)
+    engine = Engine(
+        FakeRunner(), cache, EngineConfig(SchedulerConfig(64, 8, 64, 4), step_in_thread=in_thread)
+    )
+    got = [0] * consumers
+    start = time.monotonic()
+
+    async def consume(i: int) -> None:
+        async for _ in engine.generate([1, 2, 3], max_tokens=100_000):
+            got[i] += 1
+            if time.monotonic() - start > 10:
+                return  # the cancellation never came (without this the test would never end)
+
+    async with engine:
+        with anyio.move_on_after(0.5) as scope:
+            async with anyio.create_task_group() as tg:
+                for i in range(consumers):
+                    tg.start_soon(consume, i)
+        assert time.monotonic() - start < 5 and scope.cancelled_caught and all(got)
+        await engine.wait_idle()
+    assert cache.free_pages == 1 << 20 and cache.free_slots == 16
