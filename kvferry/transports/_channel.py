@@ -47,7 +47,7 @@ from kvferry.errors import (
 from kvferry.transports import wire
 from kvferry.transports._framing import FrameReader, close_quietly, discard, frame, tune
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
-from kvferry.transports._memory import CopyPlan, Grants, GrantTable, RegionTable, TensorRegistration
+from kvferry.transports._memory import CopyPlan, Grants, RegionTable, TensorRegistration, union_of
 from kvferry.transports.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Fragments,
@@ -928,9 +928,13 @@ class ChannelTransport(Transport):
             rows = fragments.fragments()
         else:
             rows = as_fragments(fragments)
-        self._own.locate(rows, f"memory granted to {p.address}")
         # what travels (and what is checked) is the union: rows that overlap or touch merged, in address order
-        merged = GrantTable(rows).ranges
+        merged = union_of(rows)
+        what = f"memory granted to {p.address}"
+        try:  # the merged ranges first (fewer rows)
+            self._own.locate(merged, what)
+        except RegionError:  # names the first row outside; or each lies in a region, a merged one across two
+            self._own.locate(rows, what)
         step = wire.MAX_GRANT_FRAGMENTS
         pieces = [merged[i : i + step] for i in range(0, len(merged), step)] or [merged]
         if len(p.granted) + len(pieces) > wire.MAX_LIVE_GRANTS:
@@ -1320,7 +1324,7 @@ class ChannelTransport(Transport):
 
     def _check_granted(self, p: ChannelPeer, dst: Fragments, bounds: tuple[int, int] | None = None) -> None:
         """:raises ~kvferry.errors.NotGranted: a destination row outside what ``p`` granted us."""
-        p.grants.table.check(dst, f"destination at {p.address}", bounds)
+        p.grants.check(dst, f"destination at {p.address}", bounds)
 
     @property
     def writes_in_flight(self) -> int:

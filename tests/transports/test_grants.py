@@ -16,7 +16,7 @@ from test_transports import connected, random_tensor, remote_buffer, sha
 
 from kvferry.errors import NotGranted, PeerDisconnected, RegionError, TransportError, WireFormatError
 from kvferry.transports import PeerState, Transport, as_fragments, get_transport, wire
-from kvferry.transports._memory import Grants, GrantTable
+from kvferry.transports._memory import Grants, GrantTable, union_of
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -403,3 +403,48 @@ def test_an_indexed_writes_destinations_are_the_rows_it_expands_to() -> None:
     _, expanded = rows.expand(ids, dst_ids)
     assert GrantTable(destinations).ranges.tolist() == GrantTable(expanded).ranges.tolist()
     assert int(destinations[:, 1].sum()) == rows.nbytes
+
+
+def test_grants_hold_exactly_the_union_of_the_live_grants() -> None:
+    """Whatever the grants' rows (unsorted, overlapping, touching, over several grants) and whichever grant a
+    write's rows fall in, a check passes exactly when every row lies inside the union of the live grants: the
+    one-grant checks tried first never pass more than the union, and a write across grants still passes."""
+    rng = np.random.default_rng(7)
+    space = 512
+    seen = {True: 0, False: 0}
+    for _ in range(60):
+        grants, covered = Grants(), np.zeros(space, dtype=bool)
+        live: dict[int, list[tuple[int, int]]] = {}
+        for grant_id in range(1, int(rng.integers(1, 8)) + 1):
+            starts = rng.integers(1, space - 32, size=int(rng.integers(1, 6)))
+            rows = [(int(a), int(rng.integers(1, 32))) for a in starts]
+            live[grant_id] = rows
+            # as a granting transport sends them (merged, in address order) or as they came
+            grants.add(grant_id, union_of(as_fragments(rows)) if grant_id % 2 else as_fragments(rows))
+        for grant_id in list(live)[: int(rng.integers(0, len(live)))]:  # some revoked again
+            assert grants.remove(grant_id)
+            del live[grant_id]
+        for rows in live.values():
+            for a, n in rows:
+                covered[a : a + n] = True
+        union = GrantTable(
+            np.array([r for rows in live.values() for r in rows], dtype=np.uint64).reshape(-1, 2)
+        )
+        assert union.nbytes == int(covered.sum())
+        granted = np.flatnonzero(covered)
+        for _ in range(30):
+            # half the writes start on granted bytes (inside or running past a grant's end), half anywhere
+            near = len(granted) and rng.random() < 0.5
+            starts = rng.choice(granted, 3) if near else rng.integers(1, space - 16, 3)
+            write = as_fragments([(int(a), int(rng.integers(1, 8))) for a in starts])
+            inside = all(covered[a : a + n].all() for a, n in write.tolist())
+            seen[inside] += 1
+            assert grants.holds(write) is inside and union.holds(write) is inside
+            ends = write[:, 0] + write[:, 1]
+            bounds = (int(write[:, 0].min()), int(ends.max())) if rng.random() < 0.5 else None
+            if inside:
+                grants.check(write, "w", bounds)
+            else:
+                with pytest.raises(NotGranted):
+                    grants.check(write, "w", bounds)
+    assert min(seen.values()) > 300, seen
