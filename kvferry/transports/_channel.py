@@ -141,6 +141,7 @@ class ChannelPeer(Peer):
         "_state",
         "backend",
         "error",
+        "flushing",
         "granted",
         "grants",
         "guards",
@@ -153,6 +154,7 @@ class ChannelPeer(Peer):
         "messages_out",
         "notifications_in",
         "notifications_out",
+        "outbox",
         "pending",
         "proof",
         "regions",
@@ -204,6 +206,10 @@ class ChannelPeer(Peer):
         self.grants = Grants()
         #: what we granted this peer (:meth:`ChannelTransport.grant`): its writes we receive must land inside
         self.granted = Grants()
+        #: frames that go out ahead of the next ones sent (deferred grants, revokes; see
+        #: :meth:`ChannelTransport.send_frames`), and whether a task to send them is on its way
+        self.outbox: list[tuple[wire.FrameKind, bytes]] = []
+        self.flushing = False
 
     @property
     def state(self) -> PeerState:
@@ -238,15 +244,22 @@ class ChannelPeer(Peer):
 class ChannelGrant(Grant):
     """A grant of a :class:`ChannelTransport`: one or more wire grants (ids) to one peer."""
 
-    __slots__ = ("_active", "_fragments", "_peer", "ids", "transport")
+    __slots__ = ("_active", "_fragments", "_peer", "frames", "ids", "transport")
 
     def __init__(
-        self, transport: ChannelTransport, peer: ChannelPeer, ids: tuple[int, ...], fragments: Fragments
+        self,
+        transport: ChannelTransport,
+        peer: ChannelPeer,
+        ids: tuple[int, ...],
+        fragments: Fragments,
+        frames: Sequence[tuple[wire.FrameKind, bytes]] = (),
     ) -> None:
         self.transport = transport
         self._peer = peer
         self.ids = ids
         self._fragments = fragments
+        #: its GRANT frames (the very objects: a deferred grant's may still wait in the peer's outbox)
+        self.frames = tuple(frames)
         self._active = True
 
     @property
@@ -822,10 +835,16 @@ class ChannelTransport(Transport):
 
     async def send_frames(self, peer: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
         """Send ``frames`` in order, back to back (small ones in one send); a frame cut midway (cancel, error)
-        makes the peer LOST, and which of the frames arrived is then unknown."""
+        makes the peer LOST, and which of the frames arrived is then unknown.
+
+        The frames waiting in the peer's outbox (deferred grants, revokes: :meth:`_queue`) go first, in the
+        same send: whatever is sent after a frame was queued arrives after it."""
         if peer.state is not PeerState.CONNECTED:
             raise peer.error
         async with peer.send_lock:
+            if peer.outbox:
+                frames = [*peer.outbox, *frames]
+                peer.outbox.clear()
             try:
                 with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
                     pending = b""
@@ -920,7 +939,9 @@ class ChannelTransport(Transport):
 
     # --- grants --------------------------------------------------------------------------------------
 
-    async def grant(self, peer: Peer, fragments: npt.ArrayLike | Registration) -> Grant:
+    async def grant(
+        self, peer: Peer, fragments: npt.ArrayLike | Registration, *, defer: bool = False
+    ) -> Grant:
         p = self._live_peer(peer)
         if isinstance(fragments, Registration):
             if not fragments.active:
@@ -952,14 +973,18 @@ class ChannelTransport(Transport):
             (wire.FrameKind.GRANT, wire.encode(self._converter, wire.WriteGrant(i, fragments_bytes(piece))))
             for i, piece in zip(ids, pieces, strict=True)
         ]
-        try:
-            # whole or not at all: a cancel waiting for the channel sends nothing, a frame cut midway loses the peer
-            await self.send_frames(p, frames)
-        except BaseException:
-            for grant_id in ids:
-                p.granted.remove(grant_id)
-            raise
-        grant = ChannelGrant(self, p, ids, rows)
+        if defer:  # ahead of the next frame we send the peer (the caller's message), or by a task right after
+            self._queue(p, frames)
+        else:
+            try:
+                # whole or not at all: a cancel waiting for the channel sends nothing, a frame cut midway loses
+                # the peer
+                await self.send_frames(p, frames)
+            except BaseException:
+                for grant_id in ids:
+                    p.granted.remove(grant_id)
+                raise
+        grant = ChannelGrant(self, p, ids, rows, frames)
         for other in [q for q in self._grants if q.state is not PeerState.CONNECTED]:
             del self._grants[other]
         self._grants.setdefault(p, set()).add(grant)
@@ -979,18 +1004,40 @@ class ChannelTransport(Transport):
 
     async def _revoke(self, grant: ChannelGrant) -> None:
         with anyio.CancelScope(shield=True):
-            if self._forget(grant):
+            if self._forget(grant) and not self._withdraw(grant):
                 with suppress(TransportError):  # the peer is gone: its grants went with it
                     await self.send_frames(grant._peer, self._revoke_frames(grant))
 
     def _revoke_nowait(self, grant: ChannelGrant) -> None:
-        if self._forget(grant):
-            with suppress(ClosedResourceError):  # closing: the peer goes with it
-                self.spawn(self._send_revokes, grant)
+        if self._forget(grant) and not self._withdraw(grant):
+            self._queue(grant._peer, self._revoke_frames(grant))
 
-    async def _send_revokes(self, grant: ChannelGrant) -> None:
-        with suppress(TransportError):
-            await self.send_frames(grant._peer, self._revoke_frames(grant))
+    def _withdraw(self, grant: ChannelGrant) -> bool:
+        """Take a deferred grant's GRANT frames back out of its peer's outbox if they still wait there (the peer
+        never learns of the grant: nothing to revoke); True if they did."""
+        outbox = grant._peer.outbox
+        if not grant.frames or not any(f is grant.frames[0] for f in outbox):
+            return False  # sent (frames leave the outbox all at once, under the send lock)
+        mine = {id(f) for f in grant.frames}
+        outbox[:] = [f for f in outbox if id(f) not in mine]
+        return True
+
+    def _queue(self, p: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
+        """Send ``frames`` without waiting: they go out ahead of the next frames sent to ``p``
+        (:meth:`send_frames`), in the same send, or by a task of ours right after, whichever comes first."""
+        p.outbox.extend(frames)
+        if not p.flushing:
+            p.flushing = True
+            try:
+                self.spawn(self._flush, p)
+            except ClosedResourceError:  # closing: the peer goes with it
+                p.flushing = False
+
+    async def _flush(self, p: ChannelPeer) -> None:
+        p.flushing = False  # frames queued from now on need another task, unless this send takes them too
+        if p.outbox and p.state is PeerState.CONNECTED:
+            with suppress(TransportError):  # the peer is gone: what was queued for it went with it
+                await self.send_frames(p, ())
 
     async def _revoke_unregistered(self) -> None:
         """Revoke our grants that are no longer inside registered memory (a registration at the same addresses

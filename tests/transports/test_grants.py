@@ -252,6 +252,54 @@ async def test_a_grant_is_known_before_the_message_after_it_and_revoke_nowait_fo
         await grant.revoke()
 
 
+async def test_deferred_grants_and_revokes_go_out_ahead_of_the_next_message() -> None:
+    """grant(defer=True) and revoke_nowait wait for no send: what they queue goes out ahead of the next message, in
+    the same send (the writer knows the grant, or its end, as soon as it read the message), or on its own right
+    after when nothing else is sent. A deferred grant revoked before it went out never reaches the peer (neither
+    does its revoke: a revoke of a grant it never knew would cost us the connection)."""
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(PAGE, seed=6), torch.zeros(PAGE, dtype=torch.uint8)
+        await a.register(src)
+        registration = await b.register(dst)
+        sent = b.statistics().messages_sent
+        for _ in range(3):
+            grant = await b.grant(pb, registration, defer=True)
+            assert grant.active and b.statistics().grants == 1
+            await b.send_message(pb, b"write")
+            assert await a.receive_message(pa) == b"write"
+            assert len(pa.grants) == 1  # type: ignore[attr-defined]  # with the message, not after it
+            await a.write(pa, [[src.data_ptr(), PAGE]], [[dst.data_ptr(), PAGE]])
+            grant.revoke_nowait()
+            await b.send_message(pb, b"done")
+            assert await a.receive_message(pa) == b"done"
+            assert not pa.grants  # type: ignore[attr-defined]
+            with pytest.raises(NotGranted):
+                await a.write(pa, [[src.data_ptr(), PAGE]], [[dst.data_ptr(), PAGE]])
+        # nothing sent after it: a task sends it (and the revoke) on its own
+        grant = await b.grant(pb, registration, defer=True)
+        with anyio.fail_after(5):
+            while not pa.grants:  # type: ignore[attr-defined]  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        grant.revoke_nowait()
+        with anyio.fail_after(5):
+            while pa.grants:  # type: ignore[attr-defined]  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        # revoked before it went out: neither frame is sent, the connection is fine
+        for revoke in ("nowait", "await"):
+            grant = await b.grant(pb, registration, defer=True)
+            if revoke == "nowait":
+                grant.revoke_nowait()
+            else:
+                await grant.revoke()
+            assert not grant.active and not pb.outbox  # type: ignore[attr-defined]
+            await b.send_message(pb, b"never granted")
+            assert await a.receive_message(pa) == b"never granted"
+            assert not pa.grants and pa.state is PeerState.CONNECTED  # type: ignore[attr-defined]
+        assert b.statistics().messages_sent - sent == 8 and b.statistics().grants == 0
+
+
 @pytest.mark.parametrize(
     "frames",
     [
