@@ -141,7 +141,6 @@ class ChannelPeer(Peer):
         "_state",
         "backend",
         "error",
-        "flushing",
         "granted",
         "grants",
         "guards",
@@ -163,6 +162,7 @@ class ChannelPeer(Peer):
         "send_lock",
         "stream",
         "transport",
+        "wake",
     )
 
     def __init__(self, transport: ChannelTransport, stream: ByteStream, introduction: Introduction) -> None:
@@ -207,9 +207,10 @@ class ChannelPeer(Peer):
         #: what we granted this peer (:meth:`ChannelTransport.grant`): its writes we receive must land inside
         self.granted = Grants()
         #: frames that go out ahead of the next ones sent (deferred grants, revokes; see
-        #: :meth:`ChannelTransport.send_frames`), and whether a task to send them is on its way
+        #: :meth:`ChannelTransport.send_frames`), and what wakes the task that sends them when nothing else does
+        #: (None until the first is queued)
         self.outbox: list[tuple[wire.FrameKind, bytes]] = []
-        self.flushing = False
+        self.wake: anyio.Event | None = None
 
     @property
     def state(self) -> PeerState:
@@ -794,6 +795,8 @@ class ChannelTransport(Transport):
         peer._state = state
         peer.error = error
         peer.lost.set()
+        if peer.wake is not None:
+            peer.wake.set()  # its flusher ends
         with anyio.CancelScope(shield=True):
             for guard in list(peer.guards):
                 guard.reason = error
@@ -1024,20 +1027,26 @@ class ChannelTransport(Transport):
 
     def _queue(self, p: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
         """Send ``frames`` without waiting: they go out ahead of the next frames sent to ``p``
-        (:meth:`send_frames`), in the same send, or by a task of ours right after, whichever comes first."""
+        (:meth:`send_frames`), in the same send, or by ``p``'s flusher right after, whichever comes first."""
         p.outbox.extend(frames)
-        if not p.flushing:
-            p.flushing = True
+        if p.wake is None:  # the first: start its flusher (one task for the peer's life, not one per frame)
+            p.wake = anyio.Event()
             try:
-                self.spawn(self._flush, p)
+                self.spawn(self._flusher, p)
             except ClosedResourceError:  # closing: the peer goes with it
-                p.flushing = False
+                p.wake = None
+                return
+        p.wake.set()
 
-    async def _flush(self, p: ChannelPeer) -> None:
-        p.flushing = False  # frames queued from now on need another task, unless this send takes them too
-        if p.outbox and p.state is PeerState.CONNECTED:
-            with suppress(TransportError):  # the peer is gone: what was queued for it went with it
-                await self.send_frames(p, ())
+    async def _flusher(self, p: ChannelPeer) -> None:
+        """Send what waits in ``p``'s outbox each time frames were queued, unless a send took them first; ends
+        with the peer (:meth:`_lose` wakes it)."""
+        while p.state is PeerState.CONNECTED and p.wake is not None:
+            await p.wake.wait()
+            p.wake = anyio.Event()  # frames queued from now on wake it again
+            if p.outbox and p.state is PeerState.CONNECTED:
+                with suppress(TransportError):  # the peer is gone: what was queued for it went with it
+                    await self.send_frames(p, ())
 
     async def _revoke_unregistered(self) -> None:
         """Revoke our grants that are no longer inside registered memory (a registration at the same addresses
