@@ -1296,7 +1296,7 @@ class ChannelTransport(Transport):
                 if template is not None:
                     # the template lies in registered memory; the rows these ids name must lie in the grants
                     w.check()
-                    self._check_granted(p, w.rows.destinations(w.dst_ids))
+                    self._check_granted(p, w.rows.destination_runs(w.dst_ids))
             except RegionError as exc:  # refused before anything is written
                 if isinstance(exc, NotGranted):
                     self._count_refused(p, exc)

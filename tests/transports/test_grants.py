@@ -4,6 +4,7 @@ checked; the wire refuses malformed grants; a deregistration revokes what it cov
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any
 
@@ -496,3 +497,42 @@ def test_grants_hold_exactly_the_union_of_the_live_grants() -> None:
                 with pytest.raises(NotGranted):
                     grants.check(write, "w", bounds)
     assert min(seen.values()) > 300, seen
+
+
+def test_an_indexed_writes_destination_runs_are_the_bytes_of_its_rows() -> None:
+    """What the device path checks (runs merged where the template makes rows contiguous whatever the ids) is
+    exactly the bytes of the rows the ids name, in fewer rows; rows at other id positions, of another stride or
+    with a gap between them are never merged."""
+    rng = np.random.default_rng(3)
+    page, positions = 4096, 8
+    merged = 0
+    for _ in range(50):
+        # per position, cuts of one page (some pieces left out, so some neighbours do not touch); two groups of
+        # positions with their own strides and bases
+        slot, base, stride, length = [], [], [], []
+        for j in range(positions):
+            cuts = np.sort(rng.choice(np.arange(1, page // 64), 4, replace=False)) * 64
+            edges = [0, *cuts.tolist(), page]
+            for a, b in itertools.pairwise(edges):
+                if rng.random() < 0.8:
+                    slot.append(j)
+                    base.append((1 << 30) * (1 + j % 2) + a)
+                    stride.append(page * (1 + j % 2))
+                    length.append(b - a)
+        rows = IndexedRows(
+            src_slot=np.zeros(len(slot), dtype=np.int64),
+            src_base=np.zeros(len(slot), dtype=np.int64) + (1 << 40),
+            src_stride=np.full(len(slot), page),
+            dst_slot=slot,
+            dst_base=base,
+            dst_stride=stride,
+            length=length,
+            src_limit=[1],
+            dst_limit=np.full(positions, 64),
+        )
+        dst_ids = rng.permutation(64)[:positions]
+        every, runs = rows.destinations(dst_ids), rows.destination_runs(dst_ids)
+        assert len(runs) <= len(every) and int(runs[:, 1].sum()) == rows.nbytes
+        assert GrantTable(runs).ranges.tolist() == GrantTable(every).ranges.tolist()
+        merged += len(every) - len(runs)
+    assert merged > 100  # neighbours at one position that touch do merge
