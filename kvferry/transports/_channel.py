@@ -47,7 +47,7 @@ from kvferry.errors import (
 from kvferry.transports import wire
 from kvferry.transports._framing import FrameReader, close_quietly, discard, frame, tune
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
-from kvferry.transports._memory import CopyPlan, Grants, GrantTable, RegionTable, TensorRegistration
+from kvferry.transports._memory import CopyPlan, Grants, RegionTable, TensorRegistration, union_of
 from kvferry.transports.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Fragments,
@@ -153,6 +153,7 @@ class ChannelPeer(Peer):
         "messages_out",
         "notifications_in",
         "notifications_out",
+        "outbox",
         "pending",
         "proof",
         "regions",
@@ -161,6 +162,7 @@ class ChannelPeer(Peer):
         "send_lock",
         "stream",
         "transport",
+        "wake",
     )
 
     def __init__(self, transport: ChannelTransport, stream: ByteStream, introduction: Introduction) -> None:
@@ -204,6 +206,11 @@ class ChannelPeer(Peer):
         self.grants = Grants()
         #: what we granted this peer (:meth:`ChannelTransport.grant`): its writes we receive must land inside
         self.granted = Grants()
+        #: frames that go out ahead of the next ones sent (deferred grants, revokes; see
+        #: :meth:`ChannelTransport.send_frames`), and what wakes the task that sends them when nothing else does
+        #: (None until the first is queued)
+        self.outbox: list[tuple[wire.FrameKind, bytes]] = []
+        self.wake: anyio.Event | None = None
 
     @property
     def state(self) -> PeerState:
@@ -238,15 +245,22 @@ class ChannelPeer(Peer):
 class ChannelGrant(Grant):
     """A grant of a :class:`ChannelTransport`: one or more wire grants (ids) to one peer."""
 
-    __slots__ = ("_active", "_fragments", "_peer", "ids", "transport")
+    __slots__ = ("_active", "_fragments", "_peer", "frames", "ids", "transport")
 
     def __init__(
-        self, transport: ChannelTransport, peer: ChannelPeer, ids: tuple[int, ...], fragments: Fragments
+        self,
+        transport: ChannelTransport,
+        peer: ChannelPeer,
+        ids: tuple[int, ...],
+        fragments: Fragments,
+        frames: Sequence[tuple[wire.FrameKind, bytes]] = (),
     ) -> None:
         self.transport = transport
         self._peer = peer
         self.ids = ids
         self._fragments = fragments
+        #: its GRANT frames (the very objects: a deferred grant's may still wait in the peer's outbox)
+        self.frames = tuple(frames)
         self._active = True
 
     @property
@@ -781,6 +795,8 @@ class ChannelTransport(Transport):
         peer._state = state
         peer.error = error
         peer.lost.set()
+        if peer.wake is not None:
+            peer.wake.set()  # its flusher ends
         with anyio.CancelScope(shield=True):
             for guard in list(peer.guards):
                 guard.reason = error
@@ -822,10 +838,16 @@ class ChannelTransport(Transport):
 
     async def send_frames(self, peer: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
         """Send ``frames`` in order, back to back (small ones in one send); a frame cut midway (cancel, error)
-        makes the peer LOST, and which of the frames arrived is then unknown."""
+        makes the peer LOST, and which of the frames arrived is then unknown.
+
+        The frames waiting in the peer's outbox (deferred grants, revokes: :meth:`_queue`) go first, in the
+        same send: whatever is sent after a frame was queued arrives after it."""
         if peer.state is not PeerState.CONNECTED:
             raise peer.error
         async with peer.send_lock:
+            if peer.outbox:
+                frames = [*peer.outbox, *frames]
+                peer.outbox.clear()
             try:
                 with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
                     pending = b""
@@ -920,7 +942,9 @@ class ChannelTransport(Transport):
 
     # --- grants --------------------------------------------------------------------------------------
 
-    async def grant(self, peer: Peer, fragments: npt.ArrayLike | Registration) -> Grant:
+    async def grant(
+        self, peer: Peer, fragments: npt.ArrayLike | Registration, *, defer: bool = False
+    ) -> Grant:
         p = self._live_peer(peer)
         if isinstance(fragments, Registration):
             if not fragments.active:
@@ -928,9 +952,13 @@ class ChannelTransport(Transport):
             rows = fragments.fragments()
         else:
             rows = as_fragments(fragments)
-        self._own.locate(rows, f"memory granted to {p.address}")
         # what travels (and what is checked) is the union: rows that overlap or touch merged, in address order
-        merged = GrantTable(rows).ranges
+        merged = union_of(rows)
+        what = f"memory granted to {p.address}"
+        try:  # the merged ranges first (fewer rows)
+            self._own.locate(merged, what)
+        except RegionError:  # names the first row outside; or each lies in a region, a merged one across two
+            self._own.locate(rows, what)
         step = wire.MAX_GRANT_FRAGMENTS
         pieces = [merged[i : i + step] for i in range(0, len(merged), step)] or [merged]
         if len(p.granted) + len(pieces) > wire.MAX_LIVE_GRANTS:
@@ -948,14 +976,18 @@ class ChannelTransport(Transport):
             (wire.FrameKind.GRANT, wire.encode(self._converter, wire.WriteGrant(i, fragments_bytes(piece))))
             for i, piece in zip(ids, pieces, strict=True)
         ]
-        try:
-            # whole or not at all: a cancel waiting for the channel sends nothing, a frame cut midway loses the peer
-            await self.send_frames(p, frames)
-        except BaseException:
-            for grant_id in ids:
-                p.granted.remove(grant_id)
-            raise
-        grant = ChannelGrant(self, p, ids, rows)
+        if defer:  # ahead of the next frame we send the peer (the caller's message), or by a task right after
+            self._queue(p, frames)
+        else:
+            try:
+                # whole or not at all: a cancel waiting for the channel sends nothing, a frame cut midway loses
+                # the peer
+                await self.send_frames(p, frames)
+            except BaseException:
+                for grant_id in ids:
+                    p.granted.remove(grant_id)
+                raise
+        grant = ChannelGrant(self, p, ids, rows, frames)
         for other in [q for q in self._grants if q.state is not PeerState.CONNECTED]:
             del self._grants[other]
         self._grants.setdefault(p, set()).add(grant)
@@ -975,18 +1007,46 @@ class ChannelTransport(Transport):
 
     async def _revoke(self, grant: ChannelGrant) -> None:
         with anyio.CancelScope(shield=True):
-            if self._forget(grant):
+            if self._forget(grant) and not self._withdraw(grant):
                 with suppress(TransportError):  # the peer is gone: its grants went with it
                     await self.send_frames(grant._peer, self._revoke_frames(grant))
 
     def _revoke_nowait(self, grant: ChannelGrant) -> None:
-        if self._forget(grant):
-            with suppress(ClosedResourceError):  # closing: the peer goes with it
-                self.spawn(self._send_revokes, grant)
+        if self._forget(grant) and not self._withdraw(grant):
+            self._queue(grant._peer, self._revoke_frames(grant))
 
-    async def _send_revokes(self, grant: ChannelGrant) -> None:
-        with suppress(TransportError):
-            await self.send_frames(grant._peer, self._revoke_frames(grant))
+    def _withdraw(self, grant: ChannelGrant) -> bool:
+        """Take a deferred grant's GRANT frames back out of its peer's outbox if they still wait there (the peer
+        never learns of the grant: nothing to revoke); True if they did."""
+        outbox = grant._peer.outbox
+        if not grant.frames or not any(f is grant.frames[0] for f in outbox):
+            return False  # sent (frames leave the outbox all at once, under the send lock)
+        mine = {id(f) for f in grant.frames}
+        outbox[:] = [f for f in outbox if id(f) not in mine]
+        return True
+
+    def _queue(self, p: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
+        """Send ``frames`` without waiting: they go out ahead of the next frames sent to ``p``
+        (:meth:`send_frames`), in the same send, or by ``p``'s flusher right after, whichever comes first."""
+        p.outbox.extend(frames)
+        if p.wake is None:  # the first: start its flusher (one task for the peer's life, not one per frame)
+            p.wake = anyio.Event()
+            try:
+                self.spawn(self._flusher, p)
+            except ClosedResourceError:  # closing: the peer goes with it
+                p.wake = None
+                return
+        p.wake.set()
+
+    async def _flusher(self, p: ChannelPeer) -> None:
+        """Send what waits in ``p``'s outbox each time frames were queued, unless a send took them first; ends
+        with the peer (:meth:`_lose` wakes it)."""
+        while p.state is PeerState.CONNECTED and p.wake is not None:
+            await p.wake.wait()
+            p.wake = anyio.Event()  # frames queued from now on wake it again
+            if p.outbox and p.state is PeerState.CONNECTED:
+                with suppress(TransportError):  # the peer is gone: what was queued for it went with it
+                    await self.send_frames(p, ())
 
     async def _revoke_unregistered(self) -> None:
         """Revoke our grants that are no longer inside registered memory (a registration at the same addresses
@@ -1236,7 +1296,7 @@ class ChannelTransport(Transport):
                 if template is not None:
                     # the template lies in registered memory; the rows these ids name must lie in the grants
                     w.check()
-                    self._check_granted(p, w.rows.destinations(w.dst_ids))
+                    self._check_granted(p, w.rows.destination_runs(w.dst_ids))
             except RegionError as exc:  # refused before anything is written
                 if isinstance(exc, NotGranted):
                     self._count_refused(p, exc)
@@ -1320,7 +1380,7 @@ class ChannelTransport(Transport):
 
     def _check_granted(self, p: ChannelPeer, dst: Fragments, bounds: tuple[int, int] | None = None) -> None:
         """:raises ~kvferry.errors.NotGranted: a destination row outside what ``p`` granted us."""
-        p.grants.table.check(dst, f"destination at {p.address}", bounds)
+        p.grants.check(dst, f"destination at {p.address}", bounds)
 
     @property
     def writes_in_flight(self) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "region_infos",
     "row_indices",
     "synchronize_cuda",
+    "union_of",
 ]
 
 #: copies longer than this are cut so the event loop gets a turn between pieces
@@ -129,8 +130,8 @@ def _bounds(regions: Sequence[RegionInfo]) -> tuple[npt.NDArray[np.uint64], npt.
 
 
 class _Ranges:
-    """Ranges sorted by start, and the search that finds one holding each fragment (what :class:`RegionTable` and
-    :class:`GrantTable` share).
+    """Ranges sorted by start, and the search that finds one holding each fragment (:class:`RegionTable`'s;
+    :class:`GrantTable` merges its ranges first and needs less).
 
     Ranges may overlap. A fragment ``[a, a + n)`` is inside iff some range with ``start <= a`` ends at or
     after ``a + n``; the range with the largest end among those starting at or before ``a`` decides, so one
@@ -258,56 +259,112 @@ class RegionTable(_Ranges):
         return index
 
 
-class GrantTable(_Ranges):
-    """The union of granted ranges, for checking that a write's destination lies inside it: ranges that overlap
-    or touch are merged first (a row across two grants that touch lies in the union)."""
+def union_of(fragments: Fragments) -> Fragments:
+    """The union of ``(address, length)`` rows (none wrapping around) as ranges in address order, rows that
+    overlap or touch merged: ``(n, 2)`` uint64. Rows in that form already (ascending, none touching the next, as
+    a granting side sends them) come back as they are, after one vectorised pass; others are sorted first."""
+    rows = np.ascontiguousarray(fragments, dtype=np.uint64).reshape(-1, 2)
+    if len(rows) <= 1:
+        return rows
+    starts = rows[:, 0]
+    ends = starts + rows[:, 1]
+    if bool((starts[1:] > ends[:-1]).all()):
+        return rows
+    order = np.argsort(starts)
+    starts = starts[order]
+    reach = np.maximum.accumulate(ends[order])
+    # a merged range starts where a row starts past everything before it ends (touching rows merge)
+    new = np.empty(len(starts), dtype=np.bool_)
+    new[0] = True
+    np.greater(starts[1:], reach[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    out = np.empty((len(first), 2), dtype=np.uint64)
+    out[:, 0] = starts[first]
+    # each merged range ends where the running reach stands just before the next one starts
+    out[:-1, 1] = reach[first[1:] - 1]
+    out[-1, 1] = reach[-1]
+    out[:, 1] -= out[:, 0]
+    return out
 
-    __slots__ = ("nbytes", "ranges")
+
+class GrantTable:
+    """The union of granted ranges, for checking that a write's destination lies inside it: ranges that overlap
+    or touch are merged first (a row across two grants that touch lies in the union). The merged ranges are
+    disjoint and sorted, so one ``searchsorted`` finds the only range that may hold each fragment."""
+
+    __slots__ = ("_ends", "_starts", "ranges")
 
     def __init__(self, fragments: Fragments) -> None:
-        rows = np.asarray(fragments, dtype=np.uint64).reshape(-1, 2)
-        order = np.argsort(rows[:, 0], kind="stable")
-        starts = rows[order, 0]
-        ends = starts + rows[order, 1]
-        if len(starts):
-            reach = np.maximum.accumulate(ends)
-            # a merged range starts where a row starts past everything before it ends (touching rows merge)
-            first = np.flatnonzero(np.concatenate(([True], starts[1:] > reach[:-1])))
-            last = np.concatenate((first[1:] - 1, [len(starts) - 1]))
-            starts, ends = starts[first], reach[last]
         #: the merged ranges, ``(n, 2)`` ``(address, length)`` in address order
-        self.ranges: Fragments = np.stack([starts, ends - starts], axis=1).astype(np.uint64).reshape(-1, 2)
-        self.nbytes = int(self.ranges[:, 1].sum(dtype=np.uint64)) if len(starts) else 0
-        self._index(starts, ends)
+        self.ranges: Fragments = union_of(fragments)
+        n = len(self.ranges)
+        # entry 0 is a sentinel, an empty range at address 0: a search never lands before it
+        self._starts = np.zeros(n + 1, dtype=np.uint64)
+        self._ends = np.zeros(n + 1, dtype=np.uint64)
+        self._starts[1:] = self.ranges[:, 0]
+        np.add(self.ranges[:, 0], self.ranges[:, 1], out=self._ends[1:])
 
     def __len__(self) -> int:
-        return self._count()
+        return len(self.ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ranges[:, 1].sum(dtype=np.uint64)) if len(self.ranges) else 0
 
     def check(self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None) -> None:
-        """:raises ~kvferry.errors.NotGranted: naming the first fragment outside every granted range."""
+        """:raises ~kvferry.errors.NotGranted: naming the first fragment outside every granted range.
+
+        ``bounds``: the fragments' lowest address and a bound on their highest end, when the caller has them:
+        one range holding that span answers every fragment without a pass over them."""
         if len(fragments) == 0:
             return
-        if not self._count():
+        if not len(self.ranges):
             raise NotGranted(f"{what}: nothing is granted")
-        _, bad = self._outside(fragments, bounds)
+        bad = self.first_outside(fragments, bounds)
         if bad is not None:
             raise NotGranted(f"{what}: {_describe(fragments, bad)} is outside every granted range")
 
-    def holds(self, fragments: Fragments) -> bool:
+    def holds(self, fragments: Fragments, bounds: tuple[int, int] | None = None) -> bool:
         """Every fragment lies inside the union."""
-        return not len(fragments) or self._outside(fragments, None)[1] is None
+        return not len(fragments) or self.first_outside(fragments, bounds) is None
+
+    def first_outside(self, fragments: Fragments, bounds: tuple[int, int] | None = None) -> int | None:
+        """The index of the first fragment outside every granted range, or None (every one is inside)."""
+        if bounds is not None and len(fragments) > 1:
+            lowest, highest = bounds
+            first = int(np.searchsorted(self._starts, lowest, side="right")) - 1
+            if lowest <= highest and int(self._ends[first]) >= highest:
+                return None
+        addresses = fragments[:, 0]
+        at = np.searchsorted(self._starts, addresses, side="right")
+        at -= 1  # at least 0: the sentinel (whose end, 0, holds no fragment)
+        inside = self._ends[at] >= addresses + fragments[:, 1]
+        if bool(inside.all()):
+            return None
+        return int(np.argmin(inside))
+
+
+#: a write is checked against this many of the latest grants one by one (each a search of the write's rows over
+#: that grant's ranges alone) before the union of every live grant is made: one grant holds a typical write
+#: (the transfer's own, made just before it), and those tables cost nothing more to keep when grants come and go
+GRANTS_TRIED = 4
 
 
 class Grants:
-    """The live grants of one direction of one peer (ours to it, or its to us): their rows by grant id, and the
-    union's :class:`GrantTable`, made when first asked for after a change (a change costs nothing until the next
-    check; the check after it sorts every live row once)."""
+    """The live grants of one direction of one peer (ours to it, or its to us): their rows by grant id.
 
-    __slots__ = ("_rows", "_table")
+    A check tries the latest grants one by one (:data:`GRANTS_TRIED`; each one's :class:`GrantTable` is made when
+    first needed, and sorts nothing when its rows come sorted and merged, as a granting transport sends them),
+    then the union of every live grant (:attr:`table`, made when first asked for after a change), which holds
+    every write the union holds: a row across two grants that touch, a write over several grants. So a grant
+    or a revoke costs no rebuild of the union as long as the writes lie inside single grants."""
+
+    __slots__ = ("_rows", "_tables", "_union")
 
     def __init__(self) -> None:
         self._rows: dict[int, Fragments] = {}
-        self._table: GrantTable | None = None
+        self._tables: dict[int, GrantTable] = {}
+        self._union: GrantTable | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -317,25 +374,50 @@ class Grants:
 
     def add(self, grant_id: int, rows: Fragments) -> None:
         self._rows[grant_id] = rows
-        self._table = None
+        self._union = None
 
     def remove(self, grant_id: int) -> bool:
         """Forget grant ``grant_id``; False if it was not live."""
         if self._rows.pop(grant_id, None) is None:
             return False
-        self._table = None
+        self._tables.pop(grant_id, None)
+        self._union = None
         return True
 
     def clear(self) -> None:
         self._rows.clear()
-        self._table = None
+        self._tables.clear()
+        self._union = None
 
     @property
     def table(self) -> GrantTable:
-        if self._table is None:
+        """The union of every live grant."""
+        if self._union is None:
             rows = list(self._rows.values())
-            self._table = GrantTable(np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.uint64))
-        return self._table
+            self._union = GrantTable(np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.uint64))
+        return self._union
+
+    def _in_one(self, fragments: Fragments, bounds: tuple[int, int] | None) -> bool:
+        """Whether one of the latest grants holds every fragment."""
+        for tried, grant_id in enumerate(reversed(self._rows)):
+            if tried == GRANTS_TRIED:
+                break
+            table = self._tables.get(grant_id)
+            if table is None:
+                table = self._tables[grant_id] = GrantTable(self._rows[grant_id])
+            if table.first_outside(fragments, bounds) is None:
+                return True
+        return False
+
+    def check(self, fragments: Fragments, what: str, bounds: tuple[int, int] | None = None) -> None:
+        """:raises ~kvferry.errors.NotGranted: naming the first fragment outside the union of the live grants
+        (``bounds``: as :meth:`GrantTable.check`)."""
+        if len(fragments) and not self._in_one(fragments, bounds):
+            self.table.check(fragments, what, bounds)
+
+    def holds(self, fragments: Fragments) -> bool:
+        """Every fragment lies inside the union of the live grants."""
+        return not len(fragments) or self._in_one(fragments, None) or self.table.holds(fragments)
 
     def __repr__(self) -> str:
         return f"<Grants {len(self._rows)} live, {self.table.nbytes} bytes>"

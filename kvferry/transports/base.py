@@ -421,8 +421,10 @@ class Grant(metaclass=ABCMeta):
 
     @abstractmethod
     def revoke_nowait(self) -> None:
-        """:meth:`revoke` for synchronous code: our side refuses at once; the peer is told by a background
-        task (its own check may pass a write until that arrives)."""
+        """:meth:`revoke` without waiting for the channel: our side refuses at once; the revoke goes out ahead
+        of anything we send the peer after this call (still ordered: a message sent next arrives after it), or
+        by a background task right after when nothing else is sent (the peer's own check may pass a write until
+        it arrives)."""
 
     async def __aenter__(self) -> Self:
         return self
@@ -589,7 +591,9 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         are revoked. Shielded from cancellation."""
 
     @abstractmethod
-    async def grant(self, peer: Peer, fragments: npt.ArrayLike | Registration) -> Grant:
+    async def grant(
+        self, peer: Peer, fragments: npt.ArrayLike | Registration, *, defer: bool = False
+    ) -> Grant:
         """Let ``peer`` write into ``fragments`` of our registered memory (``(n, 2)`` ``(address, length)`` rows,
         as :meth:`write` takes them, or a :class:`Registration` of ours, granted whole) until the returned
         :class:`Grant` is revoked. Without a grant a peer writes nothing into our memory (deny by default).
@@ -597,6 +601,13 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         The peer learns of the grant before any message we send after this returns (the control channel is
         ordered): grant first, then tell the peer where to write. Grants may overlap and touch; a write is
         allowed when each of its destination rows lies inside the union of the peer's live grants.
+
+        ``defer``: do not wait for the channel; the grant goes out ahead of the next message (or anything else)
+        we send the peer, in the same send, or by a background task right after when nothing else is sent:
+        for a caller that tells the peer where to write next, one send instead of two. Everything we send after
+        this returns still arrives after the grant; only what reaches the peer some other way may come first.
+        A deferred grant revoked before it went out is never sent (nor its revoke), and a peer lost meanwhile
+        shows at the next send instead of here.
 
         Where it is checked, per path (a write outside is refused with
         :class:`~kvferry.errors.NotGranted`, nothing of it written, and counted in

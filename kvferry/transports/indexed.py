@@ -70,6 +70,10 @@ class IndexedRows:
     dst_limit: Int64Array = attrs.field(converter=_int64)
     #: bytes of one write (the sum of ``length``)
     nbytes: int = attrs.field(init=False)
+    #: :meth:`destination_runs`' template: per run, its first row's slot position, base and stride, and its bytes
+    _dst_runs: tuple[Int64Array, Int64Array, Int64Array, Int64Array] | None = attrs.field(
+        init=False, default=None, repr=False
+    )
 
     def __attrs_post_init__(self) -> None:
         n = len(self.length)
@@ -146,6 +150,31 @@ class IndexedRows:
         rows = np.empty((len(self), 2), dtype=np.uint64)
         rows[:, 0] = self.dst_base + dst_ids[self.dst_slot] * self.dst_stride
         rows[:, 1] = self.length
+        return rows
+
+    def destination_runs(self, dst_ids: Int64Array) -> Fragments:
+        """The bytes :meth:`destinations` names, in fewer rows: rows merged where the template makes them
+        contiguous on the destination whatever the ids (consecutive rows at the same id position, of the same
+        stride, each starting where the one before ends there). What a writer checks against the peer's grants
+        (a search per run, not per row); the ids must have passed :meth:`check_ids`."""
+        runs = self._dst_runs
+        if runs is None:
+            slot, base, stride, length = self.dst_slot, self.dst_base, self.dst_stride, self.length
+            joins = (
+                (slot[1:] == slot[:-1]) & (stride[1:] == stride[:-1]) & (base[:-1] + length[:-1] == base[1:])
+            )
+            first = np.flatnonzero(np.concatenate(([True], ~joins))) if len(self) else np.zeros(0, np.intp)
+            runs = (
+                slot[first],
+                base[first],
+                stride[first],
+                np.add.reduceat(length, first) if len(first) else first,
+            )
+            object.__setattr__(self, "_dst_runs", runs)
+        slot, base, stride, length = runs
+        rows = np.empty((len(slot), 2), dtype=np.uint64)
+        rows[:, 0] = base + dst_ids[slot] * stride
+        rows[:, 1] = length
         return rows
 
     def expand(self, src_ids: Int64Array, dst_ids: Int64Array) -> tuple[Fragments, Fragments]:

@@ -661,7 +661,7 @@ class UcxTransport(ChannelTransport):
             # Every destination range is checked before anything is posted: a refused write writes nothing.
             # Inside our registered memory, and inside what we granted this peer (whatever the writer checked).
             views = _Views(self.own_regions, dst, what)
-            peer.granted.table.check(dst, what)
+            peer.granted.check(dst, what)
             plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
         except WireFormatError:
             raise  # malformed fragments: the peer is dropped
@@ -802,10 +802,9 @@ class UcxTransport(ChannelTransport):
         request) and the slice being pulled may still land."""
         if not peer.incoming:
             return
-        table = peer.granted.table
         for write_id, scope in list(peer.incoming.items()):
             dst = self._incoming_dst.get((peer, write_id))
-            if dst is not None and not table.holds(dst):
+            if dst is not None and not peer.granted.holds(dst):
                 log.warning(
                     "%s: stopping a write from %s: its grant was revoked", self.instance_id, peer.address
                 )

@@ -4,6 +4,7 @@ checked; the wire refuses malformed grants; a deregistration revokes what it cov
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any
 
@@ -16,7 +17,7 @@ from test_transports import connected, random_tensor, remote_buffer, sha
 
 from kvferry.errors import NotGranted, PeerDisconnected, RegionError, TransportError, WireFormatError
 from kvferry.transports import PeerState, Transport, as_fragments, get_transport, wire
-from kvferry.transports._memory import Grants, GrantTable
+from kvferry.transports._memory import Grants, GrantTable, union_of
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -252,6 +253,54 @@ async def test_a_grant_is_known_before_the_message_after_it_and_revoke_nowait_fo
         await grant.revoke()
 
 
+async def test_deferred_grants_and_revokes_go_out_ahead_of_the_next_message() -> None:
+    """grant(defer=True) and revoke_nowait wait for no send: what they queue goes out ahead of the next message, in
+    the same send (the writer knows the grant, or its end, as soon as it read the message), or on its own right
+    after when nothing else is sent. A deferred grant revoked before it went out never reaches the peer (neither
+    does its revoke: a revoke of a grant it never knew would cost us the connection)."""
+    async with get_transport("local")() as a, get_transport("local")() as b:
+        pa = await a.connect(b.address)
+        pb = await b.accept()
+        src, dst = random_tensor(PAGE, seed=6), torch.zeros(PAGE, dtype=torch.uint8)
+        await a.register(src)
+        registration = await b.register(dst)
+        sent = b.statistics().messages_sent
+        for _ in range(3):
+            grant = await b.grant(pb, registration, defer=True)
+            assert grant.active and b.statistics().grants == 1
+            await b.send_message(pb, b"write")
+            assert await a.receive_message(pa) == b"write"
+            assert len(pa.grants) == 1  # type: ignore[attr-defined]  # with the message, not after it
+            await a.write(pa, [[src.data_ptr(), PAGE]], [[dst.data_ptr(), PAGE]])
+            grant.revoke_nowait()
+            await b.send_message(pb, b"done")
+            assert await a.receive_message(pa) == b"done"
+            assert not pa.grants  # type: ignore[attr-defined]
+            with pytest.raises(NotGranted):
+                await a.write(pa, [[src.data_ptr(), PAGE]], [[dst.data_ptr(), PAGE]])
+        # nothing sent after it: a task sends it (and the revoke) on its own
+        grant = await b.grant(pb, registration, defer=True)
+        with anyio.fail_after(5):
+            while not pa.grants:  # type: ignore[attr-defined]  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        grant.revoke_nowait()
+        with anyio.fail_after(5):
+            while pa.grants:  # type: ignore[attr-defined]  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        # revoked before it went out: neither frame is sent, the connection is fine
+        for revoke in ("nowait", "await"):
+            grant = await b.grant(pb, registration, defer=True)
+            if revoke == "nowait":
+                grant.revoke_nowait()
+            else:
+                await grant.revoke()
+            assert not grant.active and not pb.outbox  # type: ignore[attr-defined]
+            await b.send_message(pb, b"never granted")
+            assert await a.receive_message(pa) == b"never granted"
+            assert not pa.grants and pa.state is PeerState.CONNECTED  # type: ignore[attr-defined]
+        assert b.statistics().messages_sent - sent == 8 and b.statistics().grants == 0
+
+
 @pytest.mark.parametrize(
     "frames",
     [
@@ -403,3 +452,87 @@ def test_an_indexed_writes_destinations_are_the_rows_it_expands_to() -> None:
     _, expanded = rows.expand(ids, dst_ids)
     assert GrantTable(destinations).ranges.tolist() == GrantTable(expanded).ranges.tolist()
     assert int(destinations[:, 1].sum()) == rows.nbytes
+
+
+def test_grants_hold_exactly_the_union_of_the_live_grants() -> None:
+    """Whatever the grants' rows (unsorted, overlapping, touching, over several grants) and whichever grant a
+    write's rows fall in, a check passes exactly when every row lies inside the union of the live grants: the
+    one-grant checks tried first never pass more than the union, and a write across grants still passes."""
+    rng = np.random.default_rng(7)
+    space = 512
+    seen = {True: 0, False: 0}
+    for _ in range(60):
+        grants, covered = Grants(), np.zeros(space, dtype=bool)
+        live: dict[int, list[tuple[int, int]]] = {}
+        for grant_id in range(1, int(rng.integers(1, 8)) + 1):
+            starts = rng.integers(1, space - 32, size=int(rng.integers(1, 6)))
+            rows = [(int(a), int(rng.integers(1, 32))) for a in starts]
+            live[grant_id] = rows
+            # as a granting transport sends them (merged, in address order) or as they came
+            grants.add(grant_id, union_of(as_fragments(rows)) if grant_id % 2 else as_fragments(rows))
+        for grant_id in list(live)[: int(rng.integers(0, len(live)))]:  # some revoked again
+            assert grants.remove(grant_id)
+            del live[grant_id]
+        for rows in live.values():
+            for a, n in rows:
+                covered[a : a + n] = True
+        union = GrantTable(
+            np.array([r for rows in live.values() for r in rows], dtype=np.uint64).reshape(-1, 2)
+        )
+        assert union.nbytes == int(covered.sum())
+        granted = np.flatnonzero(covered)
+        for _ in range(30):
+            # half the writes start on granted bytes (inside or running past a grant's end), half anywhere
+            near = len(granted) and rng.random() < 0.5
+            starts = rng.choice(granted, 3) if near else rng.integers(1, space - 16, 3)
+            write = as_fragments([(int(a), int(rng.integers(1, 8))) for a in starts])
+            inside = all(covered[a : a + n].all() for a, n in write.tolist())
+            seen[inside] += 1
+            assert grants.holds(write) is inside and union.holds(write) is inside
+            ends = write[:, 0] + write[:, 1]
+            bounds = (int(write[:, 0].min()), int(ends.max())) if rng.random() < 0.5 else None
+            if inside:
+                grants.check(write, "w", bounds)
+            else:
+                with pytest.raises(NotGranted):
+                    grants.check(write, "w", bounds)
+    assert min(seen.values()) > 300, seen
+
+
+def test_an_indexed_writes_destination_runs_are_the_bytes_of_its_rows() -> None:
+    """What the device path checks (runs merged where the template makes rows contiguous whatever the ids) is
+    exactly the bytes of the rows the ids name, in fewer rows; rows at other id positions, of another stride or
+    with a gap between them are never merged."""
+    rng = np.random.default_rng(3)
+    page, positions = 4096, 8
+    merged = 0
+    for _ in range(50):
+        # per position, cuts of one page (some pieces left out, so some neighbours do not touch); two groups of
+        # positions with their own strides and bases
+        slot, base, stride, length = [], [], [], []
+        for j in range(positions):
+            cuts = np.sort(rng.choice(np.arange(1, page // 64), 4, replace=False)) * 64
+            edges = [0, *cuts.tolist(), page]
+            for a, b in itertools.pairwise(edges):
+                if rng.random() < 0.8:
+                    slot.append(j)
+                    base.append((1 << 30) * (1 + j % 2) + a)
+                    stride.append(page * (1 + j % 2))
+                    length.append(b - a)
+        rows = IndexedRows(
+            src_slot=np.zeros(len(slot), dtype=np.int64),
+            src_base=np.zeros(len(slot), dtype=np.int64) + (1 << 40),
+            src_stride=np.full(len(slot), page),
+            dst_slot=slot,
+            dst_base=base,
+            dst_stride=stride,
+            length=length,
+            src_limit=[1],
+            dst_limit=np.full(positions, 64),
+        )
+        dst_ids = rng.permutation(64)[:positions]
+        every, runs = rows.destinations(dst_ids), rows.destination_runs(dst_ids)
+        assert len(runs) <= len(every) and int(runs[:, 1].sum()) == rows.nbytes
+        assert GrantTable(runs).ranges.tolist() == GrantTable(every).ranges.tolist()
+        merged += len(every) - len(runs)
+    assert merged > 100  # neighbours at one position that touch do merge

@@ -1162,16 +1162,18 @@ class RankMap:
         return _runs(address, layout.length, layout.dst_pool, self._dst_pools, self._dst_bases)
 
     def destinations(self, dst: RequestCache, tokens: TokenRange) -> Fragments:
-        """The receiver's byte ranges this sender rank writes for a request (needs no sender ids): its units'
-        destinations, in canonical order, merged where contiguous on the receiver's side within one pool. The
-        same bytes as :meth:`plan`'s ``dst`` (and :meth:`indexed_write`'s rows): what the receiver grants the
-        writer for the request (:func:`~.transfer.destinations`).
+        """The receiver's byte ranges this sender rank writes for a request (needs no sender ids): the runs of
+        :meth:`indexed_rows`' template that stay contiguous on the receiver's side whatever the ids
+        (:meth:`~kvferry.transports.indexed.IndexedRows.destination_runs`), at the request's ids. The same bytes
+        as :meth:`plan`'s ``dst`` (and :meth:`indexed_write`'s rows): what the receiver grants the writer for
+        the request (:func:`~.transfer.destinations`).
 
         :raises ~kvferry.errors.ConfigError: as :meth:`plan`, for the receiver's ids.
         """
-        layout = self._layout(tokens)
-        address = self._addresses(layout, dst, src=False)
-        return _fragments(address, layout.length, _run_starts(address, layout.length, layout.dst_pool))
+        rows = self.indexed_rows(tokens)
+        if not len(rows):
+            return np.zeros((0, 2), dtype=np.uint64)
+        return rows.destination_runs(self._ids(self._layout(tokens), dst, src=False))
 
     def nbytes(self, dst: RequestCache, tokens: TokenRange) -> int:
         """Bytes this sender rank writes for a request (from the receiver's side; no sender ids needed)."""

@@ -593,13 +593,14 @@ class Receiver:
         On success the pages hold the request's cache and stay with the caller. Otherwise the hold is freed
         (everyone reported, or the peer is gone) or quarantined (writers still out) before this raises.
 
-        The grant (:attr:`destinations`) is made before the request is sent (the control channel is ordered:
-        the peer knows it before it reads the request) and lasts exactly as long as writes may land: it is
-        revoked on success before this returns, and otherwise when the pages go back to the pools (freed, or
-        released from quarantine), never later. Our own checks refuse at once (a two-sided receiver's too); the
-        peer's check follows when the revoke reaches it, and no writer of the session writes by then (it has
-        reported, acknowledged a cancel, or is gone). A grant the transport refuses fails the transfer before
-        the request is sent.
+        The grant (:attr:`destinations`) is made before the request is sent, and travels with it in one send
+        (the control channel is ordered: the peer knows it before it reads the request), and lasts exactly as
+        long as writes may land: it is revoked on success before this returns, and otherwise when the pages go
+        back to the pools (freed, or released from quarantine), never later. Our own checks refuse at once (a
+        two-sided receiver's too); the revoke goes out without delaying the result, ahead of anything we send
+        the peer afterwards (a receive request that reuses the pages comes after it), and the peer's check
+        follows when it arrives: no writer of the session writes by then (it has reported, acknowledged a
+        cancel, or is gone). A grant the transport refuses fails the transfer before the request is sent.
 
         A cancel before the request is sent frees the pages at once. A later one sends
         :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until no write can
@@ -665,9 +666,9 @@ class Receiver:
             raise TransferError(f"transfer {session.session_id} ({session.key}) failed: {failures[0]}")
         if session.state is ReceiveState.COMPLETE:
             self._sessions.pop(session.session_id, None)
-            if live.grant is not None:  # every writer reported: nothing more may land (shielded)
+            if live.grant is not None:  # every writer reported: nothing more may land
                 grant, live.grant = live.grant, None
-                await grant.revoke()
+                grant.revoke_nowait()  # our side refuses now; the peer's before anything we send it next
             if live.staging is not None:
                 live.staging.release()
             self._counts["complete"] += 1
@@ -724,7 +725,8 @@ class Receiver:
         if self.destinations is None:
             return None
         try:
-            live.grant = await self.transport.grant(self.peer, self.destinations(request))
+            # deferred: it goes out with the request, in one send
+            live.grant = await self.transport.grant(self.peer, self.destinations(request), defer=True)
         except (PeerDisconnected, ClosedResourceError):
             raise
         except (TransportError, KvferryError, ValueError) as exc:  # RegionError, too many grants, bad ids

@@ -39,6 +39,7 @@ from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable
 from kvferry.pools.spec import LayerKind, ModelSpec, preset, split_heads
+from kvferry.transports._memory import GrantTable
 from kvferry.transports.base import coalesce
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
@@ -307,6 +308,9 @@ def run_transfer(
             else:
                 assert indexed.nbytes == plan.nbytes
                 assert all(map(np.array_equal, indexed.expand(), (plan.src, plan.dst)))
+                # what the receiver grants this writer: exactly the bytes it writes
+                granted = sc.peer.pair(s, d).destinations(dst_req, tokens)
+                assert GrantTable(granted).ranges.tolist() == GrantTable(plan.dst).ranges.tolist()
             if bounce and plan.gather is not None:
                 staging = torch.full((plan.nbytes + 16,), 0xEE, dtype=torch.uint8)
                 packed = plan.gather.gather(sc.src[s].pool_tensors(), staging)
@@ -687,6 +691,8 @@ def test_bad_request_ids_raise_config_error() -> None:
             pair.plan(good, bad, tokens)
         with pytest.raises(ConfigError):
             pair.indexed_write(good, bad, tokens)
+        with pytest.raises(ConfigError):
+            pair.destinations(bad, tokens)
     with pytest.raises(ConfigError):
         TokenRange(5, 4)
     with pytest.raises(ConfigError):
