@@ -58,6 +58,8 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         ),
         (["--total-bytes", "1M", "--fragment-bytes", "3K", "--no-baselines"], "does not divide"),
         (["--total-bytes", "1M", "--fragment-bytes", "2M"], "--fragment-bytes 2M exceeds --total-bytes 1M"),
+        # a million 1-byte fragments ran into the transfer deadline after minutes
+        (["--total-bytes", "1M", "--fragment-bytes", "1"], "at most 65536 fit one write"),
         (
             ["--total-bytes", "1M", "--fragment-bytes", "256K", "--page-bytes", "48K"],
             "--page-bytes 48K does not",
@@ -203,3 +205,13 @@ def test_the_table_shows_sizes_below_a_kib() -> None:
     row.update(fragment_bytes=1 << 20, page_bytes=64 << 10)
     line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
     assert line.split()[:4] == ["write", "local", "1M", "64K"]
+
+
+def test_the_goal_line_says_when_nothing_was_judged() -> None:
+    """With no fragment of 1 MiB or more the goal line said nothing at all after its colon."""
+    from kvferry.commands.bench import _table
+
+    table = _table({"rows": [], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}})
+    assert table.splitlines()[-1].endswith("not judged (no fragment size of 1 MiB or more was run)")
+    table = _table({"rows": [], "goal_fragments_1MiB_reach_0.8_of_contiguous": {"local": True}})
+    assert table.splitlines()[-1].endswith("local: met")
