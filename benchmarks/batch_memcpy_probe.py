@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from span_copy import timed

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from span_copy import timed
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 
 def sm_clock() -> int:

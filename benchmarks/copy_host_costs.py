@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 
 def main() -> int:

@@ -43,8 +43,8 @@ import torch
 from timeline import Timeline, format_rows, summarise, wrap_transfer_path  # benchmarks/timeline.py
 
 from kvferry import wire
-from kvferry.engine.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
-from kvferry.engine.disagg.protocol import (
+from kvferry.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
+from kvferry.disagg.protocol import (
     BlockIds,
     PeerInfo,
     PeerRole,
@@ -54,9 +54,9 @@ from kvferry.engine.disagg.protocol import (
     encode_hello,
     reports_of,
 )
-from kvferry.engine.disagg.session import Receiver, SendSession, send
-from kvferry.engine.disagg.staging import StagingPool
-from kvferry.engine.disagg.transfer import (
+from kvferry.disagg.session import Receiver, SendSession, send
+from kvferry.disagg.staging import StagingPool
+from kvferry.disagg.transfer import (
     destinations,
     expected_writers,
     offer_staging,
@@ -712,7 +712,7 @@ def main() -> int:
 
         _memory.POLL_SECONDS = args.poll_us * 1e-6
     if args.no_grid_recut:
-        from kvferry import span_copy
+        from kvferry.kernels import span_copy
 
         span_copy.GRID_RECUT = False
     if args.role == "sender":

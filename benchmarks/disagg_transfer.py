@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvferry.engine.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
+from kvferry.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
 from kvferry.kernels.copy import gather_fragments
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout

@@ -16,7 +16,7 @@ The variants, each a constexpr of one kernel:
 
 Cases are fragment sizes (KiB) over ``--mib``; layouts ``contiguous`` (both sides in order) and ``transfer``
 (the destination's runs permuted, as ``kvferry bench transfer`` writes). Every variant's bytes are checked.
-``--library`` also times :mod:`kvferry.span_copy`'s own launches of the same pages (``copy_spans`` with its
+``--library`` also times :mod:`kvferry.kernels.span_copy`'s own launches of the same pages (``copy_spans`` with its
 piece table, ``copy_fragments`` with the fragment rows, ``copy_indexed`` with an indexed table built once and
 ids per launch), and ``copy_fragments`` over the rows ``kvferry bench transfer``'s writer gives it (its layout,
 neighbouring runs merged where they join). CUDA events around one launch also count the host's work before it
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 
 @triton.jit  # type: ignore[untyped-decorator,misc]
@@ -143,7 +143,7 @@ def main() -> int:
     parser.add_argument(
         "--library",
         action="store_true",
-        help="also time kvferry.span_copy's copy_spans, copy_fragments and copy_indexed (same pages)",
+        help="also time kvferry.kernels.span_copy's copy_spans, copy_fragments and copy_indexed (same pages)",
     )
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument(

@@ -76,7 +76,7 @@ class _Stages:
 
 
 def _patch_stages(transport: Any) -> _Stages:
-    from kvferry import span_copy
+    from kvferry.kernels import span_copy
     from kvferry.transports import _memory
     from kvferry.transports._channel import ChannelTransport
 
@@ -104,7 +104,7 @@ def _patch_stages(transport: Any) -> _Stages:
 
 def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> dict[str, float]:
     """Micro-timings of the CUDA copy path in this process (medians, microseconds)."""
-    from kvferry import span_copy
+    from kvferry.kernels import span_copy
 
     own = torch.zeros_like(buffer)
     ipc = transport._ipc.get(transport._peer(peer))

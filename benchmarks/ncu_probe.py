@@ -17,7 +17,7 @@ import itertools
 import torch
 from span_copy import spans_of  # benchmarks/span_copy.py
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 MiB = 1 << 20
 

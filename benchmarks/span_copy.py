@@ -8,7 +8,7 @@ and timed against one contiguous ``copy_`` of the same number of bytes, timed ag
 kernels' times drift between rounds where ``copy_``'s do not). ``--grid 0 1`` tries the loop form (a program per
 piece) and the grid form (a program per block, where the pieces allow it; the row's ``launch`` says which ran).
 The batched copy is tried with every combination of the options given, so the defaults of
-:mod:`kvferry.span_copy` come from a measurement; each setting's bytes are checked before it is timed. Wall
+:mod:`kvferry.kernels.span_copy` come from a measurement; each setting's bytes are checked before it is timed. Wall
 time includes building and uploading the piece table and waiting for the stream (what a transport write pays);
 device time is from CUDA events around the call, so it also counts what the host spends building, uploading
 and launching while the device waits (the kernel alone, five launches between the events:
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 
 MiB = 1 << 20
 

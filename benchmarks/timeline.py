@@ -115,8 +115,8 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
 def wrap_transfer_path(timeline: Timeline, transport: Any) -> None:
     """The stages of a write and of a message's or notification's trip through ``transport`` (a transport, or
     its class)."""
-    from kvferry import span_copy
-    from kvferry.engine.disagg import mapping, protocol, session, transfer
+    from kvferry.disagg import mapping, protocol, session, transfer
+    from kvferry.kernels import span_copy
     from kvferry.transports import _channel, _memory
 
     cls = transport if isinstance(transport, type) else type(transport)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry import span_copy
+from kvferry.kernels import span_copy
 from kvferry.transports._memory import CopyPlan, RegionTable, region_infos
 from kvferry.transports.base import as_fragments, check_pairing, coalesce, page_fragments
 

@@ -18,7 +18,7 @@ gives two async fixtures:
     routes a request: prefill on the context engine, its cache moved, decode on the generation engine);
     options: ``transport`` (default ``"local"``), ``ctx_tp``, ``gen_tp``, ``spec_k``, ``seed``, ``dtype``
     (default ``"float64"``), ``separate_process`` (the context engine in another OS process; default
-    False) and what else :func:`~kvferry.engine.disagg.serve.disaggregated` takes::
+    False) and what else :func:`~kvferry.disagg.serve.disaggregated` takes::
 
         @pytest.mark.parametrize("kvferry_pair", [{"ctx_tp": 1, "gen_tp": 2}], indirect=True)
         async def test_pair(kvferry_pair): ...
@@ -42,8 +42,8 @@ import pytest
 from attrs import define
 
 if TYPE_CHECKING:
-    from kvferry.engine.disagg.roles import GenerationWorker
-    from kvferry.engine.disagg.router import RoutedGeneration, Router
+    from kvferry.disagg.roles import GenerationWorker
+    from kvferry.disagg.router import RoutedGeneration, Router
     from kvferry.engine.engine import Engine
     from kvferry.engine.runner import BuiltEngine
 
@@ -79,7 +79,7 @@ class Pair:
     spec_k: int
 
     def generate(self, prompt_ids: Any, **kwargs: Any) -> RoutedGeneration:
-        """:meth:`Router.generate <kvferry.engine.disagg.router.Router.generate>`."""
+        """:meth:`Router.generate <kvferry.disagg.router.Router.generate>`."""
         return self.router.generate(prompt_ids, **kwargs)
 
 
@@ -176,7 +176,7 @@ async def _engine(request: pytest.FixtureRequest) -> AsyncIterator[Engine]:
 async def _pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
     from contextlib import asynccontextmanager
 
-    from kvferry.engine.disagg.serve import disaggregated
+    from kvferry.disagg.serve import disaggregated
 
     options = _options(request, "kvferry_pair", PAIR_DEFAULTS)
 

@@ -100,7 +100,7 @@ def test_device_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture[str])
 def test_a_failed_verification_says_why(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import kvferry.transports.bench as bench
+    import kvferry.tools.transfer_bench as bench
 
     row = {
         "kind": "write",

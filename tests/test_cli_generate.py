@@ -11,7 +11,7 @@ import pytest
 
 from kvferry.cli import main
 from kvferry.commands.generate import _TextStream, escape
-from kvferry.engine.tokenizer import ByteTokenizer
+from kvferry.model.tokenizer import ByteTokenizer
 
 FAST = ["--dtype", "float64"]
 

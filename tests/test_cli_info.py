@@ -13,7 +13,7 @@ from kvferry.cli import main
 def test_probe_progress_goes_to_stderr_and_json_to_stdout(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import kvferry.transports.probe as probe
+    import kvferry.tools.probe as probe
     import kvferry.transports.registry as registry
 
     probed: list[tuple[str, str]] = []

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry import wire
-from kvferry.engine.disagg.mapping import RequestCache
+from kvferry.disagg.mapping import RequestCache
 from kvferry.errors import WireFormatError
 
 

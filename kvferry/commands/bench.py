@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output {args.output}: {exc.strerror or exc}") from None
     try:
         if args.plot:
-            from kvferry.transports.bench import plot
+            from kvferry.tools.transfer_bench import plot
 
             plot(result, args.plot)
     except OSError as exc:
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     import anyio
 
-    from kvferry.transports.bench import run_transfer_bench
+    from kvferry.tools.transfer_bench import run_transfer_bench
 
     def bench(progress: Callable[[str], None]) -> dict[str, Any]:
         return anyio.run(

@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _drafter_available() -> bool:
     try:
-        import kvferry.engine.drafter  # noqa: F401
+        import kvferry.model.drafter  # noqa: F401
     except ImportError:
         return False
     return True
@@ -116,7 +116,7 @@ def _check_tp(flag: str, tp: int) -> None:
 def _check_fits(args: argparse.Namespace) -> None:
     """Refuse a ``--max-tokens`` that the engines' pages cannot hold for the longest prompt, before anything
     runs (it failed with PoolExhausted once the aggregated pass had decoded that far: minutes)."""
-    from kvferry.engine.disagg.serve import _options
+    from kvferry.disagg.serve import _options
     from kvferry.pools.spec import preset
 
     tokens_per_block = preset("tiny").tokens_per_block
@@ -177,7 +177,7 @@ async def _each(n: int, one: Callable[[int], Awaitable[None]]) -> None:
 async def _aggregated(
     prompts: list[list[int]], args: argparse.Namespace, spec_k: int
 ) -> list[dict[str, Any]]:
-    from kvferry.engine.disagg.serve import _options
+    from kvferry.disagg.serve import _options
     from kvferry.engine.runner import build_engine
 
     built = build_engine("tiny", _options(1, spec_k, args.seed, "float64"))
@@ -211,7 +211,7 @@ async def _disaggregated(
     separate_process: bool,
     children: list[Any],
 ) -> dict[str, Any]:
-    from kvferry.engine.disagg.serve import disaggregated
+    from kvferry.disagg.serve import disaggregated
 
     passes: dict[str, Any] = {}
     started = time.perf_counter()
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     if spec_k is None:
         spec_k = 2 if _drafter_available() else 0
     if spec_k and not _drafter_available():
-        raise ConfigError("--spec-k needs the drafter (kvferry.engine.drafter), not available in this build")
+        raise ConfigError("--spec-k needs the drafter (kvferry.model.drafter), not available in this build")
     quiet_library_env()  # before nixl or ucxx loads, and inherited by the context process
     children: list[Any] = []
     try:

@@ -23,7 +23,7 @@ from kvferry.commands._common import non_negative_int, positive_int, seed_int
 from kvferry.errors import ConfigError, PoolExhausted
 
 if TYPE_CHECKING:
-    from kvferry.engine.tokenizer import Tokenizer
+    from kvferry.model.tokenizer import Tokenizer
 
 
 def _temperature(text: str) -> float:
@@ -94,7 +94,7 @@ def escape(text: str) -> str:
 def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of a ``--prompt``. Arguments that are not valid UTF-8 reach Python as lone surrogates: the
     byte-level tiny model takes their bytes as they are; a checkpoint's tokenizer needs text."""
-    from kvferry.engine.tokenizer import ByteTokenizer
+    from kvferry.model.tokenizer import ByteTokenizer
 
     try:
         text.encode("utf-8")
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     from kvferry.engine.runner import EngineOptions, build_engine
-    from kvferry.engine.tokenizer import load_tokenizer
+    from kvferry.model.tokenizer import load_tokenizer
 
     if args.temperature is not None and args.seed is None:
         raise ConfigError(

@@ -34,7 +34,7 @@ def collect(
 
     :raises ~kvferry.errors.ConfigError: ``device="cuda"`` where torch sees no GPU
     """
-    from kvferry.transports.probe import probe_transport, versions
+    from kvferry.tools.probe import probe_transport, versions
     from kvferry.transports.registry import available_transports
 
     say = progress or (lambda message: None)

@@ -2,7 +2,7 @@
 
 - :class:`LockstepCache` drives one :class:`~kvferry.pools.manager.CacheManager` per tensor-parallel rank (each
   rank owns its own arena) through the same operations, so every rank holds the same page and slot ids.
-- :class:`PagedRunner` runs :class:`~kvferry.engine.model.Model` steps over the managers' block tables and
+- :class:`PagedRunner` runs :class:`~kvferry.model.nemotron_h.Model` steps over the managers' block tables and
   slots, feeds the drafter the target's hidden states, and records verify outcomes (``num_accepted``) in the
   replay state through the managers.
 - :func:`build_engine` builds an :class:`~kvferry.engine.engine.Engine` for the ``tiny`` preset (seeded random
@@ -20,12 +20,12 @@ import torch
 from attrs import define, frozen
 
 from kvferry import wire
-from kvferry.engine.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
-from kvferry.engine.model import Model, SequenceInput
 from kvferry.engine.scheduler import SchedulerConfig
-from kvferry.engine.weights import ModelWeights, tiny_args
 from kvferry.errors import ConfigError, KvferryError, WireFormatError
+from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
+from kvferry.model.nemotron_h import Model, SequenceInput
+from kvferry.model.weights import ModelWeights, tiny_args
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheManagerStatistics, Resumed

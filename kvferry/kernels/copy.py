@@ -1,7 +1,7 @@
 """Copies over byte arenas: fixed-size blocks by index, and (offset, length) fragments to and from staging.
 
 Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);
-fragment gathers and scatters on CUDA use the batched Triton copy of :mod:`kvferry.span_copy`.
+fragment gathers and scatters on CUDA use the batched Triton copy of :mod:`kvferry.kernels.span_copy`.
 Elsewhere they cut every fragment into rows of ``g`` bytes (``g`` = gcd of every offset and length) and copy
 large fragments as slices and small ones as one indexed copy of rows (see :data:`SLICE_ROWS_HOST`): no index
 entry per byte, so the copy runs near memory bandwidth whatever the alignment.
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvferry import span_copy
 from kvferry.errors import ConfigError
+from kvferry.kernels import span_copy
 
 __all__ = [
     "CHUNK_ROWS",

@@ -3,7 +3,7 @@ both sides' registered memory, and writes launched as one batched indexed copy w
 
 Used where a transport copies device memory itself: a peer in this process, or a peer's CUDA memory mapped here
 by CUDA IPC (nixl). Per write the host joins the ids, compares them with the limits (one pass), and launches;
-the device works out every address (:func:`kvferry.span_copy.copy_indexed`).
+the device works out every address (:func:`kvferry.kernels.span_copy.copy_indexed`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 from attrs import define, frozen
 
-from kvferry import span_copy
 from kvferry.errors import RegionError
+from kvferry.kernels import span_copy
 from kvferry.transports._memory import RegionTable, synchronize_cuda
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 

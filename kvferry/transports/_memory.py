@@ -12,8 +12,8 @@ import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
-from kvferry import span_copy
 from kvferry.errors import NotGranted, RegionError, WireFormatError
+from kvferry.kernels import span_copy
 from kvferry.transports.base import Fragments, Registration, total_bytes
 from kvferry.transports.wire import RegionInfo
 
@@ -453,7 +453,7 @@ class CopyPlan:
     """Copies between two sets of registered ranges in one address space (same process, or a CUDA IPC mapping).
 
     Host rows are copied with numpy in slices, yielding to the event loop between slices (the copy runs on the
-    loop's thread). Rows between CUDA ranges of one device are one batched launch of :mod:`kvferry.span_copy`
+    loop's thread). Rows between CUDA ranges of one device are one batched launch of :mod:`kvferry.kernels.span_copy`
     (absolute addresses, any number of region pairs) on the current stream; without Triton, per pair of regions,
     the rows are cut at a granularity ``g`` (the gcd of every offset and length) and copied as one or two indexed
     copies over ``[rows, g]`` views. The end is awaited once, in a worker thread. Other rows (host <-> device)

@@ -12,7 +12,7 @@ row lie in ``[base, base + (limit - 1) * stride + length)``: :meth:`IndexedRows.
 those extents against the registered memory once, and the ids against the limits on every write, refuses
 exactly what a plain write of the same bytes would (nothing outside registered memory is ever written), while a
 write's host work shrinks to a check of a few hundred ids: the device works the addresses out
-(:func:`kvferry.span_copy.copy_indexed`).
+(:func:`kvferry.kernels.span_copy.copy_indexed`).
 
 Where a transport has no indexed path it writes :meth:`IndexedRows.expand`'s fragments as a plain write
 (:meth:`~kvferry.transports.Transport.write_indexed`).

@@ -12,9 +12,9 @@ import time
 import anyio
 import pytest
 
-from kvferry.engine.disagg.roles import GenerationWorker
-from kvferry.engine.disagg.serve import _options, disaggregated
-from kvferry.engine.disagg.session import ReceiveState
+from kvferry.disagg.roles import GenerationWorker
+from kvferry.disagg.serve import _options, disaggregated
+from kvferry.disagg.session import ReceiveState
 from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import KvferryError, TransferError
 

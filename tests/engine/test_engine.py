@@ -91,7 +91,7 @@ def alone() -> list[list[int]]:
 
 def test_the_engine_equals_transformers_generate() -> None:
     pytest.importorskip("transformers")
-    from kvferry.engine.weights import ModelWeights, hf_generate, hf_model, tiny_args
+    from kvferry.model.weights import ModelWeights, hf_generate, hf_model, tiny_args
     from kvferry.pools.spec import preset
 
     spec = preset("tiny").with_dtype("float64")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvferry.cli import main
-from kvferry.engine.tokenizer import ByteTokenizer, load_tokenizer
+from kvferry.model.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trips_utf8() -> None:
@@ -64,7 +64,7 @@ def test_generate_from_a_checkpoint_directory_equals_the_tiny_preset(
 ) -> None:
     from pathlib import Path
 
-    from kvferry.engine.weights import ModelWeights, tiny_args
+    from kvferry.model.weights import ModelWeights, tiny_args
     from kvferry.pools.spec import preset
 
     directory = Path(str(tmp_path)) / "ckpt"

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvferry import wire as project_wire
-from kvferry.engine.disagg import protocol
+from kvferry.disagg import protocol
 from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable

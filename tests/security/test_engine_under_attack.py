@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from kvferry.engine.disagg.serve import _options, disaggregated
+from kvferry.disagg.serve import _options, disaggregated
 from kvferry.engine.runner import build_engine
 from kvferry.transports.handshake import SECRET_ENV, new_secret
 from kvferry.transports.limits import ChannelLimits

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvferry.transports.probe import SAME_HOST_PATHS, parse_proto_info
+from kvferry.tools.probe import SAME_HOST_PATHS, parse_proto_info
 
 # excerpts of UCX_PROTO_INFO=y output, as the probe processes print it (ucxx's UCX 1.21, then NIXL's 1.23)
 UCX_121 = """\
