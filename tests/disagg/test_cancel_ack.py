@@ -8,10 +8,8 @@ the engine roles with transports that lose or delay the receive request."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,9 +34,7 @@ from kvferry.disagg.session import Receiver, ReceiveSession, ReceiveState
 from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import KvferryError, WireFormatError
 from kvferry.transports import Peer, Transport, get_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
+from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -39,10 +38,8 @@ from kvferry.errors import (
     WireFormatError,
 )
 from kvferry.transports import Peer, Transport, get_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from pair import Pair, StepGate, counts, first_chunk_of, gate_steps, options, pair, until
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
+from tests.support.disagg_pair import Pair, StepGate, counts, first_chunk_of, gate_steps, options, pair, until
+from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,10 +27,8 @@ from kvferry.disagg.roles import ContextWorker, HandoffCache
 from kvferry.engine.request import Request
 from kvferry.engine.runner import build_engine
 from kvferry.engine.scheduler import Scheduler
-
-sys.path.insert(0, str(Path(__file__).parent))
-from pair import Pair, StepGate, counts, first_chunk_of, gate_steps, options, pair, until
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
+from tests.support.disagg_pair import Pair, StepGate, counts, first_chunk_of, gate_steps, options, pair, until
+from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,9 +3,6 @@ incompatible peer, poisoned receiver pages change nothing, and accounting return
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import anyio
 import attrs
 import pytest
@@ -19,9 +16,7 @@ from kvferry.engine.runner import build_engine
 from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.pagetable import PageTable
 from kvferry.transports import get_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated, run_disaggregated
+from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,8 +5,6 @@ stays identical."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,9 +14,7 @@ from kvferry.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.disagg.roles import ContextWorker, GenerationWorker
 from kvferry.disagg.serve import disaggregated
 from kvferry.disagg.staging import StagingPool
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference import PROMPTS, SPEC_K, Result, aggregated, run_disaggregated
+from tests.support.disagg_reference import PROMPTS, SPEC_K, Result, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(120)
 

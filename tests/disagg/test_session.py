@@ -3,9 +3,7 @@ transport (bit-exact pages, poisoned receivers, cancellation at every step, stal
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -56,9 +54,7 @@ from kvferry.errors import (
 )
 from kvferry.transports import Peer, Transport
 from kvferry.wire import PackedInts
-
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import Side, connected, make_side, tiny_spec, whole_cache
+from tests.support.disagg_harness import Side, connected, make_side, tiny_spec, whole_cache
 
 pytestmark = pytest.mark.timeout(60)
 

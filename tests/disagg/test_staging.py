@@ -15,6 +15,7 @@ import anyio
 import attrs
 import pytest
 import torch
+from test_session import ContextMessages, GatedTransport, _cancel_when, send_when_asked
 
 from kvferry.disagg.link import pump
 from kvferry.disagg.mapping import BouncePolicy, PeerMap
@@ -31,10 +32,7 @@ from kvferry.disagg.transfer import (
 )
 from kvferry.errors import ConfigError, WireFormatError
 from kvferry.pools.pagetable import PageTable
-
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import Side, connected, make_side, tiny_spec, whole_cache
-from test_session import ContextMessages, GatedTransport, _cancel_when, send_when_asked
+from tests.support.disagg_harness import Side, connected, make_side, tiny_spec, whole_cache
 
 pytestmark = pytest.mark.timeout(120)
 

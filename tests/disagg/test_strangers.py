@@ -17,8 +17,6 @@ lets it in, and the grants still keep it out of the pools."""
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,9 +27,7 @@ import torch
 from kvferry.disagg.serve import disaggregated
 from kvferry.errors import NotGranted, RegionError
 from kvferry.transports import Transport, get_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference import PROMPTS, SPEC_K, aggregated, run_disaggregated
+from tests.support.disagg_reference import PROMPTS, SPEC_K, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,12 +8,12 @@ from contextlib import aclosing
 
 import anyio
 import pytest
-from engine_fakes import FakeCache, FakeRunner
 
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.request import RequestState
 from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, EngineClosed, RequestAborted
+from tests.support.engine_fakes import FakeCache, FakeRunner
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import pytest
 import pytest_asyncio
-from engine_fakes import FakeCache, FakeRunner
 
 from kvferry import build_engine
 from kvferry.engine.engine import Engine, EngineConfig
 from kvferry.engine.request import RequestState
 from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import EngineClosed, RequestAborted
+from tests.support.engine_fakes import FakeCache, FakeRunner
 
 
 def make_engine(in_thread: bool = False) -> tuple[Engine, FakeCache]:

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeCache, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.engine.request import Request, RequestState
 from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig
 from kvferry.errors import ConfigError, PoolExhausted
+from tests.support.engine_fakes import FakeCache, run_step
 
 S = RequestState
 

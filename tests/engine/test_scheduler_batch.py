@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from engine_fakes import FakeCache, run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from kvferry.engine.request import Request, RequestState
 from kvferry.engine.scheduler import ItemKind, Scheduler, SchedulerConfig, StepPlan
 from kvferry.errors import InvalidTransition
 from kvferry.pools.manager import CacheManager, CacheManagerConfig
+from tests.support.engine_fakes import FakeCache, run_step
 
 S = RequestState
 

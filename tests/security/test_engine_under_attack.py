@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,10 +17,10 @@ from kvferry.disagg.serve import _options, disaggregated
 from kvferry.engine.runner import build_engine
 from kvferry.transports.handshake import SECRET_ENV, new_secret
 from kvferry.transports.limits import ChannelLimits
+from tests.support import SUPPORT
 
 pytestmark = pytest.mark.anyio
 
-HERE = Path(__file__).parent
 SECRET = new_secret()
 PROMPTS = [[5, 9, 14, 200, 3, 3, 77], [250, 1, 7], list(range(30, 70))]
 MAX_TOKENS, SPEC_K = 6, 2
@@ -51,7 +50,14 @@ def rss_bytes(pid: int) -> int:
 
 
 async def hostile(attack: str, address: str, args: tuple[str, ...], secret: bool) -> dict[str, Any]:
-    argv = [sys.executable, str(HERE / "hostile.py"), attack, address, "--transport", address.split(":")[0]]
+    argv = [
+        sys.executable,
+        str(SUPPORT / "hostile.py"),
+        attack,
+        address,
+        "--transport",
+        address.split(":")[0],
+    ]
     argv += [*args, *(["--secret-env"] if secret else [])]
     with anyio.fail_after(60):
         done = await anyio.run_process(argv, env={**os.environ, SECRET_ENV: SECRET.decode()}, check=False)

@@ -1,5 +1,5 @@
 """Hostile peers against a bare listening transport: each attack runs in a process of its own
-(tests/security/hostile.py); afterwards the transport still serves an honest peer (handshake, messages both
+(tests/support/hostile.py); afterwards the transport still serves an honest peer (handshake, messages both
 ways, a write that lands byte for byte), its descriptors are back where they were, and what the attack could
 make it hold stayed under its caps."""
 
@@ -24,10 +24,10 @@ from kvferry.errors import AuthenticationFailed, ConfigError
 from kvferry.transports import PeerAttribute, Transport, get_transport
 from kvferry.transports.handshake import SECRET_ENV, load_secret, new_secret
 from kvferry.transports.limits import ChannelLimits
+from tests.support import SUPPORT
 
 pytestmark = pytest.mark.anyio
 
-HERE = Path(__file__).parent
 TRANSPORTS = ["nixl", "ucx", "local"]
 SECRET = new_secret()
 #: small caps, so that a flood shows them
@@ -68,7 +68,14 @@ def rss_bytes() -> int:
 
 
 def hostile_argv(attack: str, address: str, *args: str, secret: bool = False) -> list[str]:
-    argv = [sys.executable, str(HERE / "hostile.py"), attack, address, "--transport", address.split(":")[0]]
+    argv = [
+        sys.executable,
+        str(SUPPORT / "hostile.py"),
+        attack,
+        address,
+        "--transport",
+        address.split(":")[0],
+    ]
     return [*argv, *args, *(["--secret-env"] if secret else [])]
 
 
@@ -285,6 +292,6 @@ def anyio_backend() -> str:
 def test_hostile_program_runs() -> None:
     """The hostile peer imports nothing it should not need (a quick check that it starts)."""
     done = subprocess.run(
-        [sys.executable, str(HERE / "hostile.py"), "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SUPPORT / "hostile.py"), "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "attack" in done.stdout

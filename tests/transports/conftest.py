@@ -8,18 +8,15 @@ import gc
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from kvferry.transports import Transport, _process, get_transport
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-
-from transport_peer import PeerServer, set_ucx_test_env  # noqa: E402
+from kvferry.tools import peer_process
+from kvferry.transports import Transport, get_transport
+from tests.support import SUPPORT
+from tests.support.transport_peer import PeerServer, set_ucx_test_env
 
 TRANSPORTS = ["nixl", "ucx", "local"]
 #: variants some tests also run: (transport, options of the test's own transport)
@@ -34,13 +31,13 @@ def variant(name: str) -> tuple[str, dict[str, Any]]:
     return VARIANTS.get(name, (name, {}))
 
 
-class PeerProcess(_process.PeerProcess):
-    """A transport in another process, driven over stdin/stdout (tests/transports/transport_peer.py: the
+class PeerProcess(peer_process.PeerProcess):
+    """A transport in another process, driven over stdin/stdout (tests/support/transport_peer.py: the
     library's peer protocol with the test operations); error replies come back as they are."""
 
     def __init__(self, name: str, *args: str, device: str = "cpu") -> None:
-        program = [sys.executable, str(HERE / "transport_peer.py"), name, "--device", device, *args]
-        super().__init__(name, device=device, argv=program, cwd=str(HERE.parent.parent))
+        program = [sys.executable, str(SUPPORT / "transport_peer.py"), name, "--device", device, *args]
+        super().__init__(name, device=device, argv=program, cwd=str(SUPPORT.parents[1]))
         self.pid: int = self.info["pid"]
 
     def _result(self, result: dict[str, Any]) -> dict[str, Any]:

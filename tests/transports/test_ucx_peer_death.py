@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support import SUPPORT
+
 pytest.importorskip("ucxx")
 
-SCRIPT = Path(__file__).with_name("ucx_peer_death.py")
+SCRIPT = SUPPORT / "ucx_peer_death.py"
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

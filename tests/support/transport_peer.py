@@ -1,6 +1,6 @@
 """A peer process for the cross-process transport tests, driven by JSON lines on stdin/stdout.
 
-Run as ``python tests/transports/transport_peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
+Run as ``python tests/support/transport_peer.py NAME [--device cpu|cuda] [--compat HEX]``. It starts the transport,
 prints ``{"address": ...}`` and then answers one command per line (see ``_COMMANDS``). Every connection that
 reaches it is accepted in the background; commands act on the latest one. Offsets are relative to a named
 buffer's start; addresses are absolute. A buffer it registers is granted whole to the latest peer (unless

@@ -15,7 +15,6 @@ import attrs
 import pytest
 import torch
 from attrs import define
-from reference import SPEC_K  # the same directory: on sys.path wherever this module is
 
 from kvferry.disagg.roles import ContextWorker, GenerationWorker
 from kvferry.disagg.router import Router
@@ -23,6 +22,7 @@ from kvferry.disagg.serve import _options
 from kvferry.engine.engine import ForwardItem
 from kvferry.engine.runner import BuiltEngine, EngineOptions, PagedRunner, build_engine
 from kvferry.transports import Peer, get_transport
+from tests.support.disagg_reference import SPEC_K
 
 
 def options(**changes: Any) -> EngineOptions:

@@ -1,0 +1,1 @@
+"""kvferry's test suite."""
