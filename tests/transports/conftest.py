@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from kvferry.tools import peer_process
-from kvferry.transports import Transport, get_transport
+from kvferry.transports import Transport, available_transports, get_transport
 from tests.support import SUPPORT
 from tests.support.transport_peer import PeerServer, set_ucx_test_env
 
@@ -93,6 +93,9 @@ async def remote(transport_name: str, peer_processes: dict[str, PeerProcess]) ->
             yield InProcessPeer(transport, server)
             tg.cancel_scope.cancel()
         return
+    missing = available_transports()[transport_name]
+    if missing is not None:
+        pytest.skip(missing)
     proc = peer_processes.get(transport_name)
     if proc is None or proc.proc.poll() is not None:
         proc = peer_processes[transport_name] = await anyio.to_thread.run_sync(PeerProcess, transport_name)
