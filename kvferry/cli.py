@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name != f"kvferry.commands.{module_name}":
                 raise
-            continue  # not built yet
+            continue  # a subcommand whose module is absent is left out
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)

@@ -1,6 +1,6 @@
 """Test setup shared by every suite.
 
-The UCX environment is set before any test imports nixl or ucxx (../shared/reference/feasibility.md §5):
+The UCX environment is set before any test imports nixl or ucxx (docs/transports.md, "Environment"):
 loopback only, no warnings about variables UCX does not know, reusable listener ports, blocking progress
 (no core spinning at 100%).
 """

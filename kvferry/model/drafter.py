@@ -40,8 +40,8 @@ from kvferry.pools.spec import DrafterSpec, ModelSpec, dtype_name
 __all__ = ["DraftInput", "Drafter", "DrafterWeights", "Proposal"]
 
 #: The default initialisation's mix of the target hidden state and the next token's embedding: through the
-#: target's LM head this guesses "what the target says after this token" (about half of greedy drafts accepted
-#: with the seeded targets, see the tests).
+#: target's LM head this guesses "what the target says after this token" (the tests check that its drafts are
+#: accepted often with the seeded targets).
 DEFAULT_HIDDEN_MIX = 0.1
 DEFAULT_EMBED_MIX = 1.0
 #: How much of the target hidden states' common component (their projection on the mean hidden direction) the

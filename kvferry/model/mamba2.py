@@ -65,8 +65,8 @@ def causal_conv1d(
 
 
 def _depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # Valid depthwise conv as a windowed product: F.conv1d pays a oneDNN primitive build (~0.5 s on a busy CPU)
-    # for every new input shape, and decode batches come in every shape.
+    # Valid depthwise conv as a windowed product: F.conv1d builds a oneDNN primitive for every new input shape,
+    # which costs far more than the conv itself, and decode batches come in every shape.
     out = (full.unfold(-1, weight.shape[-1], 1) * weight[None, :, None, :]).sum(-1)
     return out if bias is None else out + bias[None, :, None]
 

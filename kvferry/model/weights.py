@@ -322,7 +322,8 @@ class ModelWeights:
         accepted. Two knobs give it some structure while the context still decides many tokens:
         ``bigram`` leans the LM head towards a fixed successor of the current token, ``residual_scale``
         scales what each block adds to the residual stream. The defaults make the derived drafter
-        (:meth:`kvferry.model.drafter.DrafterWeights.derived`) accepted roughly 35-70% of the time.
+        (:meth:`kvferry.model.drafter.DrafterWeights.derived`) right often enough to exercise acceptance and
+        wrong often enough to exercise rejection.
         """
         gen = torch.Generator().manual_seed(seed)
 
