@@ -2,9 +2,9 @@
 
 Everything here is plain torch on ``torch.uint8`` tensors, so it runs on any device (cpu in CI, cuda:N on a GPU);
 fragment gathers and scatters on CUDA use the batched Triton copy of :mod:`kvferry.kernels.span_copy`.
-Elsewhere they cut every fragment into rows of ``g`` bytes (``g`` = gcd of every offset and length) and copy
-large fragments as slices and small ones as one indexed copy of rows (see :data:`SLICE_ROWS_HOST`): no index
-entry per byte, so the copy runs near memory bandwidth whatever the alignment.
+Elsewhere they copy large fragments as slices and small ones by rows of ``g`` bytes (``g`` = gcd of every offset
+and length; :mod:`kvferry.kernels.rows`, see :data:`SLICE_ROWS_HOST`): no index entry per byte, so the copy runs
+near memory bandwidth whatever the alignment.
 A *block view* is a 2-D strided view ``[count, block_bytes]`` of an arena whose rows start ``stride`` bytes
 apart (a pool's slots or pages); ``gather``/``scatter``/``copy``/``zero`` act on its rows by an index tensor.
 
@@ -23,6 +23,7 @@ import torch
 
 from kvferry.errors import ConfigError
 from kvferry.kernels import span_copy
+from kvferry.kernels.rows import as_rows, copy_rows, granularity, row_dtype, row_indices
 
 __all__ = [
     "CHUNK_ROWS",
@@ -190,76 +191,16 @@ def _checked_fragments(
 
 
 #: A fragment of at least this many rows (of the granularity ``g``) or :data:`SLICE_BYTES` bytes is copied as one
-#: slice; smaller ones go through one indexed copy over ``[rows, g]`` views. An indexed row costs ~20-60 ns more
-#: than its bytes; a slice costs one copy call: ~1.5 us in numpy on the host (break-even ~32 rows), a kernel
-#: launch (~5 us) on a GPU without Triton (break-even ~256 rows).
+#: slice; smaller ones go through one indexed copy over ``[rows, g]`` views. An indexed row costs a little more
+#: than its bytes, a slice one copy call: a numpy call on the host, a kernel launch on a GPU without Triton
+#: (dearer, so it takes more rows to pay for it).
 SLICE_ROWS_HOST = 32
 SLICE_ROWS_DEVICE = 256
-#: Indexed copies of rows this long are slow on the host (torch's index_select of 1 MiB rows runs ~40x below
-#: memcpy), so fragments this long are always slices; indexed rows therefore stay shorter.
+#: Indexed copies of rows this long run far below memcpy on the host (torch's index_select), so fragments this
+#: long are always slices; indexed rows therefore stay shorter.
 SLICE_BYTES = 256 << 10
 #: Indexed copies run in chunks of at most about this many rows, bounding the int64 index (8 bytes a row).
 CHUNK_ROWS = 1 << 22
-
-
-def granularity(*arrays: np.ndarray) -> int:
-    """The gcd of every value given (offsets and lengths): the largest row size that cuts every fragment.
-
-    Same rule as the transports' private helper (transports may not import kernels); 1 when nothing is given.
-    """
-    values = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    combined = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
-    return max(int(np.gcd.reduce(combined)), 1) if combined.size else 1
-
-
-def row_indices(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concat(arange(s, s + c) for s, c)`` as int64, without a Python loop."""
-    firsts = np.cumsum(counts) - counts
-    return np.repeat(starts - firsts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
-
-
-def _word(g: int, *tensors: torch.Tensor) -> torch.dtype:
-    """The widest integer dtype whose size divides ``g`` and the start of every tensor."""
-    for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if g % width == 0 and all(
-            t.data_ptr() % width == 0 and t.storage_offset() % width == 0 for t in tensors
-        ):
-            return dtype
-    return torch.uint8
-
-
-def _rows(tensor: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` (1-D uint8) as ``[numel // g, g]`` rows of ``dtype`` elements (the tail shorter than a row
-    dropped)."""
-    usable = tensor.numel() // g * g
-    return tensor[:usable].view(dtype).view(-1, g // dtype.itemsize)
-
-
-def _run_start(index: np.ndarray) -> int | None:
-    """The first value when ``index`` is one run ``a, a+1, ...``; else None."""
-    n = index.size
-    if n and int(index[-1]) - int(index[0]) == n - 1 and bool(np.all(np.diff(index) == 1)):
-        return int(index[0])
-    return None
-
-
-def _copy_rows(src: torch.Tensor, src_index: np.ndarray, dst: torch.Tensor, dst_index: np.ndarray) -> None:
-    """``dst[dst_index[i]] = src[src_index[i]]`` over row views; destinations are distinct, reads are done
-    before writes."""
-    n = src_index.size
-    a, b = _run_start(src_index), _run_start(dst_index)
-
-    def index(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values).to(src.device, non_blocking=True)
-
-    if a is not None and b is not None:
-        dst[b : b + n].copy_(src[a : a + n])
-    elif b is not None:
-        torch.index_select(src, 0, index(src_index), out=dst[b : b + n])
-    elif a is not None:
-        dst.index_copy_(0, index(dst_index), src[a : a + n])
-    else:
-        dst.index_copy_(0, index(dst_index), src.index_select(0, index(src_index)))
 
 
 def _torch_copy(
@@ -288,7 +229,7 @@ def _torch_copy(
     big = (counts >= (SLICE_ROWS_HOST if host else SLICE_ROWS_DEVICE)) | (lengths >= SLICE_BYTES)
     slices = zip(src_offsets[big].tolist(), dst_offsets[big].tolist(), lengths[big].tolist(), strict=True)
     if host:
-        s_host, d_host = src.numpy(), dst.numpy()  # a numpy slice copy costs ~1 us, a torch one ~5 us
+        s_host, d_host = src.numpy(), dst.numpy()  # a numpy slice copy costs less host time than torch's
         for s, d, n in slices:
             d_host[d : d + n] = s_host[s : s + n]
     else:
@@ -297,15 +238,15 @@ def _torch_copy(
     small = np.flatnonzero(~big)
     if not small.size:
         return
-    dtype = _word(g, src, dst)
-    s_rows, d_rows = _rows(src, g, dtype), _rows(dst, g, dtype)
+    dtype = row_dtype(g, src, dst)
+    s_rows, d_rows = as_rows(src, g, dtype), as_rows(dst, g, dtype)
     s_first, d_first, counts = src_offsets[small] // g, dst_offsets[small] // g, counts[small]
     # cut between fragments every ~CHUNK_ROWS rows (each fragment has < SLICE_ROWS_* rows)
     ends = np.cumsum(counts)
     cuts = np.searchsorted(ends, np.arange(CHUNK_ROWS, int(ends[-1]), CHUNK_ROWS), side="left") + 1
     for lo, hi in itertools.pairwise([0, *np.unique(cuts).tolist(), small.size]):
         if lo < hi:
-            _copy_rows(
+            copy_rows(
                 s_rows,
                 row_indices(s_first[lo:hi], counts[lo:hi]),
                 d_rows,

@@ -2,9 +2,9 @@
 ``process_vm_readv`` calls (cross-memory attach).
 
 UCX's CMA transport (what NIXL uses between processes of one host) makes one ``process_vm_writev`` call per
-descriptor: about 3 us each here, so a write of thousands of 16-32 KiB fragments (a mismatched-TP KV mapping)
-spends more time in system calls than in copying. Here one call carries up to ``IOV_MAX`` (1024) fragments. And a
-failed call is an :class:`OSError` here, where UCX 1.21 without endpoint error handling aborts the process.
+descriptor, so a write of thousands of small fragments (a mismatched-TP KV mapping) spends more time in system
+calls than in copying. Here one call carries up to ``IOV_MAX`` (1024) fragments. And a failed call is an
+:class:`OSError` here, where UCX 1.21 without endpoint error handling aborts the process.
 
 The kernel copies whole iovec elements or stops at the first one it cannot copy, so a short count means the
 peer's memory is gone (it unmapped it or exited): an :class:`OSError`. Callers check every range of their own
@@ -12,8 +12,8 @@ side against what they registered, and the other side's against what the peer re
 kernel only checks that the pages are mapped).
 
 The calls block (the kernel copies): run :func:`write` and :func:`read` in a worker thread, or let
-:func:`copy_slices` cut a long copy into slices for several worker threads at once (one thread copies 5 GB/s on
-this 2-core VM, two 6.3; the kernel's copy is bound by one core). ctypes releases the GIL for the call.
+:func:`copy_slices` cut a long copy into slices for several worker threads at once (the kernel's copy within one
+call is bound by one core, so more threads move more bytes). ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ class _Launch:
     #: where the kernel reads :attr:`ids` from (a copy on the device, made on the stream before each launch)
     device_ids: Any = None
     busy: bool = False
-    #: ordinary memory the ids are joined and checked in before they go to :attr:`ids` in one pass (numpy's
-    #: reads of pinned memory cost 3x those of ordinary memory on the H200's host)
+    #: ordinary memory the ids are joined and checked in before they go to :attr:`ids` in one pass (numpy reads
+    #: pinned memory slower than ordinary memory)
     scratch: npt.NDArray[np.int64] | None = None
 
     def take_ids(self) -> npt.NDArray[np.int64]:

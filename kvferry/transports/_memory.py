@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from kvferry.errors import NotGranted, RegionError, WireFormatError
 from kvferry.kernels import span_copy
+from kvferry.kernels.rows import copy_by_rows
 from kvferry.transports.base import Fragments, Registration, total_bytes
 from kvferry.transports.wire import RegionInfo
 
@@ -29,9 +30,7 @@ __all__ = [
     "byte_view",
     "device_copy",
     "device_of",
-    "granularity",
     "region_infos",
-    "row_indices",
     "synchronize_cuda",
     "union_of",
 ]
@@ -455,9 +454,8 @@ class CopyPlan:
     Host rows are copied with numpy in slices, yielding to the event loop between slices (the copy runs on the
     loop's thread). Rows between CUDA ranges of one device are one batched launch of :mod:`kvferry.kernels.span_copy`
     (absolute addresses, any number of region pairs) on the current stream; without Triton, per pair of regions,
-    the rows are cut at a granularity ``g`` (the gcd of every offset and length) and copied as one or two indexed
-    copies over ``[rows, g]`` views. The end is awaited once, in a worker thread. Other rows (host <-> device)
-    are single asynchronous copies.
+    they are copied by rows of their granularity (:mod:`kvferry.kernels.rows`). The end is awaited once
+    (:func:`synchronize_cuda`). Other rows (host <-> device) are single asynchronous copies.
     """
 
     def __init__(
@@ -564,10 +562,10 @@ class CopyPlan:
         regions. ``keep`` gets what the queued copies read from host memory (hold it until the stream has passed
         them). ``nbytes``: the bytes of ``rows``, when the caller has them.
 
-        Long rows among many short ones go to the batched launch too: the kernel moves them within 10% of
-        ``copy_``'s time (a few microseconds for 100 MB on the H200), where each ``copy_`` from Python costs
-        0.05-0.2 ms of host time before the kernel's launch. Only writes of mostly long rows (the H200 moves
-        32 MiB in 16 us) are ``copy_`` calls (:data:`DEVICE_COPY_BYTES`)."""
+        Long rows among many short ones go to the batched launch too: the kernel moves them nearly as fast as
+        ``copy_``, and each ``copy_`` from Python costs more host time before its launch than that difference.
+        Only writes of mostly long rows, which take the device longer than the host needs to queue
+        them, are ``copy_`` calls (:data:`DEVICE_COPY_BYTES`)."""
         import torch
 
         if len(rows) <= FEW_DEVICE_COPIES:
@@ -610,8 +608,8 @@ async def synchronize_cuda(nbytes: int = 0, *, poll: bool = True) -> None:
     """Wait until what this thread queued on the current stream ran, without blocking the event loop.
 
     With ``poll``, a wait the copy of ``nbytes`` should end soon is polled on the loop between its other tasks
-    (at most :data:`POLL_SECONDS`; a hop to a worker thread costs more than such a copy on the H200's host:
-    0.15-0.3 ms); anything longer, or any wait without ``poll``, is waited for in a worker thread. A cancel
+    (at most :data:`POLL_SECONDS`; a hop to a worker thread costs more host time than such a copy takes);
+    anything longer, or any wait without ``poll``, is waited for in a worker thread. A cancel
     during the wait is held off until the stream has passed the event (what was queued reads and writes
     memory the caller may free once we return).
     """
@@ -644,23 +642,6 @@ async def wait_event(event: _Event, nbytes: int = 0, *, poll: bool = True) -> No
         await anyio.to_thread.run_sync(event.synchronize)
 
 
-#: bound on the temporary buffer of a gather-then-scatter copy (both sides scattered)
-GATHER_CHUNK_BYTES = 256 << 20
-
-
-def granularity(*arrays: npt.NDArray[Any]) -> int:
-    """The gcd of every value given (offsets and lengths): the largest row size that cuts every fragment."""
-    values = np.concatenate([a.astype(np.int64).reshape(-1) for a in arrays])
-    return int(np.gcd.reduce(values)) if len(values) else 1
-
-
-def row_indices(offsets: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``concat(arange(o, o + c) for o, c)`` without a Python loop."""
-    total = int(counts.sum())
-    starts = np.cumsum(counts) - counts
-    return np.repeat(offsets - starts, counts) + np.arange(total, dtype=np.int64)
-
-
 def device_copy(
     src_view: Any,
     src_base: int,
@@ -670,54 +651,14 @@ def device_copy(
     dst: Fragments,
 ) -> None:
     """Queue the copy of ``src`` rows (inside ``src_view``, a uint8 CUDA tensor at ``src_base``) to ``dst`` rows
-    (inside ``dst_view`` at ``dst_base``) on the current stream, as few indexed copies over ``[rows, g]`` views.
+    (inside ``dst_view`` at ``dst_base``) on the current stream, as few indexed copies over ``[rows, g]`` views
+    (:func:`kvferry.kernels.rows.copy_by_rows`).
 
     Returns at once; the caller synchronises. Rows must not overlap across the two views.
     """
-    import torch
-
     s_off = (src[:, 0] - np.uint64(src_base)).astype(np.int64)
     d_off = (dst[:, 0] - np.uint64(dst_base)).astype(np.int64)
-    lengths = src[:, 1].astype(np.int64)
-    if len(src) == 1:
-        a, b, n = int(s_off[0]), int(d_off[0]), int(lengths[0])
-        dst_view[b : b + n].copy_(src_view[a : a + n], non_blocking=True)
-        return
-    g = granularity(s_off, d_off, lengths)
-    # widest element that divides the row and both bases: fewer, wider elements per indexed copy
-    width = next(w for w in (8, 4, 2, 1) if g % w == 0 and src_base % w == 0 and dst_base % w == 0)
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
-
-    def rows_of(view: Any) -> Any:
-        usable = (view.numel() // g) * g
-        return view[:usable].view(dtype).view(-1, g // width)
-
-    s_rows, d_rows = rows_of(src_view), rows_of(dst_view)
-    counts = lengths // g
-    s_idx = row_indices(s_off // g, counts)
-    d_idx = row_indices(d_off // g, counts)
-    n = len(s_idx)
-    s_run = bool(n and s_idx[-1] - s_idx[0] == n - 1 and np.all(np.diff(s_idx) == 1))
-    d_run = bool(n and d_idx[-1] - d_idx[0] == n - 1 and np.all(np.diff(d_idx) == 1))
-    device = src_view.device
-
-    def index(values: npt.NDArray[np.int64]) -> Any:
-        return torch.from_numpy(values).to(device, non_blocking=True)
-
-    if s_run and d_run:
-        a, b = int(s_idx[0]), int(d_idx[0])
-        d_rows[b : b + n].copy_(s_rows[a : a + n], non_blocking=True)
-    elif s_run:
-        a = int(s_idx[0])
-        d_rows.index_copy_(0, index(d_idx), s_rows[a : a + n])
-    elif d_run:
-        b = int(d_idx[0])
-        torch.index_select(s_rows, 0, index(s_idx), out=d_rows[b : b + n])
-    else:
-        step = max(1, GATHER_CHUNK_BYTES // g)
-        for lo in range(0, n, step):
-            staged = s_rows.index_select(0, index(s_idx[lo : lo + step]))
-            d_rows.index_copy_(0, index(d_idx[lo : lo + step]), staged)
+    copy_by_rows(src_view, s_off, dst_view, d_off, src[:, 1].astype(np.int64))
 
 
 def _torch_copy(dst: Any, d_off: int, src: Any, s_off: int, n: int) -> None:

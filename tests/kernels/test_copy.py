@@ -16,8 +16,6 @@ from kvferry.kernels.copy import (
     copy_blocks,
     gather_blocks,
     gather_fragments,
-    granularity,
-    row_indices,
     scatter_blocks,
     scatter_fragments,
     zero_blocks,
@@ -213,31 +211,6 @@ def test_fragments_rows_match_byte_reference(
         new = _arena(staging_shift + total + 1, seed + 1, device)
         scatter_fragments(arena, fragments, new[staging_shift:])
     assert arena.tolist() == _ref_scatter(data, fragments, new[staging_shift:].tolist())
-
-
-@SETTINGS
-@given(
-    arrays=st.lists(st.lists(st.integers(0, 1 << 40), max_size=6), max_size=4),
-)
-def test_granularity_and_row_indices(arrays: list[list[int]]) -> None:
-    from kvferry.transports._memory import granularity as transport_granularity
-
-    values = [v for a in arrays for v in a]
-    expected = 1
-    if values:
-        expected = 0
-        for v in values:
-            expected = np.gcd(expected, v)
-        expected = max(int(expected), 1)
-    numpy_arrays = [np.array(a, dtype=np.int64) for a in arrays]
-    assert granularity(*numpy_arrays) == expected
-    if values and any(values):  # the transports' helper, for the inputs it is given (some non-zero value)
-        assert transport_granularity(*numpy_arrays) == expected
-    starts = np.array([v % 1000 for v in values], dtype=np.int64)
-    counts = np.array([v % 5 for v in values], dtype=np.int64)
-    assert row_indices(starts, counts).tolist() == [
-        s + i for s, c in zip(starts.tolist(), counts.tolist(), strict=True) for i in range(c)
-    ]
 
 
 def test_bad_inputs_change_nothing() -> None:

@@ -9,6 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.kernels import span_copy
+from kvferry.kernels.span_copy import buffers, tables
+from kvferry.kernels.span_copy import launch as launching
+from kvferry.kernels.span_copy.cuda import cuda_driver
 
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not span_copy.available(torch.device("cuda")),
@@ -153,10 +156,10 @@ def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
 def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int, int], dict[str, object]]]:
     """The grid and the constants of each of the launcher's launches from now on."""
     launches: list[tuple[tuple[int, int, int], dict[str, object]]] = []
-    launch = span_copy._Launcher.launch
+    launch = launching.Launcher.launch
 
     def recorded(
-        self: span_copy._Launcher,
+        self: launching.Launcher,
         device: object,
         grid: tuple[int, int, int],
         table: int,
@@ -168,7 +171,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, int, int
         launches.append((grid, constants))
         launch(self, device, grid, table, count, base, constants, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(span_copy._Launcher, "launch", recorded)
+    monkeypatch.setattr(launching.Launcher, "launch", recorded)
     return launches
 
 
@@ -414,7 +417,7 @@ def test_copy_spans_matches_slices(alignment: int, max_length: int) -> None:
 def test_repeated_launches_skip_the_jit_and_copy_the_same() -> None:
     """Later launches of a configuration go straight to the driver (where libcuda reports the kernel's
     parameters) or to the compiled kernel, not through the JIT; their bytes are as right."""
-    launcher = span_copy._launcher
+    launcher = launching.launcher
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
     lengths = np.full(64, 4096, dtype=np.int64)
     src_addr = src.data_ptr() + np.arange(64, dtype=np.int64)[::-1] * 4096
@@ -427,7 +430,7 @@ def test_repeated_launches_skip_the_jit_and_copy_the_same() -> None:
         torch.cuda.synchronize()
         assert torch.equal(dst.view(64, 4096), src[: 64 * 4096].view(64, 4096).flip(0))
     assert launcher.driver_launches + launcher.direct_launches >= before + 2
-    if span_copy._cuda_driver() is not None:  # libcuda with cuFuncGetParamInfo (CUDA 12.4 and later)
+    if cuda_driver() is not None:  # libcuda with cuFuncGetParamInfo (CUDA 12.4 and later)
         assert launcher.driver_launches >= driver + 2
 
 
@@ -439,18 +442,18 @@ def test_device_tables_are_kept_per_stream_and_thread_and_grow(monkeypatch: pyte
 
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # host memory here
-    tables = span_copy._DeviceTables()
-    first = tables.take(0, 7, 100)
-    assert first.numel() == 1024 and tables.take(0, 7, 1024) is first
-    grown = tables.take(0, 7, 3000)
-    assert grown.numel() == 4096 and tables.take(0, 7, 10) is grown and tables.allocated == 2
-    assert tables.take(0, 8, 10) is not grown and tables.take(1, 7, 10) is not grown
+    kept = buffers.DeviceTables()
+    first = kept.take(0, 7, 100)
+    assert first.numel() == 1024 and kept.take(0, 7, 1024) is first
+    grown = kept.take(0, 7, 3000)
+    assert grown.numel() == 4096 and kept.take(0, 7, 10) is grown and kept.allocated == 2
+    assert kept.take(0, 8, 10) is not grown and kept.take(1, 7, 10) is not grown
     other: list[object] = []
-    thread = threading.Thread(target=lambda: other.append(tables.take(0, 7, 10)))
+    thread = threading.Thread(target=lambda: other.append(kept.take(0, 7, 10)))
     thread.start()
     thread.join()
-    assert other[0] is not grown and tables.allocated == 5
-    assert repr(tables) == "<_DeviceTables 4 buffers, 5 allocated>"  # the outgrown one replaced
+    assert other[0] is not grown and kept.allocated == 5
+    assert repr(kept) == "<DeviceTables 4 buffers, 5 allocated>"  # the outgrown one replaced
 
 
 def test_pinned_tables_are_reused_only_once_every_view_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,19 +461,19 @@ def test_pinned_tables_are_reused_only_once_every_view_is_gone(monkeypatch: pyte
     holds it until the copy ran), never while one lives; rows round up to a power of two (64 at least)."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    tables = span_copy._PinnedTables()
-    first = tables.take(100)
+    kept = buffers.PinnedTables()
+    first = kept.take(100)
     assert first.shape == (100, 3) and first.dtype == np.int64
     view = first.view(np.uint64)[:10]
     address = first.ctypes.data
     del first
-    second = tables.take(100)  # the first block is still in use (the view lives): a new one
-    assert second.ctypes.data != address and tables.allocated == 2
+    second = kept.take(100)  # the first block is still in use (the view lives): a new one
+    assert second.ctypes.data != address and kept.allocated == 2
     del view
-    third = tables.take(128)  # same capacity (128 rows): the first block again
-    assert third.ctypes.data == address and tables.allocated == 2
-    assert tables.take(10).shape == (10, 3) and tables.allocated == 3  # 64 rows: another size
-    assert "allocated=3" in repr(tables)
+    third = kept.take(128)  # same capacity (128 rows): the first block again
+    assert third.ctypes.data == address and kept.allocated == 2
+    assert kept.take(10).shape == (10, 3) and kept.allocated == 3  # 64 rows: another size
+    assert "allocated=3" in repr(kept)
 
 
 @pytest.mark.parametrize("long_spans", [1, 3, 20])
@@ -485,12 +488,12 @@ def test_few_long_spans_are_cut_as_many_are(long_spans: int, monkeypatch: pytest
     )
     src = (1 << 40) + np.cumsum(lengths) - lengths
     dst = (1 << 41) + rng.permutation(n).astype(np.int64) * (101 << 20)
-    tables = []
-    for few in (span_copy._FEW_LONG_SPANS, 0):
-        monkeypatch.setattr(span_copy, "_FEW_LONG_SPANS", few)
+    cuts = []
+    for few in (tables.FEW_LONG_SPANS, 0):
+        monkeypatch.setattr(tables, "FEW_LONG_SPANS", few)
         table, *rest = span_copy.piece_table(src, dst, lengths)
-        tables.append((table[np.lexsort(table.T[::-1])], rest))
-    (one_by_one, rest_a), (at_once, rest_b) = tables
+        cuts.append((table[np.lexsort(table.T[::-1])], rest))
+    (one_by_one, rest_a), (at_once, rest_b) = cuts
     assert rest_a == rest_b and np.array_equal(one_by_one, at_once)
     assert one_by_one[:, 2].sum() * rest_a[1] == lengths.sum() and len(one_by_one) > n
 
@@ -571,7 +574,7 @@ def test_indexed_rows_of_mixed_lengths_are_cut_shorter_for_the_grid(monkeypatch:
     host = cut.table.numpy()
     assert cut.grid == (8, cut.pieces, 1) and host[:, 6].max() * cut.word == 32 << 10
     assert host[:, 6].sum() * cut.word == length.sum()
-    monkeypatch.setattr(span_copy, "GRID_RECUT", False)
+    monkeypatch.setattr(tables, "GRID_RECUT", False)
     whole = table()
     assert whole.grid is None and whole.pieces < cut.pieces
 
@@ -693,9 +696,9 @@ def test_launch_makes_the_device_current_unless_the_caller_did(monkeypatch: pyte
         streams.append(stream)
         return True
 
-    monkeypatch.setattr(span_copy, "_on_device", Current)
-    monkeypatch.setattr(span_copy, "_current_stream", lambda ordinal: 100 + ordinal)
-    launcher = span_copy._Launcher()
+    monkeypatch.setattr(launching, "on_ordinal", Current)
+    monkeypatch.setattr(launching, "current_stream", lambda ordinal: 100 + ordinal)
+    launcher = launching.Launcher()
     constants = {"WORD": 8, "num_warps": 4}
     device = torch.device("cuda", 1)
     launcher._compiled[launcher.key(1, constants)] = (object(), driver)  # type: ignore[assignment]

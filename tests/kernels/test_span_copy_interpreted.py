@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from kvferry.kernels import span_copy
+from kvferry.kernels.span_copy.copies import fragment_launch
+from kvferry.kernels.span_copy.kernel import copy_kernel
 
 pytest.importorskip("triton")
 
@@ -27,9 +29,9 @@ BYTES = 1 << 19
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The kernel as Triton's interpreter runs it (compiled again as usual afterwards)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    span_copy._kernel.cache_clear()
-    yield span_copy._kernel()
-    span_copy._kernel.cache_clear()
+    copy_kernel.cache_clear()
+    yield copy_kernel()
+    copy_kernel.cache_clear()
 
 
 def _loops_over_program_ids() -> bool:
@@ -114,7 +116,7 @@ def test_fragment_rows(kernel: Any, buffer: torch.Tensor, case: str) -> None:
     )
     assert table is not None
     assert (table.rows, table.rounds) == (24, 4 if case == "merged" else 1)
-    constants, _ = span_copy._fragment_launch(0, table.rounds)
+    constants, _ = fragment_launch(0, table.rounds)
     origin = int(s_rows[0, 0]) & ~255
     expected = _expected(buffer, src, dst, lengths)
     whole = buffer[origin - base :]
