@@ -86,7 +86,7 @@ def test_exact_ids_through_the_lifecycle() -> None:
     m.close("a")
     m.close("b")
     # freed in reverse block-table order, a's then b's: their tail blocks are evicted first
-    assert m._pages.free_page_ids() == [8, 9, 10, 11, 12, 13, 14, 15, 3, 2, 1, 7, 6, 5, 4]
+    assert m._pools.pages.free_page_ids() == [8, 9, 10, 11, 12, 13, 14, 15, 3, 2, 1, 7, 6, 5, 4]
     assert m.state_indices.tolist() == [DUMMY_SLOT] * 4
     s = m.statistics()
     assert (s.pages_free, s.slots_free, s.draft_pages_free) == (15, 5, 7)
@@ -124,7 +124,7 @@ def test_reuse_hit_is_pruned_to_the_last_snapshot() -> None:
     a_pages = list(m.block_table("a"))
     assert m.statistics().snapshots_taken == 3  # at 8 and 16 (interval) and 20 (prompt end)
     hashes = hash_blocks(prompt, 4)
-    snapshots = {s.block_hash: s.num_tokens for s in m._slots.snapshots()}  # type: ignore[union-attr]
+    snapshots = {s.block_hash: s.num_tokens for s in m._pools.slots.snapshots()}  # type: ignore[union-attr]
     assert snapshots == {hashes[1]: 8, hashes[3]: 16, hashes[4]: 20}
     m.suspend("a")
     # b shares 14 tokens: 3 full blocks match pages, pruned back to the snapshot at 8
@@ -132,7 +132,7 @@ def test_reuse_hit_is_pruned_to_the_last_snapshot() -> None:
     r = m.resume("b")
     assert r.reused_tokens == 8 and r.draft_zeroed == (0, 8)
     assert list(m.block_table("b"))[:2] == a_pages[:2]
-    assert m._pages.ref_cnt(a_pages[0]) == 2
+    assert m._pools.pages.ref_cnt(a_pages[0]) == 2
     assert m.num_committed_tokens("b") == 8
     # c extends the prompt: the match covers 5 blocks (prompt_len - 1 = 20) and the snapshot at 20
     m.create("c", [*prompt, 5])
@@ -158,7 +158,7 @@ def test_snapshot_bytes_are_copied_never_shared() -> None:
     arena.fill_garbage(STATE, [slot_a], seed=1)
     state_at_8 = slot_bytes(m, slot_a)[0]
     m.commit("a", list(range(8)))  # snapshot of the live slot at 8
-    [snap] = m._slots.snapshots()  # type: ignore[union-attr]
+    [snap] = m._pools.slots.snapshots()  # type: ignore[union-attr]
     assert same(slot_bytes(m, snap.slot_id)[0], state_at_8)
     arena.fill_garbage(STATE, [slot_a], seed=2)  # the request moves on; the snapshot must not
     m.commit("a", list(range(8, 12)))
@@ -204,7 +204,7 @@ def test_snapshot_through_speculative_replay() -> None:
     assert m.statistics().snapshots_taken == 0
     # next step replays them onto the slot (now at 8) and accepts 2 more, pending
     m.commit("a", [8, 9], num_pending_replay=2)
-    assert [s.num_tokens for s in m._slots.snapshots()] == [8]  # type: ignore[union-attr]
+    assert [s.num_tokens for s in m._pools.slots.snapshots()] == [8]  # type: ignore[union-attr]
     with pytest.raises(InvalidTransition):  # the slot cannot move backwards
         m.commit("a", [10], num_pending_replay=4)
 
@@ -222,7 +222,7 @@ def test_pinned_snapshot_survives_pressure_until_first_resume() -> None:
     m.create("y", [7])
     m.resume("x")
     m.resume("y")  # evicts the snapshot at 4, never the pinned one
-    assert [s.num_tokens for s in m._slots.snapshots()] == [8]  # type: ignore[union-attr]
+    assert [s.num_tokens for s in m._pools.slots.snapshots()] == [8]  # type: ignore[union-attr]
     m.create("z", [7])
     before = m.debug_state()
     with pytest.raises(PoolExhausted):
