@@ -9,14 +9,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvferry.errors import PoolExhausted, RebalanceRefused
-from kvferry.pools.arena import CacheArena
-from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheState, Offload, Quarantine
 from kvferry.pools.slots import DUMMY_SLOT
-from kvferry.pools.spec import preset
+from tests.support.pools_factories import DRAFT_TPB, TPB, make_arena
 
-TPB = 4
-DRAFT_TPB = 8
 IDS = [f"r{i}" for i in range(6)]
 # common prefixes and a two-letter alphabet make shared blocks (and so reuse and snapshots) common
 prompts = st.builds(
@@ -29,10 +25,8 @@ prompts = st.builds(
 class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        layout = CacheLayout.build(
-            preset("tiny").shard(1, 0), num_pages=16, num_slots=6, num_draft_pages=9, max_replay_tokens=2
-        )
-        self.m = CacheManager.for_arena(CacheArena(layout, "cpu"), max_batch_size=4, snapshot_interval=4)
+        arena = make_arena(num_pages=16, num_slots=6, num_draft_pages=9, max_replay_tokens=2)
+        self.m = CacheManager.for_arena(arena, max_batch_size=4, snapshot_interval=4)
         self.initial = self.m.statistics()
         self.quarantines: list[Quarantine] = []
         self.dummies: list[int] = []
