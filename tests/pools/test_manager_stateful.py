@@ -9,14 +9,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvferry.errors import PoolExhausted, RebalanceRefused
-from kvferry.pools.arena import CacheArena
-from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheState, Offload, Quarantine
 from kvferry.pools.slots import DUMMY_SLOT
-from kvferry.pools.spec import preset
+from tests.support.pools_factories import DRAFT_TPB, TPB, make_arena
 
-TPB = 4
-DRAFT_TPB = 8
 IDS = [f"r{i}" for i in range(6)]
 # common prefixes and a two-letter alphabet make shared blocks (and so reuse and snapshots) common
 prompts = st.builds(
@@ -29,10 +25,8 @@ prompts = st.builds(
 class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        layout = CacheLayout.build(
-            preset("tiny").shard(1, 0), num_pages=16, num_slots=6, num_draft_pages=9, max_replay_tokens=2
-        )
-        self.m = CacheManager.for_arena(CacheArena(layout, "cpu"), max_batch_size=4, snapshot_interval=4)
+        arena = make_arena(num_pages=16, num_slots=6, num_draft_pages=9, max_replay_tokens=2)
+        self.m = CacheManager.for_arena(arena, max_batch_size=4, snapshot_interval=4)
         self.initial = self.m.statistics()
         self.quarantines: list[Quarantine] = []
         self.dummies: list[int] = []
@@ -223,10 +217,10 @@ class ManagerMachine(RuleBasedStateMachine):
             # the pages a request will still write are its own
             if req.state is CacheState.ACTIVE:
                 for page in req.pages[len(req.tokens) // TPB :]:
-                    assert m._pages.ref_cnt(page) == 1
+                    assert m._pools.pages.ref_cnt(page) == 1
                 assert req.draft_valid <= len(req.tokens)
                 for page in req.draft_pages[req.draft_valid // DRAFT_TPB :]:
-                    assert m._draft is not None and m._draft.ref_cnt(page) == 1
+                    assert m._pools.draft is not None and m._pools.draft.ref_cnt(page) == 1
             # the draft match never passes the target's boundary; a gap ends what the request offers
             assert req.draft_hit <= req.reused_tokens
             assert len(req.draft_hashes) * DRAFT_TPB <= max(req.draft_valid, req.draft_hit)
@@ -235,20 +229,20 @@ class ManagerMachine(RuleBasedStateMachine):
             draft_owners.update(q.draft_pages)
             if q.slot is not None:
                 slots.append(q.slot)
-        for page_id in range(1, m._pages.num_pages):
-            assert m._pages.ref_cnt(page_id) == owners[page_id]
+        for page_id in range(1, m._pools.pages.num_pages):
+            assert m._pools.pages.ref_cnt(page_id) == owners[page_id]
             if owners[page_id] > 1:  # shared: only full cached prefix blocks
-                assert m._pages.block_hash(page_id) is not None
-        assert m._draft is not None
-        for page_id in range(1, m._draft.num_pages):
-            assert m._draft.ref_cnt(page_id) == draft_owners[page_id]
+                assert m._pools.pages.block_hash(page_id) is not None
+        assert m._pools.draft is not None
+        for page_id in range(1, m._pools.draft.num_pages):
+            assert m._pools.draft.ref_cnt(page_id) == draft_owners[page_id]
             if draft_owners[page_id] > 1:  # shared: only full cached draft blocks
-                assert m._draft.block_hash(page_id) is not None
+                assert m._pools.draft.block_hash(page_id) is not None
         assert len(slots) == len(set(slots)) and DUMMY_SLOT not in slots
-        assert m._slots is not None
-        snapshot_slots = {s.slot_id for s in m._slots.snapshots()}
-        unpinned = sum(1 for s in m._slots.snapshots() if s.pins == 0)
-        assert m._slots.num_available == m._slots.num_free_slots + unpinned
+        assert m._pools.slots is not None
+        snapshot_slots = {s.slot_id for s in m._pools.slots.snapshots()}
+        unpinned = sum(1 for s in m._pools.slots.snapshots() if s.pins == 0)
+        assert m._pools.slots.num_available == m._pools.slots.num_free_slots + unpinned
         assert not snapshot_slots & set(slots)
         s = m.statistics()
         assert s.slots_live == len(slots)
@@ -257,7 +251,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert s.draft_pages_used + s.draft_pages_free == s.draft_pages_total
         for req in reqs:
             if req.pinned is not None:
-                snap = m._slots.snapshot(req.pinned)
+                snap = m._pools.slots.snapshot(req.pinned)
                 assert snap is not None and snap.pins > 0
 
     @invariant()

@@ -1,39 +1,15 @@
-"""The draft mirror: draft KV reuse clamped to the target's reuse boundary (DESIGN.md "Draft KV")."""
+"""The draft mirror (kvferry.pools.draft_mirror): draft KV reuse clamped to the target's reuse boundary
+(docs/design.md, "Draft KV")."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvferry.errors import InvalidTransition, UnknownRequest
 from kvferry.pools.blocks import hash_block, root_hash
-from kvferry.pools.manager import CacheManager, Offload
-from tests.pools.test_manager import make_manager, page_bytes, same
-
-# tiny: target tokens_per_block 4, drafter tokens_per_block 8
-
-
-def pages(m: CacheManager, ids: list[int]) -> list[torch.Tensor]:
-    """The bytes of each draft page, one tensor a page."""
-    return [torch.cat([b.reshape(-1) for b in page_bytes(m, "draft", [i])]) for i in ids]
-
-
-def serve(m: CacheManager, rid: str, prompt: list[int], generated: list[int]) -> None:
-    """Prefill ``prompt`` (chunks at snapshot boundaries), then decode ``generated`` one token a step; the
-    drafter catches up on each step's fed positions one step later, as the engine's runner does."""
-    m.create(rid, prompt)
-    done = m.resume(rid, capacity=len(prompt) + len(generated)).reused_tokens
-    fed_from = done
-    while done < len(prompt):
-        boundary = m.next_snapshot_boundary(rid)
-        end = len(prompt) if boundary is None else min(boundary, len(prompt))
-        m.commit(rid, prompt[done:end])
-        done = end
-    for token in generated:
-        m.commit_draft(rid, fed_from, done)  # the proposal before this step's forward
-        fed_from = done
-        m.commit(rid, [token])
-        done += 1
+from kvferry.pools.manager import Offload
+from tests.support.pools_factories import draft_page_bytes as pages
+from tests.support.pools_factories import make_manager, page_bytes, run_prompt, same, serve
 
 
 def test_draft_blocks_are_indexed_only_when_final_and_followed() -> None:
@@ -49,7 +25,7 @@ def test_draft_blocks_are_indexed_only_when_final_and_followed() -> None:
     draft = list(m.draft_block_table("a"))
     key0 = hash_block(root_hash(), prompt[0:9])
     key1 = hash_block(key0, prompt[8:17])
-    assert m._draft.lookup(key0) == draft[0] and m._draft.lookup(key1) == draft[1]  # type: ignore[union-attr]
+    assert m._pools.draft.lookup(key0) == draft[0] and m._pools.draft.lookup(key1) == draft[1]  # type: ignore[union-attr]
     m.commit("a", [20, 21, 22])
     m.commit_draft("a", 20, 23)
     assert m.statistics().draft_pages_cached == 2  # position 23 not final, token 24 not committed
@@ -74,13 +50,13 @@ def test_reuse_shares_exact_draft_pages_and_copies_the_straddling_block() -> Non
     # b shares 22 tokens: target reuse 20 (whole blocks with snapshots), draft: blocks 0, 1 shared, block 2's
     # front [16, 20) copied (its hash covers tokens 16..24, b agrees on 16..20)
     assert m.create("b", [*prompt[:22], 7, 7, 7]) == 20
-    assert m._draft.ref_cnt(a_draft[2]) == 2  # type: ignore[union-attr]  # held for the copy
+    assert m._pools.draft.ref_cnt(a_draft[2]) == 2  # type: ignore[union-attr]  # held for the copy
     r = m.resume("b")
     assert r.reused_tokens == 20 and r.draft_zeroed == (0, 0)
     b_draft = list(m.draft_block_table("b"))
     assert b_draft[:2] == a_draft[:2]
     assert b_draft[2] not in a_draft
-    assert [m._draft.ref_cnt(p) for p in a_draft[:3]] == [2, 2, 1]  # type: ignore[union-attr]
+    assert [m._pools.draft.ref_cnt(p) for p in a_draft[:3]] == [2, 2, 1]  # type: ignore[union-attr]
     assert same(pages(m, b_draft[:3]), a_bytes[:3])  # the straddling block: a private copy
     assert m.statistics().draft_hit_tokens == 20
     # the copy is b's: writing it leaves a's page alone
@@ -105,7 +81,7 @@ def test_draft_match_is_clamped_to_the_target_boundary_and_the_gap_zero_filled()
     r = m.resume("b")
     assert r.reused_tokens == 36 and r.draft_zeroed == (0, 0)
     assert list(m.draft_block_table("b"))[:4] == a_draft[:4]
-    assert m._draft.ref_cnt(a_draft[4]) == 1  # type: ignore[union-attr]  # copied, not shared
+    assert m._pools.draft.ref_cnt(a_draft[4]) == 1  # type: ignore[union-attr]  # copied, not shared
     # gap: c diverges right at the target boundary 24, so draft block 2 (hash covers token 24) cannot be
     # reused, not even its front: [16, 24) is zero-filled, blocks 0 and 1 are shared
     arena.fill_garbage("draft", list(range(1, 24)), seed=9)
@@ -125,7 +101,24 @@ def test_draft_match_is_clamped_to_the_target_boundary_and_the_gap_zero_filled()
     m.grow("c", 36)
     m.commit("c", list(range(9)))
     m.commit_draft("c", 27, 36)
-    assert [m._draft.block_hash(p) for p in c_draft[2:]] == [None] * len(c_draft[2:])  # type: ignore[union-attr]
+    assert [m._pools.draft.block_hash(p) for p in c_draft[2:]] == [None] * len(c_draft[2:])  # type: ignore[union-attr]
+
+
+def test_draft_pages_of_the_reused_prefix_are_zeroed() -> None:
+    m = make_manager(snapshot_interval=8)
+    arena = m.arena
+    assert arena is not None
+    run_prompt(m, "a", list(range(20)))
+    m.close("a")
+    arena.fill_garbage("draft", list(range(1, 8)), seed=5)
+    m.create("b", [*range(17), 1])
+    r = m.resume("b")
+    assert r.reused_tokens == 16 and r.draft_zeroed == (0, 16)
+    draft = list(m.draft_block_table("b"))
+    assert len(draft) == 3
+    zeroed, untouched = page_bytes(m, "draft", draft[:2]), page_bytes(m, "draft", draft[2:])
+    assert all(not b.any() for b in zeroed)
+    assert all(b.any() for b in untouched)  # not in the reused range: the drafter writes it before reading
 
 
 def test_requests_that_never_draft_offer_no_draft_blocks() -> None:

@@ -1,0 +1,155 @@
+"""The draft mirror: reuse of the drafter's KV, clamped to the target's reuse boundary.
+
+The draft group has its own prefix index at the drafter's ``tokens_per_block`` (``d`` below). The rules:
+
+- Draft KV at position ``p`` depends on the token at ``p + 1`` too, so a draft block's chained hash covers its
+  ``d`` tokens and the one after it.
+- A block enters the index only when its draft KV is *final*: the engine reports what the drafter wrote for
+  committed positions (:meth:`DraftMirror.commit`), the draft KV before it is final as well (no gap), and the
+  token after the block is committed. Speculative positions are never final.
+- The draft match is clamped to the target's reuse boundary ``reused_tokens``: full draft blocks are shared
+  read-only, like attention pages; a block that straddles the boundary is found by the prefix of its tokens
+  and *copied* into a private page on the first resume (its back will be written, so never in place).
+- What the match cannot cover, ``[draft_hit, reused_tokens)``, is zero-filled on the first resume and reported
+  (:attr:`~kvferry.pools.lifecycle.Resumed.draft_zeroed`): the drafter never reads recycled bytes. A request
+  with such a gap never offers its later draft blocks for reuse, since their KV was computed over the zeros.
+"""
+
+from __future__ import annotations
+
+from kvferry.errors import InvalidTransition
+from kvferry.pools.blocks import hash_block
+from kvferry.pools.config import DRAFT
+from kvferry.pools.rank_pools import RankPools
+from kvferry.pools.record import RequestRecord
+from kvferry.pools.statistics import Counters
+
+__all__ = ["DraftMirror"]
+
+
+class DraftMirror:
+    """The draft prefix index of one rank's pools, as requests match and fill it. Without a drafter group every
+    operation leaves the record's draft fields alone."""
+
+    def __init__(self, pools: RankPools, counters: Counters) -> None:
+        self._pools = pools
+        self._counters = counters
+
+    def match(self, record: RequestRecord) -> None:
+        """Match after the target's match: full draft blocks up to ``reused_tokens`` (references taken), then the
+        block that straddles it by the prefix of its tokens (a reference on the cached page, copied on the first
+        resume). Each block's hash covers the token after it, which the prompt always has here."""
+        draft, reused = self._pools.draft, record.reused_tokens
+        if draft is None or not reused:
+            return
+        d, prompt = self._pools.config.draft_tokens_per_block, record.prompt
+        full = reused // d
+        parent = record.parent
+        for b in range(full):
+            key = hash_block(parent, prompt[b * d : (b + 1) * d + 1])
+            page = draft.lookup(key)
+            if page is None:
+                break
+            record.draft_pages.append(page)
+            record.draft_hashes.append(key)
+            parent = key
+        record.draft_hit = len(record.draft_pages) * d
+        if len(record.draft_pages) == full and reused % d:
+            record.draft_source = draft.match_partial(parent, prompt[full * d : reused + 1])
+            if record.draft_source is not None:
+                record.draft_hit = reused
+        draft.touch(
+            record.draft_pages if record.draft_source is None else [*record.draft_pages, record.draft_source]
+        )
+        self._counters.draft_hit_tokens += record.draft_hit
+
+    def drop_source(self, record: RequestRecord) -> None:
+        """Release the reference on the straddling block's cached page, if the record still holds one."""
+        if record.draft_source is not None:
+            assert self._pools.draft is not None
+            self._pools.draft.free([record.draft_source])
+            record.draft_source = None
+
+    def forget(self, record: RequestRecord) -> None:
+        """Drop a never-resumed record's draft match: its draft page references and its straddling source."""
+        if self._pools.draft is not None:
+            self._pools.draft.free(record.draft_pages)
+        self.drop_source(record)
+        record.draft_pages, record.draft_hashes = [], []
+        record.draft_hit = record.draft_valid = 0
+
+    def initialise(self, record: RequestRecord) -> tuple[int, int]:
+        """First resume: copy the straddling block's front into its private page and zero-fill the gap.
+
+        :return: the zero-filled token range ``[draft_hit, reused_tokens)``, or (0, 0) without a gap.
+        """
+        pools = self._pools
+        if pools.draft is None or not record.reused_tokens:
+            return (0, 0)
+        d, reused, hit = pools.config.draft_tokens_per_block, record.reused_tokens, record.draft_hit
+        if record.draft_source is not None:
+            if pools.arena is not None:
+                pools.arena.copy_pages(DRAFT, [record.draft_source], [record.draft_pages[reused // d]])
+            self.drop_source(record)
+        record.draft_valid = hit
+        if hit >= reused:
+            return (0, 0)
+        # no straddling block was matched, so the gap starts at a block edge and its pages are private
+        gap = record.draft_pages[hit // d : pools.draft_blocks(reused)]
+        if pools.arena is not None and gap:
+            pools.arena.zero_pages(DRAFT, gap)
+        self._counters.draft_zeroed_tokens += reused - hit
+        return (hit, reused)
+
+    def commit(self, record: RequestRecord, start: int, end: int) -> None:
+        """Record final draft KV for the committed positions ``[start, end)`` and index the blocks it completes.
+
+        A range that starts past the final prefix (e.g. after a zero-filled gap) extends nothing.
+
+        :raises ~kvferry.errors.InvalidTransition: if the record's draft pages are not on the device (never
+            resumed, or on the host) or the range is not within its committed tokens; nothing changed.
+        """
+        if not record.resumed or record.host is not None:
+            where = "on the host" if record.host is not None else "never resumed"
+            raise InvalidTransition(
+                f"commit_draft of {record.request_id!r}: its pages are not on the device ({where})"
+            )
+        if not 0 <= start <= end <= len(record.tokens):
+            raise InvalidTransition(
+                f"commit_draft of {record.request_id!r}: [{start}, {end}) is not within its "
+                f"{len(record.tokens)} committed tokens"
+            )
+        if self._pools.draft is None:
+            return
+        if start <= record.draft_valid < end:
+            record.draft_valid = end
+        self.hash_blocks(record)
+
+    def hash_blocks(self, record: RequestRecord) -> None:
+        """Hash (and offer for reuse) draft blocks whose KV is final and whose following token is committed."""
+        draft = self._pools.draft
+        assert draft is not None
+        d, tokens, hashes = self._pools.config.draft_tokens_per_block, record.tokens, record.draft_hashes
+        reusable = self._pools.config.enable_reuse
+        for b in range(len(hashes), min(record.draft_valid, len(tokens) - 1) // d):
+            parent = hashes[-1] if hashes else record.parent
+            block = tokens[b * d : (b + 1) * d + 1]
+            key = hash_block(parent, block)
+            hashes.append(key)
+            if reusable:
+                draft.register(record.draft_pages[b], key, parent=parent, tokens=block)
+
+    def reoffer(self, record: RequestRecord) -> None:
+        """Offer a restored record's hashed draft blocks for reuse again, in their new pages."""
+        draft = self._pools.draft
+        if draft is None or not self._pools.config.enable_reuse:
+            return
+        d = self._pools.config.draft_tokens_per_block
+        for b, (page, key) in enumerate(zip(record.draft_pages, record.draft_hashes, strict=False)):
+            parent = record.draft_hashes[b - 1] if b else record.parent
+            block = record.tokens[b * d : (b + 1) * d + 1]
+            draft.register(page, key, parent=parent, tokens=block)
+
+    def __repr__(self) -> str:
+        c = self._counters
+        return f"<DraftMirror {c.draft_hit_tokens} tokens reused, {c.draft_zeroed_tokens} zero-filled>"
