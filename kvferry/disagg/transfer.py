@@ -163,7 +163,7 @@ def _dst_cache(request: ReceiveRequest, table: PageTable | None = None) -> Reque
     if table is not None:
         for b in request.blocks:
             if type(b.block_ids) is PackedInts:
-                cache._trusted[b.group] = table.pool_group(b.group).num_slots
+                cache.trust(b.group, table.pool_group(b.group).num_slots)
     return cache
 
 
