@@ -19,13 +19,15 @@ pool costs speed, never a transfer.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
+from functools import partial
 from typing import Any, ClassVar, cast
 
 import anyio
 import anyio.abc
 import attrs
-from attrs import define
+from attrs import define, frozen
 
 from kvferry.disagg.link import exchange_hello, pump
 from kvferry.disagg.mapping import PeerMap, RequestCache
@@ -46,6 +48,8 @@ from kvferry.disagg.protocol import (
 from kvferry.disagg.roles.worker import Worker, positive
 from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
+from kvferry.engine.engine import Generation
+from kvferry.engine.runner import PagedRunner
 from kvferry.errors import KvferryError, PeerDisconnected, TransportError
 from kvferry.transports import Peer, Transport
 
@@ -54,9 +58,26 @@ __all__ = ["ContextWorker"]
 log = logging.getLogger("kvferry.disagg")
 
 
+class _HoldEnd(enum.Enum):
+    """How the hold of a prefilled cache ends, once its receive request, a release or a cancel came (or the
+    hold ran out)."""
+
+    #: the receive request is in hand: push the cache
+    PUSH = "push"
+    #: the generation side released it, or no receive request came within ``hold_timeout``
+    RELEASED = "released"
+    #: the receiver cancelled the transfer before its push started: it never starts
+    CANCELLED = "cancelled"
+
+
 @define(eq=False)
 class _Held:
-    """One context request, from its arrival until its cache is freed."""
+    """One context request, from its arrival until its cache is freed: what the generation side said about it.
+
+    The peer's messages may come in any order (a hostile or confused peer), so each is recorded as it comes
+    and :meth:`end` decides once the prefill task looks: a cancel wins over a release, a release over a
+    receive request.
+    """
 
     ready: anyio.Event = attrs.field(factory=anyio.Event)
     #: the prefill (until it is answered): a ReleaseContext before the answer cancels it
@@ -67,21 +88,80 @@ class _Held:
     #: the receiver cancelled the transfer before its push started: it never starts
     cancelled: bool = False
 
+    def requested(self, request: ReceiveRequest) -> None:
+        """The receive request came (a later one replaces it)."""
+        self.request = request
+        self.ready.set()
+
+    def release(self) -> None:
+        """The generation side let go: nothing is pushed, and a prefill not yet answered stops."""
+        self.released = True
+        self.ready.set()
+        if not self.answered:
+            self.prefill.cancel()  # nobody waits for its answer any more
+
+    def call_off(self) -> None:
+        """The receiver cancelled the transfer of :attr:`request` before its push started."""
+        self.cancelled = True
+        self.ready.set()
+
+    def end(self) -> _HoldEnd:
+        """How the hold ends, from what came so far."""
+        if self.cancelled:
+            return _HoldEnd.CANCELLED
+        if self.request is None or self.released:
+            return _HoldEnd.RELEASED
+        return _HoldEnd.PUSH
+
+
+@frozen(eq=False)
+class _Served:
+    """The generation peer being served: its connection, the rank mapping to it, its handshake, and the task
+    group its requests run in (cancelled when the peer is gone)."""
+
+    peer: Peer
+    peer_map: PeerMap
+    remote: PeerInfo
+    tasks: anyio.abc.TaskGroup
+
+
+@define(eq=False)
+class _DrafterExport:
+    """The drafter's hand-off of a prefilled request, exported when the engine ends the request (the cache's
+    hold callback): before anything else touches its pages, so the drafter's catch-up on the prompt lands in the
+    held draft pages."""
+
+    runner: PagedRunner
+    generation: Generation
+    spec_k: int
+    host_state: bytes = b""
+    error: KvferryError | None = None
+
+    def __call__(self, request_id: int) -> None:
+        if self.spec_k > 0:
+            try:
+                self.host_state = self.runner.export_handoff(
+                    request_id, self.generation.request.output_ids[-1]
+                )
+            except KvferryError as exc:
+                self.error = exc
+
 
 @define(eq=False)
 class ContextWorker(Worker):
-    """Serves one generation peer: prefills each :class:`~.protocol.ContextRequest` on its engine, answers
-    :class:`~.protocol.ContextDone`, then pushes the request's cache when the receive request comes.
+    """Serves one generation peer: prefills each :class:`~kvferry.disagg.protocol.ContextRequest` on its engine,
+    answers :class:`~kvferry.disagg.protocol.ContextDone`, then pushes the request's cache when the receive
+    request comes.
 
-    A held cache is freed after its push (every posted write ended), on :class:`~.protocol.ReleaseContext`,
-    when the peer goes away, or after ``hold_timeout`` seconds without a receive request. A
-    :class:`~.protocol.ReleaseContext` that comes before the prefill was answered (the receiver stopped
+    A held cache is freed after its push (every posted write ended), on
+    :class:`~kvferry.disagg.protocol.ReleaseContext`, when the peer goes away, or after ``hold_timeout`` seconds
+    without a receive request. A ReleaseContext that comes before the prefill was answered (the receiver stopped
     waiting for it: its ``prefill_timeout`` ran out) stops the prefill; it is never answered.
 
-    A :class:`~.protocol.CancelTransfer` stops a push in progress (its writers then report every chunk, which
-    releases the receiver's pages); for any other session (receive request never seen, seen but the push not
-    started: it never starts, or push finished) it is answered with :class:`~.protocol.CancelAck`, on which
-    the receiver releases its pages at once.
+    A :class:`~kvferry.disagg.protocol.CancelTransfer` stops a push in progress (its writers then report every
+    chunk, which releases the receiver's pages); for any other session (receive request never seen, seen but the
+    push not started: it never starts, or push finished) it is answered with
+    :class:`~kvferry.disagg.protocol.CancelAck`, on which the receiver releases its pages at once.
     """
 
     ROLE: ClassVar[PeerRole] = PeerRole.CONTEXT
@@ -102,7 +182,8 @@ class ContextWorker(Worker):
     )
 
     async def serve(self, peer: Peer) -> None:
-        """Handshake with the generation peer and serve it until it goes away (then free what it left).
+        """Handshake with the generation peer and serve it until it goes away (then free what it left: its
+        prefills and pushes are cancelled, and every held cache is freed once the engine is done with it).
 
         :raises ~kvferry.errors.PeerIncompatible: the peer serves another model / wire version.
         """
@@ -111,36 +192,33 @@ class ContextWorker(Worker):
         check_pairing(self.info(), remote)
         peer_map = PeerMap.build(list(self.info().page_tables), list(remote.page_tables))
         async with anyio.create_task_group() as tg:
-
-            async def on_message(message: ControlBody) -> None:
-                if isinstance(message, ContextRequest):
-                    # known from now on: a ReleaseContext read before the task below first runs finds it
-                    entry = self._held[message.key] = _Held()
-                    tg.start_soon(self._prefill_and_push, peer, peer_map, remote, message, entry)
-                elif isinstance(message, ReceiveRequest):
-                    held = self._held.get(message.key)
-                    if held is None:
-                        # nothing is held for it (released, or its hold ran out): every writer fails it at
-                        # once, so the receiver frees its pages instead of waiting into doubt
-                        log.warning("receive request for unknown key %r", message.key)
-                        tg.start_soon(
-                            self._fail_request, peer, peer_map, message, f"no cache held for {message.key!r}"
-                        )
-                    else:
-                        held.request = message
-                        held.ready.set()
-                elif isinstance(message, ReleaseContext):
-                    held = self._held.get(message.key)
-                    if held is not None:
-                        held.released = True
-                        held.ready.set()
-                        if not held.answered:
-                            held.prefill.cancel()  # nobody waits for its answer any more
-                elif isinstance(message, CancelTransfer):
-                    await self._cancel(peer, message)
-
-            await pump(self.transport, peer, on_message=on_message)
+            served = _Served(peer, peer_map, remote, tg)
+            await pump(self.transport, peer, on_message=partial(self._on_message, served))
             tg.cancel_scope.cancel()  # the peer is gone: stop prefills and pushes
+
+    async def _on_message(self, served: _Served, message: ControlBody) -> None:
+        """One control message from the peer (in the order they came; reports never come here)."""
+        if isinstance(message, ContextRequest):
+            # known from now on: a ReleaseContext read before the task below first runs finds it
+            entry = self._held[message.key] = _Held()
+            served.tasks.start_soon(self._prefill_and_push, served, message, entry)
+        elif isinstance(message, ReceiveRequest):
+            held = self._held.get(message.key)
+            if held is None:
+                # nothing is held for it (released, or its hold ran out): every writer fails it at once, so the
+                # receiver frees its pages instead of waiting into doubt
+                log.warning("receive request for unknown key %r", message.key)
+                served.tasks.start_soon(
+                    self._fail_request, served, message, f"no cache held for {message.key!r}"
+                )
+            else:
+                held.requested(message)
+        elif isinstance(message, ReleaseContext):
+            held = self._held.get(message.key)
+            if held is not None:
+                held.release()
+        elif isinstance(message, CancelTransfer):
+            await self._cancel(served.peer, message)
 
     async def _cancel(self, peer: Peer, message: CancelTransfer) -> None:
         """The receiver cancelled session ``message.session_id``: stop its push, or say none can write."""
@@ -150,10 +228,9 @@ class ContextWorker(Worker):
             return
         for held in self._held.values():
             if held.request is not None and held.request.session_id == message.session_id:
-                # received, push not started: _prefill_and_push checks this flag and, with no await between
-                # the check and the session's registration in _sending, never pushes once it is set
-                held.cancelled = True
-                held.ready.set()
+                # received, push not started: _hold_and_push checks this and, with no await between the check
+                # and the session's registration in _sending, never pushes once it is set
+                held.call_off()
                 reason = "the push was called off before it started"
                 break
         else:
@@ -163,14 +240,12 @@ class ContextWorker(Worker):
         with anyio.move_on_after(self.control_timeout), contextlib.suppress(PeerDisconnected, KvferryError):
             await self.transport.send_message(peer, encode_control(CancelAck(message.session_id, reason)))
 
-    async def _prefill_and_push(
-        self, peer: Peer, peer_map: PeerMap, remote: PeerInfo, req: ContextRequest, held: _Held
-    ) -> None:
+    async def _prefill_and_push(self, served: _Served, req: ContextRequest, held: _Held) -> None:
         """Prefill ``req``, answer it, hold its cache and push it when asked.
 
         A cancel may come at any point (the peer went away, the receiver released the request, the worker
         stops): the request's stream then ends first (the engine frees the request at its next step boundary)
-        and :meth:`HandoffCache.release` frees the cache only once the engine is done with it.
+        and :meth:`~.handoff_cache.HandoffCache.release` frees the cache only once the engine is done with it.
         """
         if held.released:  # released before this task first ran: nobody waits for its answer
             self._forget(req.key, held)
@@ -184,85 +259,87 @@ class ContextWorker(Worker):
         except KvferryError as exc:  # a prompt the engine refuses (a token outside its vocabulary, say)
             self._forget(req.key, held)
             self._counts["failed"] += 1
-            await self._answer(peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}"))
+            await self._answer(
+                served.peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}")
+            )
             return
         rid = generation.request.request_id
-        host_state = b""
-        export_error: KvferryError | None = None
-        runner = self.built.runner
-
-        def on_hold(request_id: int) -> None:
-            # runs when the engine ends the prefilled request, before anything else touches its pages: the
-            # drafter catches up on the prompt here (its draft KV lands in the held draft pages)
-            nonlocal host_state, export_error
-            if req.spec_k > 0:
-                try:
-                    host_state = runner.export_handoff(request_id, generation.request.output_ids[-1])
-                except KvferryError as exc:
-                    export_error = exc
-
-        wants_more = req.max_tokens > 1
-        if wants_more:
-            self.cache.hold(rid, on_hold)
         try:
-            tokens: list[int] = []
-            try:
-                with held.prefill:
-                    tokens = await generation.collect()
-                if export_error is not None:
-                    raise export_error
-            except KvferryError as exc:
-                held.answered = True
-                self._counts["failed"] += 1
-                await self._answer(
-                    peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}")
-                )
-                return
-            if held.prefill.cancelled_caught:  # released before the answer: the receiver waits for none
-                self._counts["released"] += 1
-                return
-            held.answered = True
-            first = tokens[0]
-            keep = wants_more and first not in req.stop_ids
-            self._counts["prefilled"] += 1
-            if not keep:
-                self.cache.release(rid)
-            await self._answer(
-                peer, ContextDone(req.key, first, keep, len(req.prompt), host_state if keep else b"")
-            )
-            if not keep:
-                return
-            # the sender's side of the transfer, worked out while the receive request is on its way
-            source = self._source(peer_map, rid, len(req.prompt))
-            with anyio.move_on_after(self.hold_timeout):
-                await held.ready.wait()
-            if held.cancelled:
-                self._counts["cancelled"] += 1
-                return
-            if held.request is None or held.released:
-                self._counts["released"] += 1
-                return
-            # no await from the check above until _push registers the session in _sending: a CancelTransfer
-            # finds the session either here (cancelled before the push) or sending (cancelled during it)
-            await self._push(peer, peer_map, remote, rid, held.request, source)
+            if await self._prefill(served, req, held, generation):
+                await self._hold_and_push(served, req, held, rid)
         finally:
             self._forget(req.key, held)
             # synchronous: no cancel can interrupt it. The stream has ended (collect returned or raised), so the
             # engine has closed the request or will at its next step boundary: release frees it accordingly
             self.cache.release(rid)
 
+    async def _prefill(
+        self, served: _Served, req: ContextRequest, held: _Held, generation: Generation
+    ) -> bool:
+        """Run the prompt and answer it; whether the cache is kept for a push (the answer says ``held``)."""
+        rid = generation.request.request_id
+        export = _DrafterExport(self.built.runner, generation, req.spec_k)
+        wants_more = req.max_tokens > 1
+        if wants_more:
+            self.cache.hold(rid, export)
+        tokens: list[int] = []
+        try:
+            with held.prefill:
+                tokens = await generation.collect()
+            if export.error is not None:
+                raise export.error
+        except KvferryError as exc:
+            held.answered = True
+            self._counts["failed"] += 1
+            await self._answer(
+                served.peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}")
+            )
+            return False
+        if held.prefill.cancelled_caught:  # released before the answer: the receiver waits for none
+            self._counts["released"] += 1
+            return False
+        held.answered = True
+        first = tokens[0]
+        keep = wants_more and first not in req.stop_ids
+        self._counts["prefilled"] += 1
+        if not keep:
+            self.cache.release(rid)
+        await self._answer(
+            served.peer,
+            ContextDone(req.key, first, keep, len(req.prompt), export.host_state if keep else b""),
+        )
+        return keep
+
+    async def _hold_and_push(self, served: _Served, req: ContextRequest, held: _Held, rid: int) -> None:
+        """Hold the prefilled cache until its receive request, a release or a cancel comes (at most
+        ``hold_timeout`` seconds), then push it if it is still wanted."""
+        # the sender's side of the transfer, worked out while the receive request is on its way
+        source = self._source(served.peer_map, rid, len(req.prompt))
+        with anyio.move_on_after(self.hold_timeout):
+            await held.ready.wait()
+        end = held.end()
+        if end is _HoldEnd.CANCELLED:
+            self._counts["cancelled"] += 1
+            return
+        if end is _HoldEnd.RELEASED or held.request is None:
+            self._counts["released"] += 1
+            return
+        # no await from the check above until _push registers the session in _sending: a CancelTransfer finds
+        # the session either here (cancelled before the push) or sending (cancelled during it)
+        await self._push(served, rid, held.request, source)
+
     def _forget(self, key: str, held: _Held) -> None:
         if self._held.get(key) is held:  # not a later request that reuses the key
             del self._held[key]
 
-    async def _fail_request(self, peer: Peer, peer_map: PeerMap, request: ReceiveRequest, why: str) -> None:
+    async def _fail_request(self, served: _Served, request: ReceiveRequest, why: str) -> None:
         """A receive request we cannot serve: every writer reports a failure (nothing is written), so the
         receiver completes it as failed and frees its pages."""
-        session = SendSession(request.session_id, {w: [] for w in expected_writers(peer_map)})
+        session = SendSession(request.session_id, {w: [] for w in expected_writers(served.peer_map)})
         with contextlib.suppress(TransportError):
             for w in session.writers:
                 await self.transport.send_message(
-                    peer, encode_control(session.result(w, 0, ChunkStatus.FAILED, why))
+                    served.peer, encode_control(session.result(w, 0, ChunkStatus.FAILED, why))
                 )
         self._counts["failed"] += 1
 
@@ -290,25 +367,22 @@ class ContextWorker(Worker):
             return None
 
     async def _push(
-        self,
-        peer: Peer,
-        peer_map: PeerMap,
-        remote: PeerInfo,
-        rid: int,
-        request: ReceiveRequest,
-        source: RequestCache | None = None,
+        self, served: _Served, rid: int, request: ReceiveRequest, source: RequestCache | None = None
     ) -> None:
-        """Plan and push request ``rid``'s transfer (``source``: its cache from :meth:`_source`, or None)."""
-        # synchronous until the session is in _sending (see _prefill_and_push): keep it so
+        """Plan and push request ``rid``'s transfer (``source``: its cache from :meth:`_source`, or None).
+
+        A cancel stops the push: the writes already posted have ended when this returns, and chunks not yet
+        reported stay unreported (the peer is gone, or the worker stops)."""
+        # synchronous until the session is in _sending (see _hold_and_push): keep it so
         manager = self.cache.inner.primary
         try:
             plan = plan_transfer(
-                peer_map,
+                served.peer_map,
                 range(len(self.built.arenas)),
                 self._blocks(rid) if source is None else source,
                 manager.slot_id(rid),
                 request,
-                list(remote.page_tables),
+                list(served.remote.page_tables),
                 max_chunk_bytes=self.max_chunk_bytes,
                 policy=self.bounce,
                 src_pools=self.pool_tensors(),
@@ -317,13 +391,13 @@ class ContextWorker(Worker):
         except KvferryError as exc:
             # a request we cannot serve: every writer reports a failure, so the receiver completes (failed)
             log.warning("cannot plan transfer %s: %s", request.session_id, exc)
-            await self._fail_request(peer, peer_map, request, str(exc))
+            await self._fail_request(served, request, str(exc))
             return
         session = SendSession(request.session_id, plan)
         self._sending[request.session_id] = session
         transport = self.transport if self.write_delay <= 0 else _Paced(self.transport, self.write_delay)
         try:
-            await send(cast(Transport, transport), peer, session)
+            await send(cast(Transport, transport), served.peer, session)
         finally:
             self._sending.pop(request.session_id, None)
             session.release_staging()  # send() did (idempotent); here too if it never started
