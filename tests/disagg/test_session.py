@@ -624,7 +624,7 @@ async def test_every_report_before_the_send_returns_still_settles(status: ChunkS
     hold = _CountingHold()
     session = receiver.new_session("k", hold)
     request = ReceiveRequest(session.session_id, "k", 0, 4, (BlockIds("attention", (1,)),), 1)
-    with anyio.fail_after(2):  # before the fix: TransferInDoubt after stall_timeout ("0 writers out")
+    with anyio.fail_after(2):  # well inside stall_timeout: reports before the send must settle the session
         if status is ChunkStatus.OK:
             stats = await receiver.receive(session, request)
             assert (stats.nbytes, stats.writers) == (24, 2)

@@ -82,7 +82,7 @@ class Receiver:
     the peer acknowledges a cancel, or the peer is gone, so they outlive :meth:`receive`.
 
     ``destinations``: the byte ranges the writers of a receive request may write
-    (:func:`~.transfer.destinations`); each session grants them to the peer before its request is sent and
+    (:func:`~kvferry.disagg.transfer.destinations`); each session grants them to the peer before its request is sent and
     revokes them when the session is over (see :meth:`receive`). None: nothing is granted here (the caller
     grants, or its transport needs none); the peer's writes are then refused unless granted otherwise.
     """
@@ -128,9 +128,9 @@ class Receiver:
         cancel, or is gone). A grant the transport refuses fails the transfer before the request is sent.
 
         A cancel before the request is sent frees the pages at once. A later one sends
-        :class:`~.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until no write can
+        :class:`~kvferry.disagg.protocol.CancelTransfer` (best effort) and leaves the pages quarantined until no write can
         land any more: every writer reported (the sender was pushing), the sender answered
-        :class:`~.protocol.CancelAck` (it never got the request, called the push off before it started, or had
+        :class:`~kvferry.disagg.protocol.CancelAck` (it never got the request, called the push off before it started, or had
         finished it), or the peer is gone. Only a lost CancelTransfer or acknowledgement on a connection that
         stays up keeps them quarantined for the connection's life.
 
@@ -314,7 +314,7 @@ class Receiver:
             self._finish(live)  # a cancelled / in-doubt session: its writers are done, release the pages
 
     def on_cancel_ack(self, ack: CancelAck) -> None:
-        """The peer answered a :class:`~.protocol.CancelTransfer`: no write of ``ack.session_id`` can land any
+        """The peer answered a :class:`~kvferry.disagg.protocol.CancelTransfer`: no write of ``ack.session_id`` can land any
         more. A session quarantined after a cancel is released now (pages and staging), as when its last writer
         reports; an unknown, finished or not cancelled session is left as it is (a stale or stray answer).
         Reports of the released session that arrive later are ignored (its id is never reused)."""
