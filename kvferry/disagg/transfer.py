@@ -5,7 +5,7 @@ from the context ranks' page tables onto the generation ranks' (the receiver's b
 its :class:`~.protocol.ReceiveRequest`, validated here against the receiver's page tables), and cuts every
 writer's fragments into chunks.
 
-The byte mapping is D1's :class:`~.mapping.PeerMap` (any TP pair, elected writers for duplicated heads). Each
+The byte mapping is :class:`~.mapping.PeerMap` (any TP pair, elected writers for duplicated heads). Each
 (context rank, generation rank) pair that overlaps is one *writer* of the session protocol: it reports every
 chunk, an empty write included.
 
@@ -53,8 +53,8 @@ __all__ = [
 #: cancellation: packing the next chunk overlaps writing this one). A direct writer posts one write by default.
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: ... and at this many when its bytes are in device memory: a device packs or unpacks a whole request in a
-#: fraction of what each chunk costs the host (a launch, a thread hop and a device wait per side; on the H200,
-#: 16 MiB chunks made a bounced 8K-token request 20x slower than its direct write)
+#: fraction of what each chunk costs the host (a launch, a thread hop and a device wait per side), so small
+#: chunks there cost far more than they overlap (docs/performance.md has the measurements)
 DEFAULT_DEVICE_CHUNK_BYTES = 1 << 30
 
 
@@ -163,7 +163,7 @@ def _dst_cache(request: ReceiveRequest, table: PageTable | None = None) -> Reque
     if table is not None:
         for b in request.blocks:
             if type(b.block_ids) is PackedInts:
-                cache._trusted[b.group] = table.pool_group(b.group).num_slots
+                cache.trust(b.group, table.pool_group(b.group).num_slots)
     return cache
 
 

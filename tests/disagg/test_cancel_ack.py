@@ -365,8 +365,8 @@ async def test_a_cancel_during_the_push_is_answered_by_the_writers_reports() -> 
 @pytest.mark.asyncio
 async def test_a_receive_request_after_the_hold_ran_out_fails_at_once_and_frees_the_pages() -> None:
     """The context side no longer holds the prompt's cache when the receive request comes: every writer
-    reports a failure, so the receiver frees its pages now (before: no report, in doubt after the stall
-    deadline, pages quarantined until the connection dropped)."""
+    reports a failure, so the receiver frees its pages at once (not in doubt after the stall deadline, with the
+    pages quarantined until the connection drops)."""
     await expected()
     async with serving(hold_timeout=0.05) as (router, worker, context, tap, _):
         gen = worker.built

@@ -1,11 +1,11 @@
 """A context prefill cancelled at any point leaves the context engine's step loop running and frees everything.
 
-The crash this guards against (a SIGINT during ``kvferry demo``, ~2 runs in 12 over nixl): the context
-worker's cleanup closed the request in the cache manager while the engine still had it, either running a step
-over its pages (a step in a worker thread) or holding that step's commit for the next flush (a prompt prefilled
-in several chunks: the commits of a step reach the manager when the next step is planned or the request ends).
-The engine's next flush (reaping the cancelled request) then committed tokens of a request the manager no
-longer held: :class:`~kvferry.errors.UnknownRequest` out of the step loop, which ended the engine.
+The hazard (a SIGINT during ``kvferry demo`` reaches it): a context worker's cleanup that closes the request in
+the cache manager while the engine still has it, either running a step over its pages (a step in a worker
+thread) or holding that step's commit for the next flush (a prompt prefilled in several chunks: the commits of
+a step reach the manager when the next step is planned or the request ends). The engine's next flush (reaping
+the cancelled request) would then commit tokens of a request the manager no longer holds:
+:class:`~kvferry.errors.UnknownRequest` out of the step loop, which ends the engine.
 
 Each case cancels the prefill task exactly at one point, forced with hooks (a model step held in its worker
 thread, a commit hook, a push slowed down), while another request runs on the same engine; then the engine

@@ -15,7 +15,6 @@ import anyio
 import attrs
 import pytest
 import torch
-from test_session import ContextMessages, GatedTransport, _cancel_when, send_when_asked
 
 from kvferry.disagg.link import pump
 from kvferry.disagg.mapping import BouncePolicy, PeerMap
@@ -33,10 +32,10 @@ from kvferry.disagg.transfer import (
 from kvferry.errors import ConfigError, WireFormatError
 from kvferry.pools.pagetable import PageTable
 from tests.support.disagg_harness import Side, connected, make_side, tiny_spec, whole_cache
+from tests.support.disagg_session import PROMPT, ContextMessages, GatedTransport, cancel_when, send_when_asked
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPT = list(range(3, 40))  # 37 tokens: 10 attention blocks of 4, 5 draft blocks of 8
 ROOT = Path(__file__).parents[2]
 
 
@@ -311,7 +310,7 @@ async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer
             tg.start_soon(pump, gen.transport, to_ctx, receiver)
             tg.start_soon(lambda: context.send(gated, to_gen, max_in_flight=1))
             with anyio.CancelScope() as scope:
-                tg.start_soon(_cancel_when, scope, lambda: gated.posted >= 1)
+                tg.start_soon(cancel_when, scope, lambda: gated.posted >= 1)
                 await receiver.receive(session, request)
             assert scope.cancelled_caught
             # a posted write may still land in the staging area: it stays reserved, the pages quarantined

@@ -1,0 +1,290 @@
+"""The generation role: a :class:`GenerationWorker` asks its context peer to prefill, receives the cache and
+leaves the request for its engine to decode.
+
+The transferred request is *adopted*: the engine's ``create``/``resume`` of it report the whole prompt
+committed (:class:`~.handoff_cache.HandoffCache`), and its :class:`~kvferry.engine.request.Request` already
+holds the first token, so the engine's first step for it is exactly the decode (or verify) step an aggregated
+engine would take. The generation side allocates (pages for the whole prompt, a state slot, draft pages),
+zero-fills the draft pages when draft KV is not transferred (stale bytes must never reach the drafter), and
+sends the receive request; it starts with ``num_accepted = 0`` and empty replay buffers (the manager's first
+resume).
+
+Registered is not writable: the generation side grants its context peer, per transfer, only the bytes that
+transfer writes (:func:`~kvferry.disagg.transfer.destinations`, granted by the
+:class:`~kvferry.disagg.session.Receiver` before the receive request and revoked when the pages go back), so
+nobody else connected to its transport writes its pools.
+
+Bounce: the generation side offers staging areas in its receive requests to writers whose bytes land
+fragmented (by its ``bounce`` policy) while its staging pool has room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, ClassVar
+
+import anyio
+import anyio.abc
+import attrs
+from attrs import define
+
+from kvferry.disagg.link import exchange_hello, pump
+from kvferry.disagg.mapping import PeerMap
+from kvferry.disagg.protocol import (
+    BlockIds,
+    CancelAck,
+    ContextDone,
+    ContextRequest,
+    ControlBody,
+    PeerInfo,
+    PeerRole,
+    ReceiveRequest,
+    ReleaseContext,
+    check_pairing,
+    encode_control,
+)
+from kvferry.disagg.roles.worker import DEFAULT_PREFILL_TIMEOUT, Worker, positive
+from kvferry.disagg.session import Receiver, TransferStatistics
+from kvferry.disagg.staging import ReceiveStaging
+from kvferry.disagg.transfer import ManagerHold, destinations, expected_writers, offer_staging
+from kvferry.errors import KvferryError, PeerDisconnected, PrefillTimeout, TransferError
+from kvferry.transports import Peer
+
+__all__ = ["GenerationWorker", "Handoff"]
+
+
+@define(eq=False)
+class Handoff:
+    """What the router learned from the context side for one request."""
+
+    key: str
+    first_token: int
+    held: bool
+    host_state: bytes
+
+
+@define(eq=False)
+class GenerationWorker(Worker):
+    """Receives transferred caches from one context peer and decodes them on its engine.
+
+    Use :meth:`connect` (handshake + reader), then :meth:`prefill_remote` and :meth:`decode` per request.
+
+    Every wait on the context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
+    (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
+    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``); control
+    messages and writes are bounded by the transport's own stall deadline.
+    """
+
+    ROLE: ClassVar[PeerRole] = PeerRole.GENERATION
+
+    #: seconds without a report while a transfer's writers are still out (then in doubt, pages quarantined)
+    stall_timeout: float = attrs.field(default=30.0, validator=positive)
+    transfer_draft: bool = True
+    #: seconds from sending a prefill to its answer (see :data:`~.worker.DEFAULT_PREFILL_TIMEOUT`)
+    prefill_timeout: float = attrs.field(default=DEFAULT_PREFILL_TIMEOUT, validator=positive)
+    peer: Peer | None = attrs.field(default=None, init=False)
+    remote: PeerInfo | None = attrs.field(default=None, init=False)
+    peer_map: PeerMap | None = attrs.field(default=None, init=False)
+    receiver: Receiver | None = attrs.field(default=None, init=False)
+    _waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict, init=False)
+    #: the reader ended: the peer is gone
+    _gone: bool = attrs.field(default=False, init=False)
+    _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
+    _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
+
+    async def connect(self, peer: Peer, task_group: anyio.abc.TaskGroup) -> PeerInfo:
+        """Handshake with the context peer and start reading from it in ``task_group``.
+
+        :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
+        """
+        await self.register()
+        remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
+        pairing = check_pairing(remote, self.info())
+        if not pairing.draft:
+            self.transfer_draft = False
+        peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
+        self.peer, self.remote, self.peer_map = peer, remote, peer_map
+        self.receiver = Receiver(
+            self.transport,
+            peer,
+            expected_writers(peer_map),
+            self.stall_timeout,
+            control_timeout=self.control_timeout,
+            destinations=partial(destinations, peer_map),
+        )
+        self._gone = False
+        task_group.start_soon(self._read)
+        return remote
+
+    async def _read(self) -> None:
+        assert self.peer is not None and self.receiver is not None
+
+        receiver = self.receiver
+
+        async def on_message(message: ControlBody) -> None:
+            if isinstance(message, ContextDone):
+                waiting = self._waiting.get(message.key)
+                if waiting is not None:
+                    waiting[1].append(message)
+                    waiting[0].set()
+            elif isinstance(message, CancelAck):
+                receiver.on_cancel_ack(message)  # no write of that session can land: release its pages
+
+        try:
+            await pump(self.transport, self.peer, self.receiver, on_message=on_message)
+        finally:
+            self._gone = True
+            for event, _ in self._waiting.values():
+                event.set()  # the peer is gone (or we stopped reading): wake every waiter
+
+    async def prefill_remote(self, request: ContextRequest) -> Handoff:
+        """Ask the context peer to prefill; returns its first token (and whether it holds the cache).
+
+        Waits at most ``prefill_timeout`` seconds for the answer. Whenever this ends without an answer (the
+        deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
+        ``control_timeout`` seconds): it stops the prefill, or frees the cache it holds for it; nothing stays
+        allocated here.
+
+        :raises ~kvferry.errors.PrefillTimeout: no answer within ``prefill_timeout`` seconds.
+        :raises ~kvferry.errors.TransferError: the context side failed or went away.
+        """
+        if self.peer is None:
+            raise TransferError(f"request {request.key}: not connected to a context peer")
+        if self._gone:
+            raise TransferError(f"request {request.key}: the context peer went away before prefilling it")
+        event = anyio.Event()
+        answers: list[ContextDone] = []
+        self._waiting[request.key] = (event, answers)
+        try:
+            with anyio.move_on_after(self.prefill_timeout):
+                await self.transport.send_message(self.peer, encode_control(request))
+                await event.wait()
+        except BaseException:
+            self._waiting.pop(request.key, None)
+            if not answers or answers[0].held:  # nobody will take the cache it prefills or holds
+                with anyio.CancelScope(shield=True):
+                    await self.release_remote(request.key)
+            raise
+        self._waiting.pop(request.key, None)
+        if not event.is_set():
+            with anyio.CancelScope(shield=True):
+                await self.release_remote(request.key)
+            raise PrefillTimeout(
+                f"request {request.key}: no answer from the context peer within {self.prefill_timeout} s"
+            )
+        if not answers:
+            raise TransferError(f"request {request.key}: the context peer went away before prefilling it")
+        done = answers[0]
+        if done.error:
+            raise TransferError(f"request {request.key}: the context side failed: {done.error}")
+        return Handoff(done.key, done.first_token, done.held, done.host_state)
+
+    async def release_remote(self, key: str) -> None:
+        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort,
+        at most ``control_timeout`` seconds)."""
+        if self.peer is not None and not self._gone:
+            with (
+                anyio.move_on_after(self.control_timeout),
+                contextlib.suppress(PeerDisconnected, KvferryError),
+            ):
+                await self.transport.send_message(self.peer, encode_control(ReleaseContext(key)))
+
+    def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:
+        """Give the local drafter the context side's hand-off of ``rid`` (the prompt's last hidden state); call
+        before :meth:`receive`, undo with ``built.runner.release(rid)``. No-op without speculation.
+
+        :raises ~kvferry.errors.WireFormatError: a malformed hand-off, or one of another sequence.
+        :raises ~kvferry.errors.TransferError: the request speculates but the context side sent no drafter state.
+        """
+        if spec_k <= 0:
+            return
+        if not handoff.host_state:
+            raise TransferError(
+                f"request {handoff.key}: speculates (spec_k={spec_k}) but the context side sent no drafter state"
+            )
+        self.built.runner.import_handoff(
+            rid, handoff.host_state, prompt=prompt, pending_token=handoff.first_token
+        )
+
+    async def receive(self, rid: int, prompt: Sequence[int], key: str) -> TransferStatistics:
+        """Allocate ``rid``'s cache for the whole prompt, receive it, commit it and leave it suspended for the
+        engine to adopt. Writers whose bytes land fragmented are offered staging areas (see the module
+        docstring). On any failure or cancel the allocation and the staging areas are freed (or quarantined
+        until the writers report) and nothing is left behind.
+        """
+        assert self.receiver is not None
+        managers = self.cache.managers
+        created: list[Any] = []
+        try:
+            for m in managers:
+                m.create(rid, prompt, reuse=False)
+                created.append(m)
+                m.resume(rid)
+        except BaseException:
+            for m in created:
+                m.close(rid)
+            raise
+        rx_staging: ReceiveStaging | None = None
+        try:
+            primary = managers[0]
+            if primary.config.has_draft and not self.transfer_draft:
+                # stale bytes from recycled pages must never reach the drafter
+                for m, arena in zip(managers, self.built.arenas, strict=True):
+                    arena.zero_pages("draft", list(m.draft_block_table(rid)))
+            blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
+            if primary.config.has_draft and self.transfer_draft:
+                blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
+            slot = primary.slot_id(rid)
+            request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
+            if self.staging is not None and self.peer_map is not None:
+                # areas for the writers whose bytes land fragmented, while the pool has room
+                request, rx_staging = offer_staging(
+                    self.peer_map, request, self.pool_tensors(), self.staging, policy=self.bounce
+                )
+            session = self.receiver.new_session(key, ManagerHold(managers, rid), rx_staging)
+        except BaseException:
+            if rx_staging is not None:
+                rx_staging.release()
+            for m in managers:
+                m.close(rid)
+            raise
+        # from here the receiver owns the pages and the staging: freed or quarantined as the transfer ends
+        request = attrs.evolve(request, session_id=session.session_id)
+        stats = await self.receiver.receive(session, request)
+        for m in managers:
+            m.commit(rid, prompt)
+            m.suspend(rid)
+        self.cache.adopt(rid, len(prompt))
+        self._transfers.append(stats)
+        now = time.perf_counter()
+        self._windows.append((now - stats.seconds, now))
+        return stats
+
+    def transfers(self) -> list[TransferStatistics]:
+        return list(self._transfers)
+
+    def statistics(self) -> dict[str, int]:
+        """Completed transfers, writers that bounced over them, staging bytes in use, and the receiver's counts."""
+        receiver = {} if self.receiver is None else self.receiver.statistics()
+        return {
+            **receiver,
+            "transfers": len(self._transfers),
+            "bounced": sum(t.bounced for t in self._transfers),
+            "staging_used": 0 if self.staging is None else self.staging.used,
+        }
+
+    def transfer_seconds(self, first: int = 0) -> float:
+        """Wall seconds during which at least one of the completed transfers ``first..`` was in flight
+        (overlapping transfers counted once; from each receive request to its last report)."""
+        busy, end = 0.0, -math.inf
+        for a, b in sorted(self._windows[first:]):
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return busy
+
+    def __repr__(self) -> str:
+        return f"<GenerationWorker receiver={self.receiver!r} transfers={len(self._transfers)}>"
