@@ -38,7 +38,8 @@ def median_spread(values: Iterable[float]) -> tuple[float, list[float]]:
 
 
 def commit() -> str:
-    """The checked-out commit (short hash), ``+dirty`` when tracked files differ from it, or ``unknown``."""
+    """The checked-out commit (short hash), ``+dirty`` when tracked files outside ``benchmarks/results`` differ
+    from it, or ``unknown``."""
     git = shutil.which("git")
     if git is None:
         return "unknown"
@@ -51,7 +52,18 @@ def commit() -> str:
             timeout=10,
         ).stdout.strip()
         changed = subprocess.run(
-            [git, "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            # results being rewritten are not a change of the code that produced them
+            [
+                git,
+                "-C",
+                str(ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!benchmarks/results",
+            ],
             capture_output=True,
             text=True,
             check=True,
