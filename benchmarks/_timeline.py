@@ -196,7 +196,7 @@ def summarise(runs: Sequence[Iterable[Event]], origins: Sequence[float]) -> list
             seen[label] += 1
             starts[key].append((began - origin) * 1e6)
             ends[key].append((ended - origin) * 1e6)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "event": key,
             "start_us": round(statistics.median(starts[key]), 1),

@@ -62,7 +62,8 @@ def timed(fn: Callable[[], Any], repeat: int, burst: int = 1) -> tuple[list[floa
     torch.cuda.synchronize()
     walls, devices = [], []
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         began = time.perf_counter()
         start.record()
         held = [fn() for _ in range(burst)]
@@ -167,7 +168,8 @@ def launch_form(spans: tuple[Any, ...], options: dict[str, Any]) -> Any:
     """Which form of the kernel ``options`` launch: the grid's shape, ``"pieces"`` or ``"fragment rows"``."""
     if options["api"] == "fragments":
         return "fragment rows"
-    table = span_copy.piece_table(*spans, options["piece_bytes"])
+    s_addr, d_addr, lengths = spans
+    table = span_copy.piece_table(s_addr, d_addr, lengths, options["piece_bytes"])
     grid = options["grid"] and span_copy.grid_of(
         len(table.table), table.longest, table.total, options["block_words"] * table.word
     )
