@@ -36,6 +36,7 @@ on one clock and prints each mode's median timeline (``_timeline.py``). ``--chun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -646,10 +647,39 @@ def plot(out: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _poll_seconds() -> float:
-    from kvferry.transports import _memory
+def _library_constants(name: str) -> dict[str, Any]:
+    """Every loaded kvferry module's own ``name`` (a setting such as ``POLL_SECONDS``), by module: a package
+    that re-exports a setting holds a copy, so a change must reach the module that reads it."""
+    return {
+        module_name: getattr(module, name)
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("kvferry") and name in getattr(module, "__dict__", {})
+    }
 
-    return _memory.POLL_SECONDS
+
+def _set_library_constant(name: str, value: Any) -> None:
+    """Set the library setting ``name`` in every kvferry module that holds it (see :func:`_library_constants`),
+    the kernels' and transports' modules loaded first."""
+    import importlib
+    import pkgutil
+
+    import kvferry.kernels
+    import kvferry.transports
+
+    for package in (kvferry.kernels, kvferry.transports):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(info.name)
+    holders = _library_constants(name)
+    if not holders:
+        raise SystemExit(f"disagg_2p.py: no kvferry module has {name} any more")
+    for module_name in holders:
+        setattr(sys.modules[module_name], name, value)
+
+
+def _poll_seconds() -> float | None:
+    """The poll budget the run used (read after the run, when the transports' modules are loaded)."""
+    return next(iter(_library_constants("POLL_SECONDS").values()), None)
 
 
 def main() -> int:
@@ -702,7 +732,7 @@ def main() -> int:
     parser.add_argument(
         "--no-grid-recut",
         action="store_true",
-        help="indexed tables of mixed row lengths keep the default cut (span_copy.GRID_RECUT off)",
+        help="indexed tables of mixed row lengths keep the default cut (the span copy's GRID_RECUT off)",
     )
     parser.add_argument("--json", default=None, help="write the stamped result here")
     parser.add_argument("--plot", default=None, help="draw each mode's ratio into this PNG (matplotlib)")
@@ -711,16 +741,13 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.poll_us is not None:
-        from kvferry.transports import _memory
-
-        _memory.POLL_SECONDS = args.poll_us * 1e-6
+        _set_library_constant("POLL_SECONDS", args.poll_us * 1e-6)
     if args.no_grid_recut:
-        from kvferry.kernels import span_copy
-
-        span_copy.GRID_RECUT = False
+        _set_library_constant("GRID_RECUT", False)
     if args.role == "sender":
         anyio.run(sender, args)
         return 0
+    results = anyio.run(receiver_main, args)
     config = {
         "preset": args.preset,
         "tokens": args.tokens,
@@ -744,7 +771,7 @@ def main() -> int:
         "ceiling": "one contiguous write of the request's bytes between the same processes, requested and "
         "notified the same way, right before each repetition",
     }
-    out = {"config": config, **anyio.run(receiver_main, args)}
+    out = {"config": config, **results}
     if args.json:
         write_result(args.json, "disagg_2p", out, args.device)
     if args.plot:
