@@ -88,6 +88,16 @@ async def writer(args: Any) -> None:
                 await transport.send_message(peer, message)
 
 
+def _library_function(name: str) -> Any:
+    """The loaded kvferry module's function ``name`` (a private one, such as the wait for a CUDA copy, which
+    moves between modules); None when no loaded module defines it."""
+    for module_name, module in list(sys.modules.items()):
+        function = getattr(module, "__dict__", {}).get(name)
+        if module_name.startswith("kvferry") and callable(function):
+            return function
+    return None
+
+
 async def _round_trips(count: int, trip: Callable[[], Awaitable[Any]]) -> float:
     """The median of ``count`` timed round trips, in microseconds."""
     times = []
@@ -142,12 +152,11 @@ async def measure(args: Any) -> dict[str, Any]:
             await stream.send(b"done")
             await write()  # the first write pays one-off setup (a mapping, a kernel's build)
             cuda = args.device.startswith("cuda")
-            if cuda:  # the library's wait for a CUDA copy (a private name: it moves with the copy stack)
-                from kvferry.transports._memory import synchronize_cuda
+            synchronize_cuda = _library_function("synchronize_cuda") if cuda else None
             for _ in range(args.repeat):
                 samples["message_rtt"].append(await _round_trips(args.round_trips, message))
                 samples["write_notify_rtt"].append(await _round_trips(args.round_trips, write))
-                if cuda:
+                if synchronize_cuda is not None:
                     samples["synchronize_cuda"].append(await _round_trips(args.round_trips, synchronize_cuda))
             await transport.send_message(peer, b"bye")
             report = json.loads(await transport.receive_message(peer))
