@@ -18,8 +18,8 @@ Every setting's bytes are checked before it is timed.
 Each row is the median over ``--repeat`` timed calls (``_spread``: their ``[min, max]``). Wall time includes
 building and uploading the table and waiting for the stream (what a transport write pays); device time comes
 from CUDA events around the call, which also counts the host's building, uploading and launching while the
-device waits. ``--burst N`` puts N calls between the events (time per call = elapsed / N): from 5 on, what is
-left is the kernel's own time. ``--ncu`` launches each case and setting once, untimed, and prints the launches
+device waits. ``--burst N`` puts N calls between the events (time per call = elapsed / N): the host's work
+for the next calls overlaps the kernels already queued, so from about 5 on the kernels' own time dominates. ``--ncu`` launches each case and setting once, untimed, and prints the launches
 in order for Nsight Compute to read counters from (``copy_spans``'s table read from pinned host memory, as
 in a transport write)::
 
