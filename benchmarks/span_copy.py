@@ -81,6 +81,11 @@ def spans_of(case: str, layout: str, src: torch.Tensor, dst: torch.Tensor, seed:
     rng = np.random.default_rng(seed)
     if case in MIXES:
         lengths = np.concatenate([np.full(n, size, dtype=np.int64) for size, n in MIXES[case]])
+        if int(lengths.sum()) > src.numel():
+            raise SystemExit(
+                f"span_copy.py: error: the {case} mix moves {int(lengths.sum()) >> 20} MiB, more than "
+                f"--total-mib {src.numel() >> 20}"
+            )
     else:
         fragment = int(case) << 10
         lengths = np.full(src.numel() // fragment, fragment, dtype=np.int64)
