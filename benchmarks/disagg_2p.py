@@ -1,12 +1,14 @@
-"""One disaggregated request between TWO PROCESSES over a real transport, through the real session protocol.
+"""One disaggregated request handed from a context process to a generation process over a real transport,
+through the real session protocol, against one contiguous write of the same bytes between the same processes
+in the same run (the ceiling).
 
-For one request of ``--preset`` (default nemotron-h-8b, 8K-token prompt, draft KV included) and each TP pair:
-the receiver (this process, the generation side) allocates scattered pages, sends a receive request and waits
-until every writer reported (and every bounced writer was scattered); the sender (a child process, the
-context side) maps, packs (bounce) and writes. Three modes, each measured ``--repeat`` times, median kept:
+For one request of ``--preset`` (default nemotron-h-8b, 8K-token prompt, draft KV included) and each TP pair
+(``--cases``): the receiver (this process, the generation side) allocates scattered pages, sends a receive
+request and waits until every writer reported (and every bounced writer was scattered); the sender (a child
+process, the context side) maps, packs (bounce) and writes. Modes (``--modes``):
 
-- ``contiguous``: one write of the same number of bytes from one buffer into one buffer (the ceiling),
-  requested and notified the same way;
+- ``contiguous`` (always): one write of the same number of bytes from one buffer into one buffer, requested
+  and notified the same way: the ceiling;
 - ``direct``: the coalesced fragments written straight into the pages (no staging anywhere);
 - ``auto``: each side stages only where its own runs look fragmented (``--auto-min-fragments`` /
   ``--auto-max-mean-kib``, a :class:`BouncePolicy`): the sender packs its small runs into its staging and
@@ -15,16 +17,26 @@ context side) maps, packs (bounce) and writes. Three modes, each measured ``--re
 - ``bounce``: every writer bounces: the receiver offers staging areas, the sender packs into its staging,
   writes a few large fragments, the receiver unpacks.
 
-Every mode's receiver bytes are checked against the sender's (a digest of each writer's bytes in canonical
-order, computed on each side), after poisoning the receiving pages.
+The modes run interleaved ``--repeat`` times (default 3) after one checked warm-up each. Per mode:
+``<mode>_s`` is the median seconds from sending the request to the last report (``_spread``: ``[min, max]``),
+``<mode>_gbps`` the request's bytes over it, ``<mode>_ratio`` the median of each repetition's contiguous
+write over its transfer. Every mode's receiver bytes are checked against the sender's (a digest of each
+writer's bytes in canonical order, computed on each side), after poisoning the receiving pages:
+``<mode>_identical``.
 
-    python benchmarks/disagg_2p.py --transport nixl --json benchmarks/results/disagg_2p_cpu.json
-    python benchmarks/disagg_2p.py --device cuda --transport nixl --json $OUT/disagg_2p_cuda.json
+    python benchmarks/disagg_2p.py [--device cpu|cuda] [--transport nixl|ucx] [--cases 1-1,2-2,1-2]
+        [--modes direct,auto,bounce] [--repeat 3] [--json benchmarks/results/<machine>/disagg_2p.json]
+        [--plot FILE.png] [--stages] [--timeline]
+
+``--stages`` records the sender's median time per write stage; ``--timeline`` records both processes' calls
+on one clock and prints each mode's median timeline (``_timeline.py``). ``--chunk-mib``, ``--in-flight``,
+``--poll-us`` and ``--no-grid-recut`` vary the library's settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -40,7 +52,8 @@ import anyio
 import attrs
 import numpy as np
 import torch
-from timeline import Timeline, format_rows, summarise, wrap_transfer_path  # benchmarks/timeline.py
+from _provenance import median_spread, write_result
+from _timeline import format_rows, summarise, transfer_timeline, write_stages
 
 from kvferry import wire
 from kvferry.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
@@ -149,8 +162,8 @@ async def sender(args: Any) -> None:
     async with get_transport(args.transport)() as transport:
         peer = await transport.connect(args.address)
         state: dict[str, Any] = {}
-        stages = _stages_of(transport) if args.stages else None
-        timeline = _timeline_of(transport) if args.timeline else None
+        stages = write_stages(transport) if args.stages else None
+        timeline = transfer_timeline(transport) if args.timeline else None
         # every write's own seconds (a write_many counts as one; the rest of ``send`` is the session's
         # bookkeeping and reports)
         writes: list[float] = []
@@ -206,7 +219,7 @@ async def sender(args: Any) -> None:
                             "write_s": list(writes),
                             "fragments": stats["fragments"],
                             "packed": packed,
-                            "stages": {} if stages is None else stages.medians(),
+                            "stages": {} if stages is None else stages.durations_us(),
                             "timeline": [] if timeline is None else timeline.take(),
                             "contiguous_timeline": state.pop("contiguous_events", []),
                         }
@@ -347,7 +360,7 @@ async def run_case(
                 ok &= digest(rx.gather(pools[d], buf)) == sums["digests"][w]
         return ok
 
-    timeline = _timeline_of(transport) if args.timeline else None
+    timeline = transfer_timeline(transport) if args.timeline else None
     # per mode (and "contiguous"): the receiver's events and origin of each timed run (--timeline)
     traced: dict[str, list[tuple[list[Any], float]]] = {}
 
@@ -407,14 +420,15 @@ async def run_case(
             seconds, last[mode], note = await transfer(mode)
             times[mode].append(seconds)
             sender[mode].append(note)
-    row["contiguous_s"] = statistics.median(times["contiguous"])
-    row["contiguous_gbps"] = request_bytes / row["contiguous_s"] / 1e9
-    for mode in modes:
-        seconds = statistics.median(times[mode])
+    for mode in ("contiguous", *modes):
+        seconds, spread = median_spread(times[mode])
         row[f"{mode}_s"] = seconds
+        row[f"{mode}_s_spread"] = spread
         row[f"{mode}_gbps"] = request_bytes / seconds / 1e9
+        row[f"{mode}_gbps_spread"] = [request_bytes / spread[1] / 1e9, request_bytes / spread[0] / 1e9]
+    for mode in modes:
         # per repetition against the contiguous write right before it, then the median
-        row[f"{mode}_ratio"] = statistics.median(
+        row[f"{mode}_ratio"], row[f"{mode}_ratio_spread"] = median_spread(
             c / t for c, t in zip(times["contiguous"], times[mode], strict=True)
         )
         # the same without the sender's mapping (done once per request, before any byte moves)
@@ -468,12 +482,6 @@ async def run_case(
     return row
 
 
-def _timeline_of(transport: Any) -> Timeline:
-    timeline = Timeline()
-    wrap_transfer_path(timeline, transport)
-    return timeline
-
-
 def _merged(receiver: list[tuple[list[Any], float]], sender: list[list[Any]]) -> list[dict[str, Any]]:
     """One timeline per run from both processes' events (one clock), summarised over the runs."""
     runs = [
@@ -481,14 +489,6 @@ def _merged(receiver: list[tuple[list[Any], float]], sender: list[list[Any]]) ->
         for (r_events, _), s_events in zip(receiver, sender, strict=True)
     ]
     return summarise(runs, [origin for _, origin in receiver])
-
-
-def _stages_of(transport: Any) -> Any:
-    """The writer's stages timed (``benchmarks/latency_probe.py``'s, on this transport)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from latency_probe import _patch_stages
-
-    return _patch_stages(transport)
 
 
 def _request_bytes(
@@ -635,8 +635,10 @@ def plot(out: dict[str, Any], path: str) -> None:
     ax.set_xticks(x, labels)
     ax.set_xlabel("TP sender -> receiver")
     ax.set_ylabel("ratio to one contiguous write")
+    config = out["config"]
     ax.set_title(
-        f"{out['preset']} {out['tokens']}-token request, {out['transport']} two processes, {out['device']}"
+        f"{config['preset']} {config['tokens']}-token request, {config['transport']} two processes, "
+        f"{config['device']}"
         f" (labels: GB/s, fragments)",
         fontsize=9,
     )
@@ -645,10 +647,39 @@ def plot(out: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _poll_seconds() -> float:
-    from kvferry.transports import _memory
+def _library_constants(name: str) -> dict[str, Any]:
+    """Every loaded kvferry module's own ``name`` (a setting such as ``POLL_SECONDS``), by module: a package
+    that re-exports a setting holds a copy, so a change must reach the module that reads it."""
+    return {
+        module_name: getattr(module, name)
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("kvferry") and name in getattr(module, "__dict__", {})
+    }
 
-    return _memory.POLL_SECONDS
+
+def _set_library_constant(name: str, value: Any) -> None:
+    """Set the library setting ``name`` in every kvferry module that holds it (see :func:`_library_constants`),
+    the kernels' and transports' modules loaded first."""
+    import importlib
+    import pkgutil
+
+    import kvferry.kernels
+    import kvferry.transports
+
+    for package in (kvferry.kernels, kvferry.transports):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(info.name)
+    holders = _library_constants(name)
+    if not holders:
+        raise SystemExit(f"disagg_2p.py: no kvferry module has {name} any more")
+    for module_name in holders:
+        setattr(sys.modules[module_name], name, value)
+
+
+def _poll_seconds() -> float | None:
+    """The poll budget the run used (read after the run, when the transports' modules are loaded)."""
+    return next(iter(_library_constants("POLL_SECONDS").values()), None)
 
 
 def main() -> int:
@@ -661,7 +692,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--transport", default="nixl")
     parser.add_argument("--cases", default=",".join(f"{a}-{b}" for a, b in CASES))
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed repetitions of every mode (median, spread)"
+    )
     parser.add_argument(
         "--chunk-mib",
         type=int,
@@ -689,7 +722,7 @@ def main() -> int:
         "(default: the library's; 0 always waits in a thread)",
     )
     parser.add_argument(
-        "--stages", action="store_true", help="time the sender's write stages (see latency_probe.py)"
+        "--stages", action="store_true", help="time the sender's write stages (see _timeline.py)"
     )
     parser.add_argument(
         "--timeline",
@@ -699,51 +732,48 @@ def main() -> int:
     parser.add_argument(
         "--no-grid-recut",
         action="store_true",
-        help="indexed tables of mixed row lengths keep the default cut (span_copy.GRID_RECUT off)",
+        help="indexed tables of mixed row lengths keep the default cut (the span copy's GRID_RECUT off)",
     )
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default=None)
+    parser.add_argument("--json", default=None, help="write the stamped result here")
+    parser.add_argument("--plot", default=None, help="draw each mode's ratio into this PNG (matplotlib)")
     parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.poll_us is not None:
-        from kvferry.transports import _memory
-
-        _memory.POLL_SECONDS = args.poll_us * 1e-6
+        _set_library_constant("POLL_SECONDS", args.poll_us * 1e-6)
     if args.no_grid_recut:
-        from kvferry.kernels import span_copy
-
-        span_copy.GRID_RECUT = False
+        _set_library_constant("GRID_RECUT", False)
     if args.role == "sender":
         anyio.run(sender, args)
         return 0
-    out = {
+    results = anyio.run(receiver_main, args)
+    config = {
         "preset": args.preset,
         "tokens": args.tokens,
         "device": args.device,
         "transport": args.transport,
+        "cases": args.cases,
+        "modes": args.modes,
+        "repeat": args.repeat,
         "chunk_bytes": args.chunk_mib << 20,  # 0: plan_transfer's default
         "in_flight": args.in_flight,
         "poll_seconds": _poll_seconds(),
-        "modes": args.modes,
         "auto_policy": {
             "min_fragments": args.auto_min_fragments,
             "max_mean_bytes": args.auto_max_mean_kib << 10,
         },
-        "repeat": args.repeat,
         "grid_recut": not args.no_grid_recut,
-        "torch": torch.__version__,
-        "statistic": "median seconds from sending the request to the last report (+ scatter); the sender maps "
-        "its side of each request before the request comes (prepare_source, as the engine's context side does)",
-        "cpus": os.cpu_count(),
-        **anyio.run(receiver_main, args),
+        "statistic": "median seconds from sending the request to the last report (+ scatter) over --repeat "
+        "repetitions ([min, max] in _spread); ratio: per repetition the contiguous write's seconds over the "
+        "mode's, then the median; the sender maps its side of each request before the request comes "
+        "(prepare_source, as the engine's context side does)",
+        "ceiling": "one contiguous write of the request's bytes between the same processes, requested and "
+        "notified the same way, right before each repetition",
     }
-    if args.device.startswith("cuda"):
-        out["gpu"] = torch.cuda.get_device_name()
+    out = {"config": config, **results}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_result(args.json, "disagg_2p", out, args.device)
     if args.plot:
         plot(out, args.plot)
     ok = all(

@@ -1,19 +1,22 @@
-"""Mapping and staging of one disaggregated request, on one device (no transport yet).
+"""Mapping and staging of one disaggregated request on one device (no transport): the bounce path's
+throughput against one contiguous device copy of the same bytes in the same run (the ceiling).
 
-For one request of ``--preset`` (default nemotron-h-8b, 8K-token prompt) and each TP pair / block-size variant:
-the mapping time of every (sender, receiver) rank pair, fragment counts before and after coalescing, and the
-bounce path run for real on the device: gather into a staging buffer (kernels.copy), one contiguous device copy
-standing in for the transport write, scatter on the receiver. Its GB/s is set against a contiguous device copy of
-the same bytes in the same run (the ceiling). Every receiver byte is checked against the sender's through the
-direct plan's fragments, so the bounce path is also checked bit-exact on the device (Triton kernels on CUDA).
+For one request of ``--preset`` (default nemotron-h-8b, 8K-token prompt) and each case (``--cases``: sender TP
+- receiver TP, ``xN`` for a receiver with N times the tokens per block): the mapping time of every (sender,
+receiver) rank pair, fragment counts before and after coalescing, and the bounce path run for real on the
+device: gather into a staging buffer (kernels.copy), one contiguous device copy standing in for the transport
+write, scatter on the receiver. Its GB/s is set against a contiguous device copy of the same bytes (the
+ceiling). Times are medians over ``--repeat`` runs (``_spread``: their ``[min, max]``). Every receiver byte is
+checked against the sender's through the direct plan's fragments, so the bounce path is also checked bit-exact
+on the device (Triton kernels on CUDA).
 
-    python benchmarks/disagg_transfer.py --device cuda --json benchmarks/results/disagg_transfer.json
+    python benchmarks/disagg_transfer.py [--device cpu|cuda] [--preset nemotron-h-8b] [--tokens 8192]
+        [--cases 1-1,1-1x2,1-2] [--repeat 3] [--json benchmarks/results/<machine>/disagg_transfer.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from _provenance import median_spread, write_result
 
 from kvferry.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
 from kvferry.kernels.copy import gather_fragments
@@ -29,7 +33,14 @@ from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.spec import ModelSpec, preset
 
-CASES = [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 4, 1), (4, 2, 1), (1, 4, 1), (4, 1, 1)]
+CASES = "1-1,1-1x2,1-2,2-1,2-4,4-2,1-4,4-1"
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    """``"S-D"`` or ``"S-DxN"``: sender TP, receiver TP, the receiver's tokens per block over the sender's."""
+    pair, _, factor = text.partition("x")
+    src, dst = pair.split("-")
+    return int(src), int(dst), int(factor or 1)
 
 
 def sync(device: torch.device) -> None:
@@ -37,16 +48,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` calls of ``fn`` (each waiting for the device), after one warm-up."""
     fn()
     sync(device)
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         began = time.perf_counter()
         fn()
         sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
+        times.append(time.perf_counter() - began)
+    return times
 
 
 def build_arenas(spec: ModelSpec, tp: int, tokens: int, device: torch.device) -> list[CacheArena]:
@@ -106,7 +118,7 @@ def run_case(
     def plan_all(policy: BouncePolicy) -> list[Any]:
         return [peer.pair(s, d).plan(src_req, dst_req, span, policy=policy) for s, d in pairs]
 
-    map_s = timed(lambda: plan_all(BouncePolicy()), device, repeat)
+    map_s, map_spread = median_spread(timed(lambda: plan_all(BouncePolicy()), device, repeat))
     direct = plan_all(BouncePolicy.never())
     bounced = plan_all(BouncePolicy.always())
     scatter = [peer.pair(s, d).scatter_plan(dst_req, span) for s, d in pairs]
@@ -123,8 +135,10 @@ def run_case(
 
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_dst = torch.empty_like(flat)
-    bounce_s = timed(bounce, device, repeat)
-    ceiling_s = timed(lambda: flat_dst.copy_(flat), device, repeat)
+    bounce_times = timed(bounce, device, repeat)
+    ceiling_times = timed(lambda: flat_dst.copy_(flat), device, repeat)
+    bounce_s, bounce_spread = median_spread(bounce_times)
+    ceiling_s, ceiling_spread = median_spread(ceiling_times)
     identical = all(
         torch.equal(pool_bytes(src_arenas, p.src), pool_bytes(dst_arenas, p.dst))
         for p in direct
@@ -147,9 +161,14 @@ def run_case(
         "scatter_fragments": sum(r.num_fragments for r in scatter),
         "peer_build_ms": build_s * 1e3,
         "map_ms": map_s * 1e3,
+        "map_ms_spread": [x * 1e3 for x in map_spread],
         "bounce_gbps": nbytes / bounce_s / 1e9,
+        "bounce_gbps_spread": [nbytes / bounce_spread[1] / 1e9, nbytes / bounce_spread[0] / 1e9],
         "ceiling_gbps": nbytes / ceiling_s / 1e9,
+        "ceiling_gbps_spread": [nbytes / ceiling_spread[1] / 1e9, nbytes / ceiling_spread[0] / 1e9],
         "ratio": ceiling_s / bounce_s,
+        # the ratio at either end of the bounce path's spread, against the ceiling's median
+        "ratio_spread": [ceiling_s / bounce_spread[1], ceiling_s / bounce_spread[0]],
         "identical": identical,
     }
 
@@ -159,13 +178,16 @@ def main() -> int:
     parser.add_argument("--preset", default="nemotron-h-8b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--cases", default=CASES, help=f"comma-separated S-D[xN] (default {CASES})")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (median and spread)")
+    parser.add_argument("--json", default=None, help="write the stamped result here")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     device = torch.device(args.device)
     spec = preset(args.preset)
     results = []
-    for src_tp, dst_tp, factor in CASES:
+    for src_tp, dst_tp, factor in (parse_case(c) for c in args.cases.split(",")):
         row = run_case(spec, src_tp, dst_tp, factor, args.tokens, device, args.repeat)
         results.append(row)
         print(
@@ -175,19 +197,19 @@ def main() -> int:
             f"{row['ceiling_gbps']:.1f} GB/s ({row['ratio']:.2f}), identical {row['identical']}",
             flush=True,
         )
-    env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_")}
-    out = {
+    config = {
         "preset": args.preset,
+        "tokens": args.tokens,
         "device": str(device),
-        "torch": torch.__version__,
-        "env": env,
-        "results": results,
+        "cases": args.cases,
+        "repeat": args.repeat,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("TRITON_")},
+        "statistic": "median over --repeat runs ([min, max] in _spread); ratio: the ceiling's median over the "
+        "bounce path's",
+        "ceiling": "one contiguous copy of the request's bytes on the same device",
     }
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_result(args.json, "disagg_transfer", {"config": config, "results": results}, str(device))
     return 0 if all(r["identical"] for r in results) else 1
 
 
