@@ -1,8 +1,10 @@
 """Test setup shared by every suite.
 
-The UCX environment is set before any test imports nixl or ucxx (../shared/reference/feasibility.md §5):
-loopback only, no warnings about variables UCX does not know, reusable listener ports, blocking progress
-(no core spinning at 100%).
+The UCX environment is set before any test imports nixl or ucxx: loopback only, no warnings about variables UCX
+does not know, reusable listener ports, blocking progress (no core spinning at 100%).
+
+Async tests use anyio's pytest plugin (``pytest.mark.anyio``) on the asyncio backend. pytest-asyncio stays
+installed only for tests/test_testing_plugin.py, which checks kvferry's fixtures for pytest-asyncio users.
 """
 
 from __future__ import annotations
@@ -27,5 +29,5 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def anyio_backend() -> str:
-    # ucxx is asyncio-only; trio is not a supported backend.
+    # ucxx is asyncio-only, so the transports, disagg and security suites run on asyncio alone
     return "asyncio"

@@ -296,7 +296,7 @@ def receiver_for(ctx: Side, gen: Side, peer: Peer, stall_timeout: float = 10) ->
 
 @pytest.mark.parametrize("chunk_bytes", [4096, None])
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_transfer_is_bit_exact_and_ignores_poison(
     ctx_tp: int, gen_tp: int, chunk_bytes: int | None
 ) -> None:
@@ -353,7 +353,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
     assert gen.free_counts() == before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
     """One writer's chunk points outside what the receiver registered: it is refused (nothing written) and reported
     FAILED; the other writer's chunk, posted in the same ``write_many``, lands and is reported OK."""
@@ -400,7 +400,7 @@ async def run_pair(ctx: Side, gen: Side, body: Any, *, gated: bool = False, stal
         return result
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancel_before_the_receive_request_frees_everything() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -427,7 +427,7 @@ def attention_rows(side: Side, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("where", ["during_writes", "after_writes_before_result"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_lands(where: str) -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -500,7 +500,7 @@ async def _cancel_when(scope: anyio.CancelScope, condition: Any) -> None:
     scope.cancel()
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_stall_gives_in_doubt_and_keeps_pages_quarantined() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -520,7 +520,7 @@ async def test_stall_gives_in_doubt_and_keeps_pages_quarantined() -> None:
     await run_pair(ctx, gen, body, stall=0.2)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_peer_lost_fails_the_transfer_and_frees() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -545,7 +545,7 @@ async def test_peer_lost_fails_the_transfer_and_frees() -> None:
     assert gen.free_counts() == before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_send_reports_peer_loss() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -615,7 +615,7 @@ class _ReportsFirst:
 
 
 @pytest.mark.parametrize("status", [ChunkStatus.OK, ChunkStatus.FAILED])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_every_report_before_the_send_returns_still_settles(status: ChunkStatus) -> None:
     reports = [ok(1, 0, 0, 2), ok(1, 1, 0, 1, status), ok(1, 0, 1, 2)]
     transport = _ReportsFirst(reports)
@@ -637,7 +637,7 @@ async def test_every_report_before_the_send_returns_still_settles(status: ChunkS
     assert receiver.statistics()["sessions"] == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_receive_request_the_transport_refuses_whole_frees_the_pages() -> None:
     transport = _ReportsFirst([], refuse=True)
     receiver = Receiver(transport, object(), (0,), stall_timeout=5)  # type: ignore[arg-type]

@@ -284,11 +284,6 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None
         load_secret(tmp_path / "missing", environ={})
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_hostile_program_runs() -> None:
     """The hostile peer imports nothing it should not need (a quick check that it starts)."""
     done = subprocess.run(
