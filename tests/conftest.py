@@ -3,8 +3,9 @@
 The UCX environment is set before any test imports nixl or ucxx: loopback only, no warnings about variables UCX
 does not know, reusable listener ports, blocking progress (no core spinning at 100%).
 
-Async tests use anyio's pytest plugin (``pytest.mark.anyio``) on the asyncio backend. pytest-asyncio stays
-installed only for tests/test_testing_plugin.py, which checks kvferry's fixtures for pytest-asyncio users.
+Async tests use anyio's pytest plugin (``pytest.mark.anyio``) on the asyncio backend; tests/engine, which
+nothing ties to asyncio, runs under trio as well (its conftest.py). pytest-asyncio stays installed only for
+tests/test_testing_plugin.py, which checks kvferry's fixtures for pytest-asyncio users.
 """
 
 from __future__ import annotations
