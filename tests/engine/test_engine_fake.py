@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from contextlib import aclosing
+from typing import TypeVar
 
 import anyio
 import pytest
@@ -15,6 +17,8 @@ from kvferry.errors import ConfigError, EngineClosed, RequestAborted
 from tests.support.engine_fakes import FakeCache, FakeRunner
 
 pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
 
 PROMPTS = [[(7 * i + j) % 64 for j in range(3 + 5 * i)] for i in range(8)]
 
@@ -118,7 +122,9 @@ async def test_cancel_at_random_points_frees_everything_and_the_engine_keeps_ser
             with anyio.move_on_after(rng.random() * 0.02):
                 await generation.collect()
         elif mode == "aclose":
-            async with aclosing(generation.__aiter__()) as tokens:
+            iterator = generation.__aiter__()
+            assert isinstance(iterator, AsyncGenerator)
+            async with aclosing(iterator) as tokens:
                 async for n, _ in aenumerate(tokens):
                     if n >= stop_after:
                         break
@@ -143,7 +149,7 @@ async def test_cancel_at_random_points_frees_everything_and_the_engine_keeps_ser
     assert cache.free_pages == 40 and cache.free_slots == 16
 
 
-async def aenumerate(iterable):  # type: ignore[no-untyped-def]
+async def aenumerate(iterable: AsyncIterable[T]) -> AsyncIterator[tuple[int, T]]:
     n = 0
     async for item in iterable:
         yield n, item
