@@ -1,4 +1,5 @@
-"""The engine over the real paged model and the real cache manager: the token-equality oracles of DESIGN.md."""
+"""The engine over the real paged model and the real cache manager: batched, chunked, preempted, speculative,
+tensor-parallel and prefix-reusing runs give each prompt the tokens it gets alone."""
 
 from __future__ import annotations
 
@@ -392,7 +393,7 @@ async def test_draft_proposals_are_the_same_alone_and_batched() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("tp", [1, 2])
 async def test_prefix_reuse_gives_the_same_tokens_and_draft_proposals(tp: int) -> None:
-    """DESIGN.md oracle 1 with the draft mirror: the same prompt again, and a prompt extending it, reuse
+    """Prefix reuse with the draft mirror: the same prompt again, and a prompt extending it, reuse
     target pages, the snapshot and the draft KV of the prefix; tokens and every draft proposal are those of a
     fresh engine."""
     shared = PROMPTS[5]  # 25 tokens: target blocks through 24, draft blocks [0, 8) [8, 16) [16, 24)
