@@ -1,7 +1,8 @@
 """Test setup shared by every suite.
 
-The UCX environment is set before any test imports nixl or ucxx: loopback only, no warnings about variables UCX
-does not know, reusable listener ports, blocking progress (no core spinning at 100%).
+The UCX environment is set before any test imports nixl or ucxx (docs/transports.md, "Environment"):
+loopback only, no warnings about variables UCX does not know, reusable listener ports, blocking progress
+(no core spinning at 100%).
 
 Async tests use anyio's pytest plugin (``pytest.mark.anyio``) on the asyncio backend; tests/engine, which
 nothing ties to asyncio, runs under trio as well (its conftest.py). pytest-asyncio stays installed only for

@@ -1,5 +1,6 @@
-"""The engine over the real paged model and the real cache manager: batched, chunked, preempted, speculative,
-tensor-parallel and prefix-reusing runs give each prompt the tokens it gets alone."""
+"""The engine over the real paged model and the real cache manager: the token-equality oracles of docs/design.md
+("Test oracles"); batched, chunked, preempted, speculative, tensor-parallel and prefix-reusing runs give each
+prompt the tokens it gets alone."""
 
 from __future__ import annotations
 
