@@ -33,3 +33,13 @@ torch.set_num_threads(1)
 def anyio_backend() -> str:
     # ucxx is asyncio-only, so the transports, disagg and security suites run on asyncio alone
     return "asyncio"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # one async plugin for the suites: a test marked for pytest-asyncio would run on a loop of its own, beside
+    # the anyio fixtures it shares with every other test
+    stray = [item.nodeid for item in items if item.get_closest_marker("asyncio") is not None]
+    if stray:
+        raise pytest.UsageError(
+            "async tests here use pytest.mark.anyio, not pytest.mark.asyncio: " + ", ".join(stray)
+        )
