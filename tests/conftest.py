@@ -3,6 +3,10 @@
 The UCX environment is set before any test imports nixl or ucxx (docs/transports.md, "Environment"):
 loopback only, no warnings about variables UCX does not know, reusable listener ports, blocking progress
 (no core spinning at 100%).
+
+Async tests use anyio's pytest plugin (``pytest.mark.anyio``) on the asyncio backend; tests/engine, which
+nothing ties to asyncio, runs under trio as well (its conftest.py). pytest-asyncio stays installed only for
+tests/test_testing_plugin.py, which checks kvferry's fixtures for pytest-asyncio users.
 """
 
 from __future__ import annotations
@@ -27,5 +31,15 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def anyio_backend() -> str:
-    # ucxx is asyncio-only; trio is not a supported backend.
+    # ucxx is asyncio-only, so the transports, disagg and security suites run on asyncio alone
     return "asyncio"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # one async plugin for the suites: a test marked for pytest-asyncio would run on a loop of its own, beside
+    # the anyio fixtures it shares with every other test
+    stray = [item.nodeid for item in items if item.get_closest_marker("asyncio") is not None]
+    if stray:
+        raise pytest.UsageError(
+            "async tests here use pytest.mark.anyio, not pytest.mark.asyncio: " + ", ".join(stray)
+        )

@@ -134,7 +134,7 @@ def test_demo_refuses_max_tokens_the_pools_cannot_hold_before_it_runs(
 
 @pytest.mark.parametrize("value", ["-3", "0", "1"])
 def test_demo_max_tokens_below_two_names_the_one_rule(value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # 0 said "must be at least 1", and then 1 was refused too
+    # one message for every value below the limit, not a lower bound that the next value then fails
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--max-tokens", value])
     assert exit_info.value.code == 2

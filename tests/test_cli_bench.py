@@ -201,7 +201,7 @@ def test_the_table_shows_sizes_below_a_kib() -> None:
         "ratio_memcpy": 1.0,
     }
     line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
-    assert line.split()[:5] == ["write", "local", "512", "1536", "6"]  # was "0K 1K"
+    assert line.split()[:5] == ["write", "local", "512", "1536", "6"]  # sizes below a KiB in bytes, not "0K"
     row.update(fragment_bytes=1 << 20, page_bytes=64 << 10)
     line = _table({"rows": [row], "goal_fragments_1MiB_reach_0.8_of_contiguous": {}}).splitlines()[1]
     assert line.split()[:4] == ["write", "local", "1M", "64K"]

@@ -37,7 +37,7 @@ def test_the_engine_types_a_caller_meets_are_public() -> None:
 
 def test_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NotAThing"):
-        _ = kvferry.NotAThing  # type: ignore[attr-defined]
+        _ = kvferry.NotAThing
 
 
 def test_import_kvferry_imports_no_optional_library_and_not_torch() -> None:

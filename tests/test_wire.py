@@ -113,7 +113,7 @@ def test_int_sequences_are_checked_item_by_item(bad: object) -> None:
     assert wire.decode(wire.encode(Ids((), [])), Ids) == Ids((), [])
     for field in ("ids", "more"):
         for where in (0, 300, len(ids) - 1):
-            raw = {"ids": list(ids), "more": list(ids)}
+            raw: dict[str, list[object]] = {"ids": list(ids), "more": list(ids)}
             raw[field][where] = bad
             with pytest.raises(WireFormatError, match=rf"\$\.{field}"):
                 wire.decode(msgpack.packb(raw), Ids)

@@ -214,7 +214,7 @@ def _greedy_rows(logits: torch.Tensor) -> list[int]:
         if rows.dtype not in (torch.float32, torch.float64):
             rows = rows.to(torch.float32)
         return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
-    return rows.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+    return rows.argmax(dim=-1).tolist()
 
 
 # --- one request's stream --------------------------------------------------------------------------------

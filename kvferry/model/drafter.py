@@ -30,6 +30,7 @@ from kvferry.model.nemotron_h import (
     SequenceInput,
     _attention_block,
     _Group,
+    _int_tuple,
     _plan_groups,
     rms_norm,
 )
@@ -207,9 +208,9 @@ class DraftInput:
     """
 
     hidden: torch.Tensor
-    next_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    next_tokens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     start: int
-    block_table: tuple[int, ...] = attrs.field(converter=tuple)
+    block_table: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
 
 @frozen

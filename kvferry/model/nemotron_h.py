@@ -20,7 +20,7 @@ Cache memory is whatever the caller hands in, one :class:`CacheViews` per tensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -155,6 +155,12 @@ class DenseCache:
         self.num_accepted.copy_(torch.randint(-3, 1000, self.num_accepted.shape, generator=gen))
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    # a typed converter: with ``converter=tuple`` type checkers see ``__init__`` take ``Iterable[_T_co]``
+    # and refuse every list of ints a caller passes
+    return tuple(values)
+
+
 @frozen
 class SequenceInput:
     """One sequence's share of a model step.
@@ -168,9 +174,9 @@ class SequenceInput:
     :param all_logits: logits for every token (verify) instead of only the last (prefill/decode).
     """
 
-    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     start: int
-    block_table: tuple[int, ...] = attrs.field(converter=tuple)
+    block_table: tuple[int, ...] = attrs.field(converter=_int_tuple)
     slot: int
     verify: bool = False
     all_logits: bool = False

@@ -99,7 +99,7 @@ class _Silent:
         await anyio.lowlevel.checkpoint()
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_receiver_releases_on_the_acknowledgement_and_ignores_the_rest() -> None:
     transport = _Silent()
     receiver = Receiver(transport, object(), (0, 1), stall_timeout=30)  # type: ignore[arg-type]
@@ -274,7 +274,7 @@ async def serves_on(router: Router, worker: GenerationWorker) -> None:
     assert worker.receiver is not None and not worker.receiver.lost
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_request_that_never_reaches_the_context_side_releases_its_pages() -> None:
     await expected()
     async with serving() as (router, worker, context, tap, _):
@@ -306,7 +306,7 @@ def rows(built: BuiltEngine, group: str, ids: list[int]) -> list[torch.Tensor]:
     return [pool.view(num_slots, -1)[ids].clone() for pool in pools]
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_cancel_before_the_push_starts_calls_it_off_and_nothing_lands() -> None:
     await expected()
     # a push that did start would hold the pages quarantined for write_delay seconds, then write them
@@ -343,7 +343,7 @@ async def test_a_cancel_before_the_push_starts_calls_it_off_and_nothing_lands() 
         assert counts(gen) == before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_cancel_during_the_push_is_answered_by_the_writers_reports() -> None:
     await expected()
     async with serving(write_delay=0.05, max_chunk_bytes=2048) as (router, worker, context, _, _p):
@@ -362,7 +362,7 @@ async def test_a_cancel_during_the_push_is_answered_by_the_writers_reports() -> 
         await serves_on(router, worker)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_receive_request_after_the_hold_ran_out_fails_at_once_and_frees_the_pages() -> None:
     """The context side no longer holds the prompt's cache when the receive request comes: every writer
     reports a failure, so the receiver frees its pages at once (not in doubt after the stall deadline, with the

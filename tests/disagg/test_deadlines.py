@@ -77,7 +77,7 @@ async def times_out(p: Pair, prompt: Sequence[int]) -> float:
 
 
 @pytest.mark.parametrize("stall", ["handling_paused", "step_stalled"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_context_side_that_never_answers_fails_the_prefill_in_time_and_frees_everything(
     stall: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,7 +171,7 @@ class _Together:
         return getattr(self.inner, name)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_request_released_before_its_prefill_task_runs_is_never_prefilled() -> None:
     """The caller gives up right after asking: its ReleaseContext reaches the context side with the request
     (before its prefill task first ran). The release finds the request (before: it was ignored, the prompt was
@@ -200,7 +200,7 @@ async def test_a_request_released_before_its_prefill_task_runs_is_never_prefille
         await serves_on(p)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_prefill_asked_of_a_peer_that_is_gone_fails_at_once() -> None:
     async with pair(worker={"prefill_timeout": 60.0}) as p:
         await p.peer.aclose()
@@ -209,7 +209,7 @@ async def test_a_prefill_asked_of_a_peer_that_is_gone_fails_at_once() -> None:
             await p.router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_prompt_the_context_engine_refuses_is_answered_and_it_serves_on() -> None:
     """A request the context engine refuses outright (a token outside its vocabulary) is answered as failed
     (before: the refusal escaped the worker's task group and ended the whole connection)."""
@@ -233,7 +233,7 @@ async def silent_peer() -> AsyncIterator[tuple[Any, Any, Any]]:
 
 
 @pytest.mark.parametrize("role", ["generation", "context"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_handshake_with_a_silent_peer_times_out(role: str) -> None:
     built = build_engine("tiny", options())
     async with silent_peer() as (ours, peer, _):
@@ -282,7 +282,7 @@ def test_deadlines_must_be_positive() -> None:
 
 
 @pytest.mark.slow  # two OS processes over nixl (about 30 s on 2 cores)
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_stopped_context_process_fails_the_prefill_in_time() -> None:
     """The issue's case: the context engine's process is stopped (SIGSTOP). The prefill fails within its
     deadline instead of waiting until the process runs again; afterwards the same connection serves on."""

@@ -86,7 +86,7 @@ class Prefills:
 
 
 @pytest.mark.parametrize("point", ["queued", "in_step", "after_step", "in_push"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_prefill_cancelled_at_any_point_leaves_the_engine_serving(
     point: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,7 +31,7 @@ MATRIX = [
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp", "transport"), MATRIX)
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_disaggregated_tokens_and_proposals_equal_aggregated(
     ctx_tp: int, gen_tp: int, transport: str
 ) -> None:
@@ -62,7 +62,7 @@ async def test_disaggregated_tokens_and_proposals_equal_aggregated(
         assert not gen.runner._fed and not ctx.runner._fed
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_draft_kv_travels_and_is_not_recomputed() -> None:
     """The generation side drafts from the transferred draft KV: with it, proposals equal aggregated serving's;
     without it (pages left zero, nothing recomputed: the hand-off holds one hidden state), they differ and
@@ -96,7 +96,7 @@ async def test_draft_kv_travels_and_is_not_recomputed() -> None:
     assert 0 < acceptance[False] <= acceptance[True] - 0.05, acceptance
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_malformed_hand_off_is_a_typed_error_and_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -162,7 +162,7 @@ def test_handshake_compares_hash_first() -> None:
         decode_hello(encode_hello(lying), wire_version=wire.WIRE_VERSION, compat_hash=tables[0].compat_hash)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_incompatible_peer_is_refused_and_others_keep_working() -> None:
     ours = build_engine("tiny", _options(1, 0, 0, "float64"))
     other = build_engine("tiny", _options(1, 0, 0, "float32"))  # another dtype: another compatibility hash

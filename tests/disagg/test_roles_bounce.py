@@ -59,7 +59,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp", "transport", "separate"), CASES)
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_forced_bounce_equals_aggregated(
     ctx_tp: int, gen_tp: int, transport: str, separate: bool
 ) -> None:
@@ -90,7 +90,7 @@ async def test_forced_bounce_equals_aggregated(
 
 
 @pytest.mark.parametrize("short", ["both", "context"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_staging_pool_too_small_falls_back_to_direct_or_half_bounced_writes(short: str) -> None:
     reference = await expected()
     async with disaggregated(
@@ -127,7 +127,7 @@ async def test_a_staging_pool_too_small_falls_back_to_direct_or_half_bounced_wri
         await settled(parts)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_each_worker_registers_its_memory_once_for_its_life(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests (bounced or not) never register or deregister memory: NIXL refuses the metadata of regions
     re-registered at addresses a deregistered region used on the same live connection."""

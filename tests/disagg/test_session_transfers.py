@@ -58,7 +58,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.mark.parametrize("chunk_bytes", [4096, None])
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_transfer_is_bit_exact_and_ignores_poison(
     ctx_tp: int, gen_tp: int, chunk_bytes: int | None
 ) -> None:
@@ -115,7 +115,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
     assert gen.free_counts() == before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
     """One writer's chunk points outside what the receiver registered: it is refused (nothing written) and reported
     FAILED; the other writer's chunk, posted in the same ``write_many``, lands and is reported OK."""
@@ -147,7 +147,7 @@ async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
     assert ctx.transport.statistics().writes_failed == 0  # refused before anything was written
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancel_before_the_receive_request_frees_everything() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -168,7 +168,7 @@ async def test_cancel_before_the_receive_request_frees_everything() -> None:
 
 
 @pytest.mark.parametrize("where", ["during_writes", "after_writes_before_result"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_lands(where: str) -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -235,7 +235,7 @@ async def test_cancel_quarantines_until_every_writer_reports_and_no_late_write_l
     assert ctx.free_counts() == ctx_before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_stall_gives_in_doubt_and_keeps_pages_quarantined() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -255,7 +255,7 @@ async def test_stall_gives_in_doubt_and_keeps_pages_quarantined() -> None:
     await run_pair(ctx, gen, body, stall=0.2)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_peer_lost_fails_the_transfer_and_frees() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -280,7 +280,7 @@ async def test_peer_lost_fails_the_transfer_and_frees() -> None:
     assert gen.free_counts() == before
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_send_reports_peer_loss() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)
@@ -298,7 +298,7 @@ async def test_send_reports_peer_loss() -> None:
 
 
 @pytest.mark.parametrize("status", [ChunkStatus.OK, ChunkStatus.FAILED])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_every_report_before_the_send_returns_still_settles(status: ChunkStatus) -> None:
     reports = [ok(1, 0, 0, 2), ok(1, 1, 0, 1, status), ok(1, 0, 1, 2)]
     transport = ReportsFirst(reports)
@@ -320,7 +320,7 @@ async def test_every_report_before_the_send_returns_still_settles(status: ChunkS
     assert receiver.statistics()["sessions"] == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_receive_request_the_transport_refuses_whole_frees_the_pages() -> None:
     transport = ReportsFirst([], refuse=True)
     receiver = Receiver(transport, object(), (0,), stall_timeout=5)  # type: ignore[arg-type]

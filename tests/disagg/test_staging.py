@@ -67,7 +67,7 @@ def test_pool_leases_are_bounded_aligned_and_merge_back() -> None:
         StagingPool(torch.zeros(4, dtype=torch.int32))
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_pool_reserve_waits_for_a_release_or_gives_up() -> None:
     pool = StagingPool.allocate(1024)
     held = pool.try_reserve(1024)
@@ -195,7 +195,7 @@ def bounced_writers(ctx: Side, gen: Side) -> int:
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (2, 1), (4, 2)])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_tp: int) -> None:
     spec = tiny_spec()
     ctx, direct, bounced = make_side(spec, ctx_tp), make_side(spec, gen_tp), make_side(spec, gen_tp)
@@ -223,7 +223,7 @@ async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_
 @pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 2), (2, 1), (1, 1)])
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 @pytest.mark.parametrize("chunk", [512, 1 << 20])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_half_bounces_give_identical_bytes(ctx_tp: int, gen_tp: int, side: str, chunk: int) -> None:
     """Only one side stages: the writers pack into the receiver's pages (sender), or write their own runs into
     the receiver's areas, unpacked chunk by chunk as they land (receiver); several chunks or one."""
@@ -247,7 +247,7 @@ async def test_half_bounces_give_identical_bytes(ctx_tp: int, gen_tp: int, side:
 
 
 @pytest.mark.parametrize("short", ["receiver", "sender"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_short_staging_falls_back_to_half_bounces(short: str) -> None:
     """No room on one side: that side is written (receiver) or read (sender) in place; the other still stages:
     the writers pack into the receiver's pages, or write their own runs into the receiver's areas."""
@@ -268,7 +268,7 @@ async def test_short_staging_falls_back_to_half_bounces(short: str) -> None:
     assert (rx if short == "receiver" else tx).statistics()["refused"] > 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancel_during_a_bounce_keeps_staging_quarantined_until_the_writer_reports() -> None:
     spec = tiny_spec()
     ctx, gen = make_side(spec, 1), make_side(spec, 1)

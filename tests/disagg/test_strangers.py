@@ -71,7 +71,7 @@ async def stranger_writes(
     [("local", False), ("nixl", False), ("ucx", False), ("ucx", True)],
     ids=["local", "nixl", "ucx", "ucx-writer-skips-its-check"],
 )
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_a_stranger_writes_nothing_into_the_generation_pools(
     transport: str, bypass: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -56,7 +56,7 @@ def free_counts(built: BuiltEngine) -> list[tuple[int, int, int, int]]:
 
 
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_context_process_killed_mid_transfer(transport: str) -> None:
     expected_local = await aggregated(LOCAL, 24)
     expected_routed = await aggregated(ROUTED, 6)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from contextlib import aclosing
+from typing import TypeVar
 
 import anyio
 import pytest
@@ -15,7 +16,9 @@ from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, EngineClosed, RequestAborted
 from tests.support.engine_fakes import FakeCache, FakeRunner
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
 
 PROMPTS = [[(7 * i + j) % 64 for j in range(3 + 5 * i)] for i in range(8)]
 
@@ -109,7 +112,7 @@ async def test_seeded_sampling_is_the_same_alone_batched_and_speculative() -> No
 async def test_cancel_at_random_points_frees_everything_and_the_engine_keeps_serving() -> None:
     engine, cache, runner = make_engine(pages=40, budget=48, chunk=3, in_thread=True)
     rng = random.Random(1)
-    tasks_before = len(asyncio.all_tasks())
+    tasks_before = len(anyio.get_running_tasks())
 
     async def consumer(i: int) -> None:
         stop_after = rng.randrange(0, 8)
@@ -119,7 +122,9 @@ async def test_cancel_at_random_points_frees_everything_and_the_engine_keeps_ser
             with anyio.move_on_after(rng.random() * 0.02):
                 await generation.collect()
         elif mode == "aclose":
-            async with aclosing(generation.__aiter__()) as tokens:
+            iterator = generation.__aiter__()
+            assert isinstance(iterator, AsyncGenerator)
+            async with aclosing(iterator) as tokens:
                 async for n, _ in aenumerate(tokens):
                     if n >= stop_after:
                         break
@@ -140,11 +145,11 @@ async def test_cancel_at_random_points_frees_everything_and_the_engine_keeps_ser
             # still serving, still correct
             tokens = await engine.generate(PROMPTS[4], max_tokens=5, spec_k=2).collect()
             assert tokens == runner.greedy(PROMPTS[4], 5)
-    assert len(asyncio.all_tasks()) == tasks_before
+    assert len(anyio.get_running_tasks()) == tasks_before
     assert cache.free_pages == 40 and cache.free_slots == 16
 
 
-async def aenumerate(iterable):  # type: ignore[no-untyped-def]
+async def aenumerate(iterable: AsyncIterable[T]) -> AsyncIterator[tuple[int, T]]:
     n = 0
     async for item in iterable:
         yield n, item

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import pytest
-import pytest_asyncio
 
 from kvferry import build_engine
 from kvferry.engine.engine import Engine, EngineConfig
@@ -23,15 +22,15 @@ def make_engine(in_thread: bool = False) -> tuple[Engine, FakeCache]:
     return Engine(FakeRunner(), cache, config), cache
 
 
-@pytest_asyncio.fixture
+@pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
-    # the pattern a user writes first: setup and teardown run in different tasks under pytest-asyncio; every
-    # teardown failed with "Attempted to exit cancel scope in a different task"
+    # the pattern a user writes first (pytest-asyncio runs its setup and teardown in different tasks: that case
+    # is tests/plugin_cases/user_tests.py's, run by tests/test_testing_plugin.py)
     async with build_engine("tiny").engine as e:
         yield e
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_the_first_fixture_a_user_writes_works(engine: Engine) -> None:
     assert len(await engine.generate([1, 2, 3], max_tokens=3).collect()) == 3
 

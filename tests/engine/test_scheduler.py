@@ -12,6 +12,12 @@ from tests.support.engine_fakes import FakeCache, run_step
 S = RequestState
 
 
+def state(request: Request) -> RequestState:
+    """The request's state, read afresh: a type checker keeps what an earlier ``assert r.state is X`` narrowed
+    ``r.state`` to, across the steps that change it."""
+    return request.state
+
+
 def make(rid: int, prompt_len: int, max_tokens: int = 4, spec_k: int = 0) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), max_tokens=max_tokens, spec_k=spec_k)
 
@@ -29,7 +35,7 @@ def test_chunked_prefill_under_the_budget_then_decode() -> None:
     scheduler.add(request)
     plan = scheduler.schedule()
     assert [(i.kind, i.start, len(i.token_ids)) for i in plan.items] == [(ItemKind.PREFILL, 0, 5)]
-    assert request.state is S.PREFILLING and not plan.items[0].wants_logits
+    assert state(request) is S.PREFILLING and not plan.items[0].wants_logits
     run_step(scheduler, plan)
     plan = scheduler.schedule()
     assert [(i.start, i.token_ids) for i in plan.items] == [(5, (6, 7, 8, 9, 10))]
@@ -37,11 +43,11 @@ def test_chunked_prefill_under_the_budget_then_decode() -> None:
     plan = scheduler.schedule()
     assert [(i.start, i.token_ids, i.wants_logits) for i in plan.items] == [(10, (11, 12), True)]
     run_step(scheduler, plan, next_token=40)
-    assert request.state is S.DECODING and request.output_ids == [40]
+    assert state(request) is S.DECODING and request.output_ids == [40]
     plan = scheduler.schedule()
     assert [(i.kind, i.start, i.token_ids) for i in plan.items] == [(ItemKind.DECODE, 12, (40,))]
     run_step(scheduler, plan)
-    assert request.state is S.FINISHED and request.finish_reason == "length"
+    assert state(request) is S.FINISHED and request.finish_reason == "length"
     assert cache.free_pages == 64 and cache.free_slots == 4
     assert not scheduler.has_work
 
@@ -65,11 +71,11 @@ def test_decodes_come_first_and_a_long_prompt_cannot_starve_them() -> None:
     for r in short:
         scheduler.add(r)
     run_step(scheduler, scheduler.schedule())  # three 2-token prompts in one step
-    assert all(r.state is S.DECODING for r in short)
+    assert all(state(r) is S.DECODING for r in short)
     long = make(10, 100, max_tokens=1)
     scheduler.add(long)
     progressed = []
-    while long.state is not S.FINISHED:
+    while state(long) is not S.FINISHED:
         plan = scheduler.schedule()
         decodes = [i for i in plan.items if i.kind is ItemKind.DECODE]
         assert [i.request for i in decodes] == short  # every decode, every step, oldest first
@@ -91,7 +97,7 @@ def test_admission_is_fifo_and_all_or_nothing() -> None:
         scheduler.add(r)
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [big]
-    assert bigger.state is S.WAITING and small.state is S.WAITING
+    assert state(bigger) is S.WAITING and state(small) is S.WAITING
     # the refused admission left nothing behind
     assert cache.free_pages == 1 and cache.free_slots == 7 and 2 not in cache.pages
     assert scheduler.waiting == (bigger, small)
@@ -114,12 +120,12 @@ def test_preemption_suspends_the_newest_and_resumes_it_first() -> None:
     scheduler.add(old)
     scheduler.add(new)
     run_step(scheduler, scheduler.schedule())
-    assert old.state is S.DECODING and new.state is S.DECODING and cache.free_pages == 1
+    assert state(old) is S.DECODING and state(new) is S.DECODING and cache.free_pages == 1
     scheduler.add(later)
     # both grow into a second page; the older gets the last one, the newer cannot preempt an older one
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [old] and plan.preempted == ()
-    assert later.state is S.WAITING and new.state is S.DECODING
+    assert state(later) is S.WAITING and state(new) is S.DECODING
     run_step(scheduler, plan)
     for _ in range(3):  # old decodes up to 8 tokens: fits its two pages; new still blocked
         plan = scheduler.schedule()
@@ -128,15 +134,15 @@ def test_preemption_suspends_the_newest_and_resumes_it_first() -> None:
     # old needs a third page: the newest running request (new) is suspended for it
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [old] and plan.preempted == (new,)
-    assert new.state is S.PREEMPTED and new.num_preemptions == 1
+    assert state(new) is S.PREEMPTED and new.num_preemptions == 1
     assert scheduler.waiting == (new, later)  # the preempted request goes back first
     assert ("suspend", 2) in cache.log
     run_step(scheduler, plan)
-    while old.state is not S.FINISHED:
+    while state(old) is not S.FINISHED:
         run_step(scheduler, scheduler.schedule())
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [new, later]
-    assert new.state is S.DECODING and plan.items[0].kind is ItemKind.DECODE
+    assert state(new) is S.DECODING and plan.items[0].kind is ItemKind.DECODE
     assert plan.items[0].start == 4 and plan.items[0].token_ids == (9,)
     while scheduler.has_work:
         run_step(scheduler, scheduler.schedule())
@@ -153,7 +159,7 @@ def test_a_request_that_can_never_fit_fails_instead_of_deadlocking() -> None:
     run_step(scheduler, scheduler.schedule())
     run_step(scheduler, scheduler.schedule())
     plan = scheduler.schedule()
-    assert plan.failed == (request,) and request.state is S.FAILED
+    assert plan.failed == (request,) and state(request) is S.FAILED
     assert isinstance(request.error, PoolExhausted)
     assert cache.free_pages == 2 and cache.free_slots == 2
 
@@ -190,7 +196,7 @@ def test_a_prompt_that_can_never_be_admitted_fails_instead_of_waiting_forever() 
     scheduler.add(huge)
     scheduler.add(small)
     plan = scheduler.schedule()
-    assert plan.failed == (huge,) and huge.state is S.FAILED and not plan.items
+    assert plan.failed == (huge,) and state(huge) is S.FAILED and not plan.items
     plan = scheduler.schedule()
     assert [i.request for i in plan.items] == [small]
 
@@ -225,8 +231,8 @@ def test_random_workloads_finish_within_budget_and_free_everything(
     assert not scheduler.has_work
     for r in requests:
         # a request fails only when it cannot fit alone: more pages than the pool has
-        if r.state is S.FAILED:
+        if state(r) is S.FAILED:
             assert -(-(r.num_prompt + max_tokens) // 4) > pages - 1 or -(-r.num_prompt // 4) > pages
         else:
-            assert r.state is S.FINISHED and len(r.output_ids) == max_tokens
+            assert state(r) is S.FINISHED and len(r.output_ids) == max_tokens
     assert cache.free_pages == pages and cache.free_slots == 5 and not cache.pages and not cache.offloaded

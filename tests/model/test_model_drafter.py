@@ -94,12 +94,12 @@ def speculative(
         out = model.step(verify)
         for j, i in enumerate(live):
             preds = out.logits[j].argmax(-1).tolist()
-            d = drafts[j].tokens
+            drafted = drafts[j].tokens
             n = 0
-            while n < k and d[n] == preds[n]:
+            while n < k and drafted[n] == preds[n]:
                 n += 1
             model.accept(i, n + 1)
-            new_tokens = [*d[:n], preds[n]]
+            new_tokens = [*drafted[:n], preds[n]]
             catch_up[i] = DraftInput(out.hidden[j][: n + 1], new_tokens, pos[i], _tables(i)[1])
             tokens[i] += new_tokens
             pos[i] += n + 1

@@ -168,7 +168,8 @@ async def test_a_claimed_pid_is_not_believed_on_a_proof_of_another_connection(na
     async with target(name, secret=None) as transport, get_transport(name)() as honest:
         peer = await honest.connect(transport.address)
         accepted = await transport.accept()
-        assert accepted.same_host  # type: ignore[attr-defined]  (its proof holds)
+        # its proof holds
+        assert accepted.same_host  # type: ignore[attr-defined]
         for proof in (peer.proof, accepted.proof):  # type: ignore[attr-defined]
             liars: list[Any] = []
 
@@ -282,11 +283,6 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None
         load_secret(environ={SECRET_ENV: "short"})
     with pytest.raises(ConfigError, match="cannot read"):
         load_secret(tmp_path / "missing", environ={})
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def test_hostile_program_runs() -> None:

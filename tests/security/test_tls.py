@@ -17,11 +17,6 @@ pytestmark = pytest.mark.anyio
 SECRET = new_secret()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def tls_files(ca: object, directory: Path, name: str) -> TlsConfig:
     cert = ca.issue_cert("127.0.0.1", "localhost")  # type: ignore[attr-defined]
     chain, ca_file = directory / f"{name}.pem", directory / f"{name}-ca.pem"

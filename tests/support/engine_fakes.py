@@ -146,7 +146,7 @@ class FakeRunner:
         return out
 
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        out = []
+        out: list[torch.Tensor] = []
         for item in items:
             if self.fail_on_token is not None and self.fail_on_token in item.token_ids:
                 raise RuntimeError("model step failed")

@@ -14,7 +14,6 @@ import hmac
 import json
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -266,4 +265,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

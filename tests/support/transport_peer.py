@@ -120,10 +120,10 @@ class PeerServer:
             base = self.buffers[cmd["src"]].data_ptr()
             src = np.array([[base + o, n] for o, n in cmd["src_fragments"]], dtype=np.uint64).reshape(-1, 2)
             dst = np.array(cmd["dst_fragments"], dtype=np.uint64).reshape(-1, 2)
-            notify = bytes.fromhex(cmd["notify"]) if cmd.get("notify") is not None else None
+            notification = bytes.fromhex(cmd["notify"]) if cmd.get("notify") is not None else None
             try:
                 with anyio.fail_after(cmd.get("timeout", 30)):
-                    await self.transport.write(peer, src, dst, notify)
+                    await self.transport.write(peer, src, dst, notification)
             except Exception as exc:
                 return {"error": type(exc).__name__, "message": str(exc)}
             return {"ok": True}
