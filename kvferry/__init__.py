@@ -12,9 +12,9 @@ imports torch's heavier corners, nixl, ucxx or transformers::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvferry._lazy import lazy_exports
 from kvferry.errors import *  # noqa: F403
 from kvferry.errors import __all__ as _errors_all
 
@@ -61,14 +61,4 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *_errors_all, *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -49,3 +49,34 @@ def test_import_kvferry_imports_no_optional_library_and_not_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+SUBPACKAGES = ["engine", "model", "pools", "kernels", "transports", "disagg"]
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_every_subpackage_re_exports_its_public_names(package: str) -> None:
+    """Each domain package names its public API in ``__all__``, and every name there resolves to the object its
+    defining module holds."""
+    import importlib
+
+    module = importlib.import_module(f"kvferry.{package}")
+    assert module.__all__, package
+    for name in module.__all__:
+        value = getattr(module, name)
+        defined_in = getattr(value, "__module__", None)
+        if defined_in is not None and defined_in.startswith("kvferry."):
+            assert getattr(importlib.import_module(defined_in), name, value) is value, f"{package}.{name}"
+
+
+@pytest.mark.parametrize("package", ["engine", "model", "kernels"])
+def test_importing_a_subpackage_imports_none_of_its_modules(package: str) -> None:
+    """The re-exports are lazy: ``import kvferry.engine`` alone loads no module of the package."""
+    code = (
+        f"import sys, kvferry.{package}; "
+        f"print([m for m in sys.modules if m.startswith('kvferry.{package}.')])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"

@@ -20,8 +20,9 @@ does not import the engines.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvferry._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvferry.disagg.mapping import BouncePolicy as BouncePolicy
@@ -50,14 +51,4 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvferry.disagg' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,1 +1,53 @@
-"""The reference NemotronH model run through kvferry's pools: weights, drafter, tokenizer, tensor parallelism, attention and Mamba2 maths."""
+"""The reference NemotronH model run through kvferry's pools: weights, drafter, tokenizer, tensor parallelism,
+and the attention and Mamba2 maths.
+
+Import direction: attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; tokenizer stands alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvferry._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvferry.model.drafter import Drafter as Drafter
+    from kvferry.model.drafter import DrafterWeights as DrafterWeights
+    from kvferry.model.drafter import DraftInput as DraftInput
+    from kvferry.model.drafter import Proposal as Proposal
+    from kvferry.model.nemotron_h import Model as Model
+    from kvferry.model.nemotron_h import SequenceInput as SequenceInput
+    from kvferry.model.nemotron_h import StepOutput as StepOutput
+    from kvferry.model.tensor_parallel import RankWeights as RankWeights
+    from kvferry.model.tensor_parallel import shard_weights as shard_weights
+    from kvferry.model.tokenizer import ByteTokenizer as ByteTokenizer
+    from kvferry.model.tokenizer import HfTokenizer as HfTokenizer
+    from kvferry.model.tokenizer import Tokenizer as Tokenizer
+    from kvferry.model.tokenizer import load_tokenizer as load_tokenizer
+    from kvferry.model.weights import ModelWeights as ModelWeights
+    from kvferry.model.weights import NemotronHArgs as NemotronHArgs
+    from kvferry.model.weights import tiny_args as tiny_args
+
+#: public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "Model": "kvferry.model.nemotron_h",
+    "SequenceInput": "kvferry.model.nemotron_h",
+    "StepOutput": "kvferry.model.nemotron_h",
+    "ModelWeights": "kvferry.model.weights",
+    "NemotronHArgs": "kvferry.model.weights",
+    "tiny_args": "kvferry.model.weights",
+    "DraftInput": "kvferry.model.drafter",
+    "Drafter": "kvferry.model.drafter",
+    "DrafterWeights": "kvferry.model.drafter",
+    "Proposal": "kvferry.model.drafter",
+    "RankWeights": "kvferry.model.tensor_parallel",
+    "shard_weights": "kvferry.model.tensor_parallel",
+    "ByteTokenizer": "kvferry.model.tokenizer",
+    "HfTokenizer": "kvferry.model.tokenizer",
+    "Tokenizer": "kvferry.model.tokenizer",
+    "load_tokenizer": "kvferry.model.tokenizer",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -11,8 +11,9 @@ for a wire message, say) never imports the others, and no import cycle can pass 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvferry._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvferry.pools.arena import CacheArena as CacheArena
@@ -57,14 +58,4 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvferry.pools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
