@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
@@ -35,6 +35,7 @@ from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import KvferryError, WireFormatError
 from kvferry.transports import Peer, Transport, get_transport
 from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
+from tests.support.disagg_session import state_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,11 +49,6 @@ def test_cancel_ack_round_trips_and_bounds_its_text() -> None:
     assert decode_control(encode_control(CancelTransfer(7, "x"))) == CancelTransfer(7, "x")
     with pytest.raises(WireFormatError):
         decode_control(encode_control(CancelAck(7, "x" * 5000)))
-
-
-def state_of(session: ReceiveSession) -> ReceiveState:
-    """``session.state``, read anew (a call mypy does not narrow across)."""
-    return session.state
 
 
 def test_only_a_cancelling_session_accepts_the_acknowledgement() -> None:
@@ -203,12 +199,13 @@ async def serving(
     factory = get_transport("local")
     async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:
         tap = _Tap(gen_transport)
-        worker = GenerationWorker(gen, tap)  # type: ignore[arg-type]
+        # the wrappers stand in for a Transport: what they do not override goes to the real one
+        worker = GenerationWorker(gen, cast(Transport, tap))
         async with factory() as ctx_transport, ctx.engine:
             paired = _Paired(ctx_transport)
-            context = ContextWorker(  # type: ignore[arg-type]
+            context = ContextWorker(
                 ctx,
-                paired,
+                cast(Transport, paired),
                 write_delay=write_delay,
                 max_chunk_bytes=max_chunk_bytes,
                 hold_timeout=hold_timeout,

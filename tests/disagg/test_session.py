@@ -27,9 +27,7 @@ from kvferry.errors import (
     InvalidTransition,
     WireFormatError,
 )
-from tests.support.disagg_session import (
-    ok,
-)
+from tests.support.disagg_session import ok, state_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,9 +48,9 @@ def test_receive_session_completes_only_when_every_writer_reported_everything() 
     s.requested()
     s.on_result(ok(7, 0, 0, 2))
     s.on_result(ok(7, 1, 0, 1))
-    assert s.state is ReceiveState.REQUESTED and s.outstanding == 1
+    assert state_of(s) is ReceiveState.REQUESTED and s.outstanding == 1
     s.on_result(ok(7, 0, 1, 2))
-    assert s.state is ReceiveState.COMPLETE
+    assert state_of(s) is ReceiveState.COMPLETE
     assert s.statistics().nbytes == 24
 
 
@@ -60,9 +58,9 @@ def test_receive_session_failure_waits_for_every_writer() -> None:
     s = ReceiveSession(1, "k", (0, 1))
     s.requested()
     s.on_result(ok(1, 0, 0, 1, ChunkStatus.FAILED))
-    assert s.state is ReceiveState.REQUESTED  # writer 1 may still write
+    assert state_of(s) is ReceiveState.REQUESTED  # writer 1 may still write
     s.on_result(ok(1, 1, 0, 1))
-    assert s.state is ReceiveState.FAILED and "writer 0" in s.detail
+    assert state_of(s) is ReceiveState.FAILED and "writer 0" in s.detail
 
 
 def test_receive_session_refuses_strangers_and_inconsistent_counts() -> None:
@@ -73,22 +71,22 @@ def test_receive_session_refuses_strangers_and_inconsistent_counts() -> None:
     s.on_result(ok(1, 0, 0, 2))
     with pytest.raises(WireFormatError):
         s.on_result(ok(1, 0, 1, 3))
-    assert s.state is ReceiveState.REQUESTED
+    assert state_of(s) is ReceiveState.REQUESTED
 
 
 def test_receive_session_cancel_paths() -> None:
     fresh = ReceiveSession(1, "k", (0,))
-    assert fresh.cancel().value == "free" and fresh.state is ReceiveState.CANCELLED
+    assert fresh.cancel().value == "free" and state_of(fresh) is ReceiveState.CANCELLED
     asked = ReceiveSession(2, "k", (0,))
     asked.requested()
-    assert asked.cancel().value == "quarantine" and asked.state is ReceiveState.CANCELLING
+    assert asked.cancel().value == "quarantine" and state_of(asked) is ReceiveState.CANCELLING
     asked.on_result(ok(2, 0, 0, 1))  # the late report settles it
-    assert asked.state is ReceiveState.CANCELLED
+    assert state_of(asked) is ReceiveState.CANCELLED
     stalled = ReceiveSession(3, "k", (0,))
     stalled.requested()
-    assert stalled.stalled() and stalled.state is ReceiveState.IN_DOUBT
+    assert stalled.stalled() and state_of(stalled) is ReceiveState.IN_DOUBT
     stalled.peer_lost("gone")
-    assert stalled.state is ReceiveState.CANCELLED
+    assert state_of(stalled) is ReceiveState.CANCELLED
 
 
 def test_send_session_cancel_reports_the_unposted() -> None:
@@ -112,9 +110,9 @@ def test_reports_recorded_before_requested_settle_it() -> None:
     s = ReceiveSession(5, "k", (0, 1))
     s.on_result(ok(5, 0, 0, 1))
     s.on_result(ok(5, 1, 0, 1))
-    assert s.state is ReceiveState.ALLOCATED  # nothing was asked yet: nothing settles
+    assert state_of(s) is ReceiveState.ALLOCATED  # nothing was asked yet: nothing settles
     s.requested()
-    assert s.state is ReceiveState.COMPLETE and s.statistics().nbytes == 16
+    assert state_of(s) is ReceiveState.COMPLETE and s.statistics().nbytes == 16
 
 
 def test_every_receive_state_has_its_moves_and_terminal_states_none() -> None:
@@ -126,10 +124,10 @@ def test_every_receive_state_has_its_moves_and_terminal_states_none() -> None:
     s = ReceiveSession(1, "k", (0,))
     s.requested()
     s.on_result(ok(1, 0, 0, 1))
-    assert s.state is ReceiveState.COMPLETE
+    assert state_of(s) is ReceiveState.COMPLETE
     with pytest.raises(InvalidTransition):
         s.requested()
-    assert s.state is ReceiveState.COMPLETE
+    assert state_of(s) is ReceiveState.COMPLETE
 
 
 def test_chunk_results_travel_together_and_are_checked_one_by_one() -> None:

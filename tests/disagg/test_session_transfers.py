@@ -75,9 +75,11 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
         for m_arena, m in zip(gen.arenas, gen.managers, strict=True):  # poison the receiving pages
             m_arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
             m_arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
-            m_arena.fill_garbage("mamba2", [m.slot_id("g")], seed=97)
+            slot = m.slot_id("g")
+            assert slot is not None
+            m_arena.fill_garbage("mamba2", [slot], seed=97)
         session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
-        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=chunk_bytes)
         if chunk_bytes is None:
             assert all(len(v) <= 1 for v in plan.values())
         else:
@@ -89,7 +91,7 @@ async def test_transfer_is_bit_exact_and_ignores_poison(
             stats_box = []
 
             async def run_send() -> None:
-                await send_when_asked(ctx.transport, to_gen, SendSession(session.session_id, plan))  # type: ignore[arg-type]
+                await send_when_asked(ctx.transport, to_gen, SendSession(session.session_id, plan))
 
             tg.start_soon(run_send)
             stats_box.append(await receiver.receive(session, request))
@@ -127,7 +129,7 @@ async def test_a_refused_first_chunk_fails_its_writer_only() -> None:
         receiver = receiver_for(ctx, gen, to_ctx)
         gen.create("g", PROMPT)
         session = receiver.new_session("r", ManagerHold(gen.managers, "g"))
-        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=None)  # type: ignore[arg-type]
+        request, plan = plan_for(ctx, gen, session.session_id, max_chunk_bytes=None)
         good_writer, bad_writer = sorted(plan)
         bad = plan[bad_writer][0]
         src, dst = bad.fragments()

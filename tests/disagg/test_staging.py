@@ -260,11 +260,12 @@ async def test_short_staging_falls_back_to_half_bounces(short: str) -> None:
     )
     # ``bounced`` counts writers whose bytes came through the receiver's staging
     assert stats.bounced == (0 if short == "receiver" else 2)
+    assert rx is not None and tx is not None
     assert (tx if short == "receiver" else rx).statistics()["leases"] == 2
     src, dst = whole_cache(ctx, "c", len(PROMPT)), whole_cache(gen, "g", len(PROMPT))
     for key in src:
         assert torch.equal(src[key], dst[key]), key
-    assert rx is not None and tx is not None and rx.used == 0 and tx.used == 0
+    assert rx.used == 0 and tx.used == 0
     assert (rx if short == "receiver" else tx).statistics()["refused"] > 0
 
 

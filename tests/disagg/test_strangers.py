@@ -27,6 +27,7 @@ import torch
 from kvferry.disagg.serve import disaggregated
 from kvferry.errors import NotGranted, RegionError
 from kvferry.transports import Transport, get_transport
+from kvferry.transports._channel import ChannelPeer
 from tests.support.disagg_reference import PROMPTS, SPEC_K, aggregated, run_disaggregated
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,7 +46,8 @@ async def stranger_writes(
     peer = await stranger.connect(address)
     src = torch.randint(0, 256, (PIECE,), dtype=torch.uint8)
     await stranger.register(src)
-    regions = peer.regions.regions  # type: ignore[attr-defined]  (what the hello told it)
+    assert isinstance(peer, ChannelPeer)  # every transport here speaks the channel protocol
+    regions = peer.regions.regions  # what the hello told it
     assert regions, "the generation side registered its pools before anyone connected"
     at = [0] * len(regions)
     while not stop.is_set():

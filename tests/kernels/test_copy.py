@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from unittest import mock
 
 import numpy as np
@@ -217,7 +218,7 @@ def test_bad_inputs_change_nothing() -> None:
     arena = _arena(64, 0)
     before = arena.clone()
     view = block_view(arena, count=4, stride=16, block_bytes=8)
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: block_view(arena, count=5, stride=16, block_bytes=8),
         lambda: block_view(arena, count=2, stride=4, block_bytes=8),
         lambda: block_view(arena.view(torch.int32), count=1, stride=4, block_bytes=4),
@@ -226,16 +227,16 @@ def test_bad_inputs_change_nothing() -> None:
         lambda: copy_blocks(view, [0], [2, 3]),
         lambda: copy_blocks(view, [-1], [2]),
         lambda: zero_blocks(view, torch.tensor([1.0])),
-        lambda: zero_blocks(view, ["a"]),
-        lambda: zero_blocks(view, [0.5]),
+        lambda: zero_blocks(view, ["a"]),  # type: ignore[list-item]
+        lambda: zero_blocks(view, [0.5]),  # type: ignore[list-item]
         lambda: zero_blocks(view, [True]),
         lambda: scatter_blocks(view, [0], torch.zeros(1, 9, dtype=torch.uint8)),
         lambda: scatter_blocks(view, [0, 0], torch.zeros(2, 8, dtype=torch.uint8)),
         lambda: gather_blocks(view, [0], out=torch.empty(2, 8, dtype=torch.uint8)),
         lambda: gather_fragments(arena, [(60, 5)]),
         lambda: gather_fragments(arena, [(-1, 2)]),
-        lambda: gather_fragments(arena, [(0, 1, 2)]),
-        lambda: gather_fragments(arena, [(0.5, 1)]),
+        lambda: gather_fragments(arena, [(0, 1, 2)]),  # type: ignore[list-item]
+        lambda: gather_fragments(arena, [(0.5, 1)]),  # type: ignore[list-item]
         lambda: gather_fragments(arena, [(0, 8)], torch.empty(4, dtype=torch.uint8)),
         lambda: scatter_fragments(arena, [(0, 8), (4, 8)], torch.zeros(16, dtype=torch.uint8)),
         lambda: scatter_fragments(arena, [(0, 8)], torch.zeros(4, dtype=torch.uint8)),

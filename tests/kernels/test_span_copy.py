@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,7 @@ def test_copy_spans_reads_a_held_table_from_pinned_memory() -> None:
     dst_offsets = np.empty_like(src_offsets)
     dst_offsets[order] = np.cumsum(lengths[order]) - lengths[order]
     results = []
+    keep: list[Any] | None
     for keep in (None, []):
         dst = torch.zeros_like(src)
         pieces = span_copy.copy_spans(
@@ -214,7 +217,7 @@ def test_copy_spans_grid_or_loop_form_matches_slices(
         assert grids[0] == (pieces, 1, 1)
     if keep is not None:
         assert len(keep) == (2 if grid_expected else 1)
-        assert torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
+        assert torch.from_numpy(keep[0]).is_pinned()
         if grid_expected:
             assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
     expected = torch.zeros_like(dst)
@@ -379,7 +382,7 @@ def test_copy_fragments_reads_the_rows_or_falls_back(
         assert fragments is (rows != "unlike")
     if table is not None:
         assert (grid, rounds) == (table.grid, table.rounds)
-        assert torch.from_numpy(keep[0]).is_pinned()  # type: ignore[arg-type]
+        assert torch.from_numpy(keep[0]).is_pinned()
         assert keep[1].device.type == "cuda"  # type: ignore[attr-defined]
     expected = before.clone()
     for s, d, k in zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True):
@@ -607,6 +610,21 @@ def _indexed_case(
     return rows, ids, 2 * slots * stride
 
 
+def _indexed_table(device: torch.device, rows: dict[str, np.ndarray], ids: int) -> span_copy.IndexedTable:
+    """The indexed table of :func:`_indexed_case`'s rows."""
+    return span_copy.indexed_table(
+        device,
+        src_slot=rows["src_slot"],
+        src_address=rows["src_address"],
+        src_stride=rows["src_stride"],
+        dst_slot=rows["dst_slot"],
+        dst_address=rows["dst_address"],
+        dst_stride=rows["dst_stride"],
+        length=rows["length"],
+        ids=ids,
+    )
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), alignment=st.sampled_from([1, 4, 16]))
 def test_indexed_table_moves_exactly_the_rows(seed: int, alignment: int) -> None:
@@ -615,7 +633,7 @@ def test_indexed_table_moves_exactly_the_rows(seed: int, alignment: int) -> None
     rng = np.random.default_rng(seed)
     base = 1 << 40
     rows, ids, size = _indexed_case(rng, base, alignment, slots=4)
-    table = span_copy.indexed_table(torch.device("cpu"), *rows.values(), ids=len(ids))
+    table = _indexed_table(torch.device("cpu"), rows, ids=len(ids))
     host = table.table.numpy()
     assert table.nbytes == int(rows["length"].sum()) and table.ids == len(ids)
     assert len(host) >= len(rows["length"]) and host[:, 6].max() * table.word <= span_copy.PIECE_BYTES
@@ -653,7 +671,7 @@ def test_copy_indexed_matches_the_rows(
         d = int(rows["dst_address"][i] + ids[rows["dst_slot"][i]] * rows["dst_stride"][i] - base)
         n = int(rows["length"][i])
         expected[d : d + n] = memory[s : s + n]
-    table = span_copy.indexed_table(torch.device("cuda"), *rows.values(), ids=len(ids))
+    table = _indexed_table(torch.device("cuda"), rows, ids=len(ids))
     original = memory.clone()
     pinned = span_copy.pinned_ids(len(ids))
     pinned[...] = ids

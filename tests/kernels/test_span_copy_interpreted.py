@@ -41,7 +41,7 @@ def _loops_over_program_ids() -> bool:
     import triton
     import triton.language as tl
 
-    @triton.jit  # type: ignore[untyped-decorator,misc]
+    @triton.jit
     def strided(out_ptr, n):  # type: ignore[no-untyped-def]
         for i in range(tl.program_id(0), n, tl.num_programs(0)):
             tl.store(out_ptr + i, i)
@@ -175,16 +175,18 @@ def test_indexed_rows(kernel: Any, buffer: torch.Tensor, grid: bool, request: py
     slot = 2048
     ids = torch.tensor([3, 0, 5, 1], dtype=torch.int64)  # source page, destination page, twice
     base = buffer.data_ptr()
-    rows = {
-        "src_slot": np.array([0, 2]),
-        "src_address": base + np.array([0, 16 * slot]),
-        "src_stride": np.array([slot, slot]),
-        "dst_slot": np.array([1, 3]),
-        "dst_address": base + BYTES // 2 + np.array([0, 16 * slot]),
-        "dst_stride": np.array([slot, slot]),
-        "length": np.array([slot, slot]),
-    }
-    table = span_copy.indexed_table(torch.device("cpu"), *rows.values(), ids=len(ids), piece_bytes=1024)
+    table = span_copy.indexed_table(
+        torch.device("cpu"),
+        src_slot=np.array([0, 2]),
+        src_address=base + np.array([0, 16 * slot]),
+        src_stride=np.array([slot, slot]),
+        dst_slot=np.array([1, 3]),
+        dst_address=base + BYTES // 2 + np.array([0, 16 * slot]),
+        dst_stride=np.array([slot, slot]),
+        length=np.array([slot, slot]),
+        ids=len(ids),
+        piece_bytes=1024,
+    )
     expected = buffer.clone()
     for (s_slot, d_slot), at in zip(((0, 1), (2, 3)), (0, 16 * slot), strict=True):
         s = at + int(ids[s_slot]) * slot

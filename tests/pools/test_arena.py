@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -144,7 +146,7 @@ def test_bad_ids_change_nothing() -> None:
     arena = _arena()
     _garbage_everywhere(arena)
     snap = _snapshot(arena)
-    bad_calls = [
+    bad_calls: list[Callable[[], object]] = [
         lambda: arena.copy_pages("attention", [0, 1], [2, 5]),
         lambda: arena.copy_pages("attention", [0, 1], [2, 2]),
         lambda: arena.copy_pages("attention", [0], [1, 2]),

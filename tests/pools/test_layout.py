@@ -173,7 +173,7 @@ def test_counts_are_checked() -> None:
     with pytest.raises(ConfigError, match="num_slots"):
         CacheLayout.build(spec, num_pages=1, num_slots=-1, num_draft_pages=1)
     with pytest.raises(ConfigError):
-        CacheLayout.build(spec, num_pages=True, num_slots=1, num_draft_pages=1)  # type: ignore[arg-type]
+        CacheLayout.build(spec, num_pages=True, num_slots=1, num_draft_pages=1)
     layout = CacheLayout.build(preset("tiny").without_drafter().shard(1, 0), num_pages=4, num_slots=2)
     assert not layout.has_group("draft")
 

@@ -260,10 +260,10 @@ class ManagerMachine(RuleBasedStateMachine):
         expected = [DUMMY_SLOT] * m.config.max_batch_size
         rows = []
         for rid in self._in(CacheState.ACTIVE):
-            row = m.batch_row(rid)
-            assert row is not None
+            row, slot = m.batch_row(rid), m.slot_id(rid)
+            assert row is not None and slot is not None
             rows.append(row)
-            expected[row] = m.slot_id(rid)  # type: ignore[call-overload]
+            expected[row] = slot
         for rid in self._in(CacheState.SUSPENDED):
             assert m.batch_row(rid) is None
         assert not set(rows) & set(self.dummies)

@@ -252,7 +252,8 @@ def _tiny_table() -> PageTable:
 def _mutate(mutator: Any) -> bytes:
     raw = _raw(_tiny_table())
     mutator(raw)
-    return msgpack.packb(raw)
+    packed: bytes = msgpack.packb(raw)
+    return packed
 
 
 def _packed(*ids: int) -> bytes:

@@ -60,8 +60,9 @@ def test_snapshot_bytes_are_copied_never_shared() -> None:
     arena.fill_garbage(REPLAY, list(range(1, 6)), seed=3)
     assert m.resume("b").reused_tokens == 8
     slot_b = m.slot_id("b")
+    assert slot_b is not None
     assert slot_b not in (slot_a, snap.slot_id)
-    state_b, replay_b, accepted_b = slot_bytes(m, slot_b)  # type: ignore[arg-type]
+    state_b, replay_b, accepted_b = slot_bytes(m, slot_b)
     assert same(state_b, state_at_8)
     assert not replay_b.any() and accepted_b == 0  # fresh replay state
     arena.fill_garbage(STATE, [slot_b], seed=4)

@@ -26,24 +26,24 @@ def test_deferred_num_accepted_lands_at_flush_and_before_slots_move() -> None:
     m.commit_many([("a", [1, 2, 3], 3), ("b", [1, 2, 3], 1)])  # commits leave them queued
     assert torch.equal(accepted, before)
     m.flush_num_accepted()
-    assert (int(accepted[slot["a"]]), int(accepted[slot["b"]])) == (3, 1)  # type: ignore[index]
-    assert torch.equal(accepted[slot["c"]], before[slot["c"]])  # type: ignore[index]
+    assert (int(accepted[slot["a"]]), int(accepted[slot["b"]])) == (3, 1)
+    assert torch.equal(accepted[slot["c"]], before[slot["c"]])
 
     m.set_num_accepted("a", 1, defer=True)
     m.suspend("a", offload=Offload.NOW)  # the host copy carries the queued value
     m.create("d", [4])
     m.resume("d")
     m.resume("a")  # restored into another slot, with its num_accepted
-    assert int(accepted[m.slot_id("a")]) == 1  # type: ignore[index]
+    assert int(accepted[m.slot_id("a")]) == 1
 
     m.set_num_accepted("b", 2, defer=True)
     m.close("b")  # written first: nothing queued can reach the slot's next owner
-    assert int(accepted[slot["b"]]) == 2 and m.debug_state()[-1] == ()  # type: ignore[index]
+    assert int(accepted[slot["b"]]) == 2 and m.debug_state()[-1] == ()
 
     m.set_num_accepted("c", 2, defer=True)
     m.drop_replay("c")  # forgets it
     m.flush_num_accepted()
-    assert int(accepted[slot["c"]]) == 0  # type: ignore[index]
+    assert int(accepted[slot["c"]]) == 0
 
 
 def test_deferred_num_accepted_survives_a_refused_operation() -> None:
@@ -60,4 +60,4 @@ def test_deferred_num_accepted_survives_a_refused_operation() -> None:
         m.grow_many([("a", 100)])
     assert m.debug_state() == before and same(arena_bytes(m), before_bytes)
     m.flush_num_accepted()
-    assert int(m.arena.num_accepted[m.slot_id("a")]) == 2  # type: ignore[index]
+    assert int(m.arena.num_accepted[m.slot_id("a")]) == 2

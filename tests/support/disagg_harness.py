@@ -98,7 +98,9 @@ class Side:
                     ids = m.draft_block_table(rid) if group.name == "draft" else m.block_table(rid)
                     ids = list(ids)[: math.ceil(num_tokens / tpb)]
                 else:
-                    ids = [m.slot_id(rid)]
+                    slot = m.slot_id(rid)
+                    assert slot is not None, rid
+                    ids = [slot]
                 per[group.name] = torch.cat(
                     [arena.pool_tensor(p.name).view(p.num_slots, -1)[ids].clone() for p in group.pools], 1
                 )

@@ -14,7 +14,7 @@ import torch
 from kvferry.disagg.link import pump
 from kvferry.disagg.mapping import PeerMap
 from kvferry.disagg.protocol import CancelTransfer, ChunkResult, ChunkStatus, ReceiveRequest, decode_control
-from kvferry.disagg.session import Receiver, SendSession, send
+from kvferry.disagg.session import Receiver, ReceiveSession, ReceiveState, SendSession, send
 from kvferry.disagg.transfer import destinations, expected_writers, plan_transfer
 from kvferry.transports import Peer, Transport
 from tests.support.disagg_harness import Side, connected
@@ -25,6 +25,11 @@ PROMPT = list(range(3, 40))  # 37 tokens: 10 attention blocks of 4, 5 draft bloc
 def ok(session: int, writer: int, chunk: int, n: int, status: ChunkStatus = ChunkStatus.OK) -> ChunkResult:
     """Writer ``writer``'s report of chunk ``chunk`` of ``n`` (8 bytes, 1 fragment)."""
     return ChunkResult(session, writer, chunk, n, status, 8, 1)
+
+
+def state_of(session: ReceiveSession) -> ReceiveState:
+    """``session.state``, read anew (a call mypy does not narrow across)."""
+    return session.state
 
 
 class GatedTransport:
@@ -75,7 +80,7 @@ class ContextMessages:
         await send(transport, peer, self.session, **options)
 
 
-def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int = 1 << 20) -> Any:
+def plan_for(ctx: Side, gen: Side, sid: int, max_chunk_bytes: int | None = 1 << 20) -> Any:
     request = gen.receive_request(sid, "r", "g", len(PROMPT))
     peer_map = PeerMap.build([a.page_table() for a in ctx.arenas], [a.page_table() for a in gen.arenas])
     plan = plan_transfer(

@@ -84,7 +84,7 @@ def copy_kernel() -> Any:
     import triton.language as tl
 
     # No annotations but constexpr: Triton resolves a jitted function's annotations as globals.
-    @triton.jit(do_not_specialize=["num_pieces"])  # type: ignore[untyped-decorator,misc]
+    @triton.jit(do_not_specialize=["num_pieces"])  # type: ignore[untyped-decorator]
     def copy_pieces(  # type: ignore[no-untyped-def]
         base_ptr,
         table_ptr,
@@ -116,11 +116,11 @@ def copy_kernel() -> Any:
             # occupancy and bandwidth
             piece = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
             if piece < num_pieces:
-                row = table_ptr + 2 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                row = table_ptr + 2 * piece.to(tl.int64)
                 origin = base_ptr.to(tl.int64, bitcast=True)
                 src = (tl.load(row) - origin) // 8
                 count = tl.load(row + 1) // 8
-                dst = (tl.load(row + 2 * num_pieces.to(tl.int64)) - origin) // 8  # type: ignore[attr-defined]
+                dst = (tl.load(row + 2 * num_pieces.to(tl.int64)) - origin) // 8
                 first = tl.program_id(0).to(tl.int64) * BLOCK
                 stride = tl.num_programs(0).to(tl.int64) * BLOCK
                 for r in tl.static_range(ROUNDS):
@@ -140,12 +140,12 @@ def copy_kernel() -> Any:
             piece = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
             if piece < num_pieces:
                 if INDEXED:
-                    row = table_ptr + 7 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    row = table_ptr + 7 * piece.to(tl.int64)
                     src = tl.load(row + 1) + tl.load(ids_ptr + tl.load(row)) * tl.load(row + 2)
                     dst = tl.load(row + 4) + tl.load(ids_ptr + tl.load(row + 3)) * tl.load(row + 5)
                     count = tl.load(row + 6)
                 else:
-                    row = table_ptr + 3 * piece.to(tl.int64)  # type: ignore[attr-defined]
+                    row = table_ptr + 3 * piece.to(tl.int64)
                     src = tl.load(row)
                     dst = tl.load(row + 1)
                     count = tl.load(row + 2)
