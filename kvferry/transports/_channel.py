@@ -1,7 +1,7 @@
 """The part every transport shares: a TCP control channel per peer, the handshake, regions, messages,
 notifications, peer loss, and plain copies to peers in the same process.
 
-Each peer has one TCP connection (framed by :data:`~kvferry.transports.wire.FRAME_HEADER`) read by one reader
+Each peer has one TCP connection (framed by :data:`~kvferry.transports.FRAME_HEADER`) read by one reader
 task. The connection is also how a dead peer is noticed: the kernel closes a killed process's sockets, the reader
 sees the end of the stream and every wait involving that peer ends with :class:`~kvferry.errors.PeerDisconnected`.
 That is what lets the library data paths (NIXL, UCX) run with their cheaper, hang-prone settings (error handling
@@ -31,6 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from anyio.streams.tls import TLSStream
 from attrs import define
 
+from kvferry import wire
 from kvferry.errors import (
     ClosedResourceError,
     ConfigError,
@@ -44,7 +45,7 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import wire
+from kvferry.transports import messages
 from kvferry.transports._framing import FrameReader, close_quietly, discard, frame, tune
 from kvferry.transports._indexed_copy import DeviceDestinations, IndexedCopies
 from kvferry.transports._memory import CopyPlan, Grants, RegionTable, TensorRegistration, union_of
@@ -74,6 +75,17 @@ from kvferry.transports.handshake import (
     pid_namespace,
 )
 from kvferry.transports.limits import BufferBudget, ChannelLimits
+from kvferry.transports.messages import (
+    FRAME_HEADER,
+    FrameKind,
+    Hello,
+    RegionsUpdate,
+    WriteGrant,
+    WriteReply,
+    WriteRevoke,
+    fragments_bytes,
+    fragments_from_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -194,7 +206,7 @@ class ChannelPeer(Peer):
             limits.max_queued_notifications
         )
         #: writes of ours waiting for the peer's reply, by write id
-        self.pending: dict[int, MemoryObjectSendStream[wire.WriteReply]] = {}
+        self.pending: dict[int, MemoryObjectSendStream[WriteReply]] = {}
         #: writes of the peer's being received into our memory, by write id
         self.incoming: dict[int, anyio.CancelScope] = {}
         self.guards: set[Guard] = set()
@@ -209,7 +221,7 @@ class ChannelPeer(Peer):
         #: frames that go out ahead of the next ones sent (deferred grants, revokes; see
         #: :meth:`ChannelTransport.send_frames`), and what wakes the task that sends them when nothing else does
         #: (None until the first is queued)
-        self.outbox: list[tuple[wire.FrameKind, bytes]] = []
+        self.outbox: list[tuple[FrameKind, bytes]] = []
         self.wake: anyio.Event | None = None
 
     @property
@@ -253,7 +265,7 @@ class ChannelGrant(Grant):
         peer: ChannelPeer,
         ids: tuple[int, ...],
         fragments: Fragments,
-        frames: Sequence[tuple[wire.FrameKind, bytes]] = (),
+        frames: Sequence[tuple[FrameKind, bytes]] = (),
     ) -> None:
         self.transport = transport
         self._peer = peer
@@ -348,12 +360,10 @@ class ChannelTransport(Transport):
         self._coalesce = coalesce
         self.instance_id = f"{self.name}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
         self.tag_prefix = secrets.randbits(24) if self._uses_tag_prefix else 0
-        self._converter = wire.make_converter()
         self._handshake = Handshake(
             name=self.name,
             secret=None if secret is None else bytes(secret),
             compat_hash=self._compat_hash,
-            converter=self._converter,
             max_bytes=self.limits.max_handshake_bytes,
         )
         self._budget = BufferBudget(
@@ -504,8 +514,8 @@ class ChannelTransport(Transport):
 
     # --- connections -------------------------------------------------------------------------------------
 
-    def _hello(self, proof_address: int) -> wire.Hello:
-        return wire.Hello(
+    def _hello(self, proof_address: int) -> Hello:
+        return Hello(
             transport=self.name,
             instance_id=self.instance_id,
             address=self._address,
@@ -694,9 +704,9 @@ class ChannelTransport(Transport):
         error: TransportError | None = None
         try:
             while True:
-                header = await reader.receive_exactly(wire.FRAME_HEADER.size)
-                kind, length = wire.FRAME_HEADER.unpack(header)
-                if kind == wire.FrameKind.MESSAGE:
+                header = await reader.receive_exactly(FRAME_HEADER.size)
+                kind, length = FRAME_HEADER.unpack(header)
+                if kind == FrameKind.MESSAGE:
                     await self._message_in(peer, reader, length)
                     continue
                 if length > self.limits.max_handshake_bytes:
@@ -755,7 +765,7 @@ class ChannelTransport(Transport):
             raise
 
     async def _dispatch(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
-        if kind == wire.FrameKind.NOTIFY:
+        if kind == FrameKind.NOTIFY:
             if not self._budget.try_take(peer, len(body)):
                 await self._budget.take(peer, len(body))
             try:
@@ -766,22 +776,22 @@ class ChannelTransport(Transport):
             except BaseException:
                 self._budget.give(peer, len(body))
                 raise
-        elif kind == wire.FrameKind.REGIONS:
-            update = wire.decode(self._converter, body, wire.RegionsUpdate)
+        elif kind == FrameKind.REGIONS:
+            update = wire.decode(body, RegionsUpdate)
             peer.regions = RegionTable(update.regions)
             if update.backend:
                 await self._backend_regions_updated(peer, update.backend)
-        elif kind == wire.FrameKind.WRITE_REPLY:
-            reply = wire.decode(self._converter, body, wire.WriteReply)
+        elif kind == FrameKind.WRITE_REPLY:
+            reply = wire.decode(body, WriteReply)
             waiter = peer.pending.get(reply.write_id)
             if waiter is not None:
                 with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     waiter.send_nowait(reply)
-        elif kind == wire.FrameKind.GOODBYE:
+        elif kind == FrameKind.GOODBYE:
             raise PeerDisconnected(f"peer {peer.address} closed the connection")
-        elif kind in (wire.FrameKind.GRANT, wire.FrameKind.REVOKE):
+        elif kind in (FrameKind.GRANT, FrameKind.REVOKE):
             self._granted_to_us(peer, kind, body)
-        elif kind in (wire.FrameKind.WRITE_REQUEST, wire.FrameKind.WRITE_ABORT):
+        elif kind in (FrameKind.WRITE_REQUEST, FrameKind.WRITE_ABORT):
             await self._backend_frame(peer, kind, body)
         else:
             raise WireFormatError(f"unexpected frame kind {kind}")
@@ -811,7 +821,7 @@ class ChannelTransport(Transport):
             if state is PeerState.CLOSED:
                 with anyio.move_on_after(1.0), suppress(Exception):
                     async with peer.send_lock:
-                        await peer.stream.send(frame(wire.FrameKind.GOODBYE, b""))
+                        await peer.stream.send(frame(FrameKind.GOODBYE, b""))
             await close_quietly(peer.stream)
             try:
                 await self._backend_peer_lost(peer)
@@ -832,11 +842,11 @@ class ChannelTransport(Transport):
             raise p.error
         return p
 
-    async def send_frame(self, peer: ChannelPeer, kind: wire.FrameKind, body: bytes) -> None:
+    async def send_frame(self, peer: ChannelPeer, kind: FrameKind, body: bytes) -> None:
         """Send one frame; a frame cut midway (cancel, error) makes the peer LOST."""
         await self.send_frames(peer, [(kind, body)])
 
-    async def send_frames(self, peer: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
+    async def send_frames(self, peer: ChannelPeer, frames: Sequence[tuple[FrameKind, bytes]]) -> None:
         """Send ``frames`` in order, back to back (small ones in one send); a frame cut midway (cancel, error)
         makes the peer LOST, and which of the frames arrived is then unknown.
 
@@ -852,7 +862,7 @@ class ChannelTransport(Transport):
                 with anyio.CancelScope(shield=True), anyio.fail_after(self._stall_timeout):
                     pending = b""
                     for kind, body in frames:
-                        header = wire.FRAME_HEADER.pack(kind, len(body))
+                        header = FRAME_HEADER.pack(kind, len(body))
                         if len(body) <= 1 << 16:  # one send (one segment, one wakeup) for the small frames
                             pending += header + body
                             continue
@@ -874,7 +884,7 @@ class ChannelTransport(Transport):
             raise MessageTooLarge(
                 f"message of {len(data)} bytes exceeds the peer's limit of {p.hello.max_message_bytes}"
             )
-        await self.send_frame(p, wire.FrameKind.MESSAGE, bytes(data))
+        await self.send_frame(p, FrameKind.MESSAGE, bytes(data))
         self._messages_sent += 1
 
     async def receive_message(self, peer: Peer) -> bytes:
@@ -935,10 +945,10 @@ class ChannelTransport(Transport):
             await self._backend_deregister(registration)
 
     async def _publish_regions(self, blob: bytes) -> None:
-        update = wire.encode(self._converter, wire.RegionsUpdate(self._own.regions, blob))
+        update = wire.encode(RegionsUpdate(self._own.regions, blob))
         for peer in list(self._peers):
             with suppress(TransportError):
-                await self.send_frame(peer, wire.FrameKind.REGIONS, update)
+                await self.send_frame(peer, FrameKind.REGIONS, update)
 
     # --- grants --------------------------------------------------------------------------------------
 
@@ -959,11 +969,11 @@ class ChannelTransport(Transport):
             self._own.locate(merged, what)
         except RegionError:  # names the first row outside; or each lies in a region, a merged one across two
             self._own.locate(rows, what)
-        step = wire.MAX_GRANT_FRAGMENTS
+        step = messages.MAX_GRANT_FRAGMENTS
         pieces = [merged[i : i + step] for i in range(0, len(merged), step)] or [merged]
-        if len(p.granted) + len(pieces) > wire.MAX_LIVE_GRANTS:
+        if len(p.granted) + len(pieces) > messages.MAX_LIVE_GRANTS:
             raise TransportError(
-                f"{p.address} holds {len(p.granted)} grants from us, at most {wire.MAX_LIVE_GRANTS} may be "
+                f"{p.address} holds {len(p.granted)} grants from us, at most {messages.MAX_LIVE_GRANTS} may be "
                 "live: revoke some first"
             )
         ids = tuple(range(self._next_grant_id, self._next_grant_id + len(pieces)))
@@ -973,7 +983,7 @@ class ChannelTransport(Transport):
         for grant_id, piece in zip(ids, pieces, strict=True):
             p.granted.add(grant_id, piece)
         frames = [
-            (wire.FrameKind.GRANT, wire.encode(self._converter, wire.WriteGrant(i, fragments_bytes(piece))))
+            (FrameKind.GRANT, wire.encode(WriteGrant(i, fragments_bytes(piece))))
             for i, piece in zip(ids, pieces, strict=True)
         ]
         if defer:  # ahead of the next frame we send the peer (the caller's message), or by a task right after
@@ -1002,8 +1012,8 @@ class ChannelTransport(Transport):
         self._backend_revoked(p)
         return p.state is PeerState.CONNECTED and self._state == "open"
 
-    def _revoke_frames(self, grant: ChannelGrant) -> list[tuple[wire.FrameKind, bytes]]:
-        return [(wire.FrameKind.REVOKE, wire.encode(self._converter, wire.WriteRevoke(i))) for i in grant.ids]
+    def _revoke_frames(self, grant: ChannelGrant) -> list[tuple[FrameKind, bytes]]:
+        return [(FrameKind.REVOKE, wire.encode(WriteRevoke(i))) for i in grant.ids]
 
     async def _revoke(self, grant: ChannelGrant) -> None:
         with anyio.CancelScope(shield=True):
@@ -1025,7 +1035,7 @@ class ChannelTransport(Transport):
         outbox[:] = [f for f in outbox if id(f) not in mine]
         return True
 
-    def _queue(self, p: ChannelPeer, frames: Sequence[tuple[wire.FrameKind, bytes]]) -> None:
+    def _queue(self, p: ChannelPeer, frames: Sequence[tuple[FrameKind, bytes]]) -> None:
         """Send ``frames`` without waiting: they go out ahead of the next frames sent to ``p``
         (:meth:`send_frames`), in the same send, or by ``p``'s flusher right after, whichever comes first."""
         p.outbox.extend(frames)
@@ -1060,16 +1070,18 @@ class ChannelTransport(Transport):
 
     def _granted_to_us(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
         """A GRANT or REVOKE frame of ``peer``: what our writes to it may write into."""
-        if kind == wire.FrameKind.GRANT:
-            grant = wire.decode(self._converter, body, wire.WriteGrant)
+        if kind == FrameKind.GRANT:
+            grant = wire.decode(body, WriteGrant)
             rows = fragments_from_bytes(grant.fragments)
             if grant.grant_id in peer.grants:
                 raise WireFormatError(f"{peer.address} reused grant id {grant.grant_id}")
-            if len(peer.grants) >= wire.MAX_LIVE_GRANTS:
-                raise WireFormatError(f"{peer.address} holds more than {wire.MAX_LIVE_GRANTS} live grants")
+            if len(peer.grants) >= messages.MAX_LIVE_GRANTS:
+                raise WireFormatError(
+                    f"{peer.address} holds more than {messages.MAX_LIVE_GRANTS} live grants"
+                )
             peer.grants.add(grant.grant_id, rows)
             return
-        revoke = wire.decode(self._converter, body, wire.WriteRevoke)
+        revoke = wire.decode(body, WriteRevoke)
         if not peer.grants.remove(revoke.grant_id):
             raise WireFormatError(f"{peer.address} revoked grant {revoke.grant_id}, which is not live")
 
@@ -1204,7 +1216,7 @@ class ChannelTransport(Transport):
             if self._copies_itself(p):
                 await self._copy_here(p, rows, stall)
                 if notify is not None:
-                    await self.send_frame(p, wire.FrameKind.NOTIFY, notify)
+                    await self.send_frame(p, FrameKind.NOTIFY, notify)
             else:
                 await self._backend_write(p, rows, notify, stall)
         except NotGranted as exc:  # a two-sided receiver refused it: nothing was written
@@ -1252,7 +1264,7 @@ class ChannelTransport(Transport):
         # every byte of every part landed: now the notifications, in order, in one send
         try:
             await self.send_frames(
-                p, [(wire.FrameKind.NOTIFY, notify) for _, _, notify in parts if notify is not None]
+                p, [(FrameKind.NOTIFY, notify) for _, _, notify in parts if notify is not None]
             )
         except Exception as exc:  # the peer is lost: which notifications arrived is unknown
             failed: Exception | None = exc
@@ -1503,17 +1515,3 @@ class ChannelTransport(Transport):
 
     def _backend_extra(self) -> dict[Any, Any]:
         return {}
-
-
-def fragments_bytes(fragments: Fragments) -> bytes:
-    return np.ascontiguousarray(fragments, dtype="<u8").tobytes()
-
-
-def fragments_from_bytes(data: bytes) -> Fragments:
-    if len(data) % 16:
-        raise WireFormatError("fragment bytes are not a whole number of (address, length) rows")
-    rows = np.frombuffer(data, dtype="<u8").reshape(-1, 2).astype(np.uint64)
-    try:
-        return as_fragments(rows)
-    except ValueError as exc:
-        raise WireFormatError(f"malformed fragments: {exc}") from exc

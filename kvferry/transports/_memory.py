@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvferry.errors import NotGranted, RegionError, WireFormatError
 from kvferry.kernels import span_copy
 from kvferry.transports.base import Fragments, Registration, total_bytes
-from kvferry.transports.wire import RegionInfo
+from kvferry.transports.messages import RegionInfo
 
 if TYPE_CHECKING:
     import torch

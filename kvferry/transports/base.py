@@ -639,7 +639,7 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         :raises ~kvferry.errors.RegionError: if a range is not inside our registered memory.
         :raises ~kvferry.errors.PeerDisconnected: if the peer is gone.
         :raises ~kvferry.errors.TransportError: if the peer would hold more than
-            :data:`~kvferry.transports.wire.MAX_LIVE_GRANTS` grants from us.
+            :data:`~kvferry.transports.messages.MAX_LIVE_GRANTS` grants from us.
         :raises ValueError: if the fragment array is malformed.
         """
 

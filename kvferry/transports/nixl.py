@@ -70,12 +70,15 @@ import numpy.typing as npt
 from attrs import define, field, frozen
 from attrs.validators import max_len
 
+from kvferry import wire
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
-from kvferry.transports import _cma, wire
+from kvferry.transports import _cma
 from kvferry.transports._channel import ChannelPeer, ChannelTransport, CheckedRows
 from kvferry.transports._indexed_copy import DeviceDestinations
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute, total_bytes
+from kvferry.transports.messages import FrameKind, RegionInfo
+from kvferry.wire import U64, Capped
 
 __all__ = ["NixlTransport", "transport_class"]
 
@@ -155,8 +158,8 @@ def _pack_blob(
     metadata: bytes,
     exports: Sequence[_IpcExport],
     partial: Sequence[bytes] = (),
-    new: Sequence[wire.RegionInfo] = (),
-    host: Sequence[wire.RegionInfo] = (),
+    new: Sequence[RegionInfo] = (),
+    host: Sequence[RegionInfo] = (),
 ) -> bytes:
     """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of the ``new`` regions only
     (updates); ``host``: every host region registered now (what process_vm_writev writers check against)."""
@@ -174,7 +177,7 @@ def _pack_blob(
 
 _U64 = (1 << 64) - 1
 #: most items of each list of a blob (exports, partial metadata, new regions, host regions)
-_MAX_BLOB_ITEMS = 1 << 14
+_MAX_BLOB_ITEMS = wire.MAX_ARRAY_ITEMS
 #: most items of a torch IPC handle (``_share_cuda_()`` gives 8), and most bytes of each
 _MAX_SHARE_ITEMS = 16
 _MAX_SHARE_BYTES = 4096
@@ -222,32 +225,27 @@ def _valid_regions(_instance: Any, attribute: Any, rows: tuple[tuple[Any, ...], 
 
 @frozen
 class _Blob:
-    """The msgpack map after :data:`_BLOB_MARK` (what :func:`_pack_blob` writes), decoded strictly by the
-    transports' converter: every field of its exact type, every int in ``[0, 2**64)``, every range inside the
-    address space, every list at most :data:`_MAX_BLOB_ITEMS` long."""
+    """The msgpack map after :data:`_BLOB_MARK` (what :func:`_pack_blob` writes), decoded strictly by
+    :mod:`kvferry.wire`: every field of its exact type, every int in ``[0, 2**64)``, every range inside the
+    address space, every list at most :data:`_MAX_BLOB_ITEMS` long (refused on its length alone)."""
 
     nixl: bytes = field(validator=max_len(_MAX_METADATA))
     #: ``[address, length, offset, share]``: a CUDA region exported by torch IPC
-    ipc: tuple[tuple[int, int, int, tuple[Any, ...]], ...] = field(
+    ipc: Capped[tuple[U64, U64, U64, Capped[Any]]] = field(
         validator=[max_len(_MAX_BLOB_ITEMS), _valid_exports]
     )
-    partial: tuple[bytes, ...] = field(default=(), validator=max_len(_MAX_BLOB_ITEMS))
+    partial: Capped[bytes] = field(default=(), validator=max_len(_MAX_BLOB_ITEMS))
     #: ``[address, length, device]``
-    new: tuple[tuple[int, int, str], ...] = field(
+    new: Capped[tuple[U64, U64, str]] = field(
         default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
     )
     #: ``[address, length]``: host memory
-    host: tuple[tuple[int, int], ...] = field(
-        default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
-    )
-
-
-_BLOB_CONVERTER = wire.make_converter()
+    host: Capped[tuple[U64, U64]] = field(default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions])
 
 
 def _unpack_blob(
     blob: bytes,
-) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo], list[wire.RegionInfo]]:
+) -> tuple[bytes, list[_IpcExport], list[bytes], list[RegionInfo], list[RegionInfo]]:
     """What :func:`_pack_blob` packed (a blob without our mark is the agent's metadata alone).
 
     :raises ~kvferry.errors.WireFormatError: on anything else: no other exception escapes.
@@ -255,12 +253,12 @@ def _unpack_blob(
     if not blob.startswith(_BLOB_MARK):
         return blob, [], [], [], []
     try:
-        body = wire.decode(_BLOB_CONVERTER, blob[len(_BLOB_MARK) :], _Blob)
+        body = wire.decode(blob[len(_BLOB_MARK) :], _Blob)
     except WireFormatError as exc:
         raise WireFormatError(f"malformed NIXL backend blob: {exc}") from None
     exports = [_IpcExport(a, n, o, share) for a, n, o, share in body.ipc]
-    new = [wire.RegionInfo(a, n, d) for a, n, d in body.new]
-    host = [wire.RegionInfo(a, n, "cpu") for a, n in body.host]
+    new = [RegionInfo(a, n, d) for a, n, d in body.new]
+    host = [RegionInfo(a, n, "cpu") for a, n in body.host]
     return body.nixl, exports, list(body.partial), new, host
 
 
@@ -371,7 +369,7 @@ class NixlTransport(ChannelTransport):
         #: writes that went by process_vm_writev (not through NIXL) since start
         self.cma_writes = 0
         #: per peer: regions whose NIXL metadata NIXL refused to merge (why), refused as write destinations
-        self._refused_regions: dict[ChannelPeer, dict[wire.RegionInfo, str]] = {}
+        self._refused_regions: dict[ChannelPeer, dict[RegionInfo, str]] = {}
         #: writes that went by CUDA IPC (not through NIXL) since start
         self.ipc_writes = 0
         self._agent: Any = None
@@ -424,7 +422,7 @@ class NixlTransport(ChannelTransport):
     def _exports(self, extra: TensorRegistration | None = None) -> list[_IpcExport]:
         return [e for r in self._registered(extra) for e in (r.backend[1] if r.backend else ())]
 
-    def _host_regions(self, extra: TensorRegistration | None = None) -> list[wire.RegionInfo]:
+    def _host_regions(self, extra: TensorRegistration | None = None) -> list[RegionInfo]:
         return [i for r in self._registered(extra) for i in r.infos if i.device == "cpu"]
 
     def _backend_hello(self) -> bytes:
@@ -740,7 +738,7 @@ class NixlTransport(ChannelTransport):
                 return False
         self.cma_writes += 1
         if notify is not None:
-            await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
+            await self.send_frame(peer, FrameKind.NOTIFY, notify)
         return True
 
     def _backend_device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
@@ -814,13 +812,13 @@ class NixlTransport(ChannelTransport):
         for key in set(ipc.mapped) - keys:
             del ipc.mapped[key]  # re-exported or gone: the mapping of a region the peer no longer offers
         keys_in_order = list(ipc.mapped)
-        ipc.table = RegionTable([wire.RegionInfo(k[0], k[1], ipc.mapped[k][2]) for k in keys_in_order])
+        ipc.table = RegionTable([RegionInfo(k[0], k[1], ipc.mapped[k][2]) for k in keys_in_order])
         ipc.local = np.array([ipc.mapped[k][1] for k in keys_in_order], dtype=np.uint64)
         ipc.starts = np.array([k[0] for k in keys_in_order], dtype=np.uint64)
         ipc.shift = ipc.local - ipc.starts
         ipc.dirty = False
         ipc.local_table = RegionTable(
-            [wire.RegionInfo(ipc.mapped[k][1], k[1], ipc.mapped[k][2]) for k in keys_in_order]
+            [RegionInfo(ipc.mapped[k][1], k[1], ipc.mapped[k][2]) for k in keys_in_order]
         )
         return True
 
@@ -845,7 +843,7 @@ class NixlTransport(ChannelTransport):
             await plan.run(poll=self.writes_in_flight == 1)
         self.ipc_writes += 1
         if notify is not None:
-            await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
+            await self.send_frame(peer, FrameKind.NOTIFY, notify)
 
     async def _release_handles(self, handles: list[Any]) -> None:
         async with self._lock:

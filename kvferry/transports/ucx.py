@@ -61,6 +61,7 @@ import ucxx
 import ucxx.exceptions as ucx_errors
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from kvferry import wire
 from kvferry.errors import (
     ConfigError,
     NotGranted,
@@ -70,17 +71,20 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import _cma, wire
-from kvferry.transports._channel import (
-    ChannelPeer,
-    ChannelTransport,
-    CheckedRows,
-    fragments_bytes,
-    fragments_from_bytes,
-)
+from kvferry.transports import _cma
+from kvferry.transports._channel import ChannelPeer, ChannelTransport, CheckedRows
 from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
 from kvferry.transports._ucx_progress import WorkerEvents
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
+from kvferry.transports.messages import (
+    FrameKind,
+    WriteAbort,
+    WriteReply,
+    WriteRequest,
+    WriteStatus,
+    fragments_bytes,
+    fragments_from_bytes,
+)
 
 __all__ = ["MAX_WRITE_FRAGMENTS", "MessagePlan", "UcxTransport", "plan_messages", "transport_class"]
 
@@ -532,40 +536,38 @@ class UcxTransport(ChannelTransport):
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
             await synchronize_cuda()
         write_id = self.new_write_id()
-        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
+        replies_out, replies_in = anyio.create_memory_object_stream[WriteReply](4)
         peer.pending[write_id] = replies_out
         offer = self._pull_offer(peer, rows)
-        request = wire.WriteRequest(
+        request = WriteRequest(
             write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify, offer
         )
         announced = finished = False
         try:
             async with self.guard(peer, stall) as guard:
 
-                async def reply() -> wire.WriteReply:
+                async def reply() -> WriteReply:
                     try:
                         return await replies_in.receive()
                     except anyio.EndOfStream:
                         raise peer.error from None
 
-                await self.send_frame(
-                    peer, wire.FrameKind.WRITE_REQUEST, wire.encode(self._converter, request)
-                )
+                await self.send_frame(peer, FrameKind.WRITE_REQUEST, wire.encode(request))
                 announced = True
                 answer = await reply()
-                if answer.status is wire.WriteStatus.PULLING:
+                if answer.status is WriteStatus.PULLING:
                     # the receiver reads our memory itself and says how far it got; READY: it could not after all
                     guard.progress()
-                    while (answer := await reply()).status is wire.WriteStatus.PROGRESS:
+                    while (answer := await reply()).status is WriteStatus.PROGRESS:
                         guard.progress()
-                    if answer.status is not wire.WriteStatus.READY:
+                    if answer.status is not WriteStatus.READY:
                         finished = True
-                        _raise_for(answer, peer, wire.WriteStatus.DONE)
+                        _raise_for(answer, peer, WriteStatus.DONE)
                         self.pulled_writes += 1
                         return
-                if offer is not None and answer.status is wire.WriteStatus.READY:
+                if offer is not None and answer.status is WriteStatus.READY:
                     self._pull_refused.add(peer)  # it could not: do not offer again
-                _raise_for(answer, peer, wire.WriteStatus.READY)
+                _raise_for(answer, peer, WriteStatus.READY)
                 guard.progress()
 
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
@@ -591,7 +593,7 @@ class UcxTransport(ChannelTransport):
                     raise translate(exc, f"sending to {peer.address}") from exc
                 answer = await reply()
                 finished = True
-                _raise_for(answer, peer, wire.WriteStatus.DONE)
+                _raise_for(answer, peer, WriteStatus.DONE)
         finally:
             try:
                 if announced and not finished and peer.lost.is_set() is False:
@@ -606,16 +608,16 @@ class UcxTransport(ChannelTransport):
         self,
         peer: ChannelPeer,
         write_id: int,
-        replies: MemoryObjectReceiveStream[wire.WriteReply],
+        replies: MemoryObjectReceiveStream[WriteReply],
         offered: bool,
     ) -> None:
         """Tell the receiver to drop a write we leave early. If we offered it our source, wait for its last answer
         too: it may be reading our memory (a slice at most), and the caller may free that memory once we return."""
         try:
-            abort = wire.encode(self._converter, wire.WriteAbort(write_id))
-            await self.send_frame(peer, wire.FrameKind.WRITE_ABORT, abort)
+            abort = wire.encode(WriteAbort(write_id))
+            await self.send_frame(peer, FrameKind.WRITE_ABORT, abort)
             if offered:
-                ongoing = (wire.WriteStatus.PULLING, wire.WriteStatus.PROGRESS, wire.WriteStatus.READY)
+                ongoing = (WriteStatus.PULLING, WriteStatus.PROGRESS, WriteStatus.READY)
                 while (await replies.receive()).status in ongoing:
                     pass
         except (TransportError, anyio.EndOfStream, anyio.ClosedResourceError):
@@ -640,13 +642,13 @@ class UcxTransport(ChannelTransport):
     # --- receiver ------------------------------------------------------------------------------------
 
     async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
-        if kind == wire.FrameKind.WRITE_ABORT:
-            abort = wire.decode(self._converter, body, wire.WriteAbort)
+        if kind == FrameKind.WRITE_ABORT:
+            abort = wire.decode(body, WriteAbort)
             scope = peer.incoming.get(abort.write_id)
             if scope is not None:
                 scope.cancel()
             return
-        request = wire.decode(self._converter, body, wire.WriteRequest)
+        request = wire.decode(body, WriteRequest)
         what = f"destination of a write from {peer.address}"
         try:
             # from the length alone, before a row is parsed: a longer write comes as several requests
@@ -667,12 +669,12 @@ class UcxTransport(ChannelTransport):
             raise  # malformed fragments: the peer is dropped
         except NotGranted as exc:
             self.count_incoming_refused(peer, exc)
-            reply = wire.WriteReply(request.write_id, wire.WriteStatus.REGION, _NOT_GRANTED + str(exc))
+            reply = WriteReply(request.write_id, WriteStatus.REGION, _NOT_GRANTED + str(exc))
             await self._reply(peer, reply)
             return
         except (RegionError, ValueError) as exc:
-            status = wire.WriteStatus.REGION if isinstance(exc, RegionError) else wire.WriteStatus.FAILED
-            await self._reply(peer, wire.WriteReply(request.write_id, status, str(exc)))
+            status = WriteStatus.REGION if isinstance(exc, RegionError) else WriteStatus.FAILED
+            await self._reply(peer, WriteReply(request.write_id, status, str(exc)))
             return
         if request.write_id in peer.incoming:
             raise WireFormatError(f"{peer.address} reused write id {request.write_id}")
@@ -685,7 +687,7 @@ class UcxTransport(ChannelTransport):
         else:
             self.spawn(self._receive, peer, request, views, plan, scope)
 
-    def _pull_source(self, peer: ChannelPeer, request: wire.WriteRequest, views: _Views) -> Fragments | None:
+    def _pull_source(self, peer: ChannelPeer, request: WriteRequest, views: _Views) -> Fragments | None:
         """The offered source fragments when we read them ourselves: a peer of this host that we may attach to,
         host memory here, and an offer that pairs with the destination row for row; otherwise None (the writer
         sends messages; a malformed offer is ignored, like an absent one)."""
@@ -712,7 +714,7 @@ class UcxTransport(ChannelTransport):
     async def _pull(
         self,
         peer: ChannelPeer,
-        request: wire.WriteRequest,
+        request: WriteRequest,
         src: Fragments,
         views: _Views,
         plan: MessagePlan,
@@ -723,33 +725,33 @@ class UcxTransport(ChannelTransport):
         (``EPERM`` and the like) the write goes on as messages (what was copied is written again) and later writes
         from this peer are not pulled; a writer whose process is gone (``ESRCH``) or whose memory is (``EFAULT``)
         fails the write. A cancel leaves the destination partly written."""
-        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        status, detail = WriteStatus.FAILED, "cancelled"
         try:
             with scope:
                 # stopped before it started (its grant revoked, an abort): ends here, nothing read
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 scope.deadline = anyio.current_time() + self._stall_timeout
-                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.PULLING))
+                await self._reply(peer, WriteReply(request.write_id, WriteStatus.PULLING))
                 status, detail = await self._pull_slices(peer, request.write_id, src, views.fragments, scope)
-                if status is wire.WriteStatus.DONE and request.notify is not None:
+                if status is WriteStatus.DONE and request.notify is not None:
                     with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                         peer.notifications_out.send_nowait(request.notify)
             if scope.cancelled_caught:
                 status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
-            if status is not wire.WriteStatus.READY:
+            if status is not WriteStatus.READY:
                 self._end_incoming(peer, request.write_id)
                 with anyio.CancelScope(shield=True):
                     if peer.state.value == "connected":
-                        await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
-        if status is wire.WriteStatus.READY:
+                        await self._reply(peer, WriteReply(request.write_id, status, detail))
+        if status is WriteStatus.READY:
             # we may not read the writer's memory: it sends the data as messages (it waits for READY)
             scope = peer.incoming[request.write_id] = anyio.CancelScope()
             await self._receive(peer, request, views, plan, scope)
 
     async def _pull_slices(
         self, peer: ChannelPeer, write_id: int, src: Fragments, dst: Fragments, scope: anyio.CancelScope
-    ) -> tuple[wire.WriteStatus, str]:
+    ) -> tuple[WriteStatus, str]:
         """The copies of :meth:`_pull`: DONE, FAILED (the writer or its memory is gone) or READY (we may not
         attach: receive messages instead)."""
         told = time.monotonic()
@@ -760,35 +762,35 @@ class UcxTransport(ChannelTransport):
             scope.deadline = anyio.current_time() + self._stall_timeout
             if time.monotonic() - told >= _PULL_PROGRESS_SECONDS:
                 told = time.monotonic()
-                await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
+                await self._reply(peer, WriteReply(write_id, WriteStatus.PROGRESS))
 
         try:
             await _cma.copy_slices(_cma.read, peer.hello.pid, src, dst, after_slice=after_slice)
         except OSError as exc:
             if exc.errno in (errno.ESRCH, errno.EFAULT):
-                return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"
+                return WriteStatus.FAILED, f"reading the writer's memory: {exc}"
             log.info("cannot read %s by process_vm_readv (%s); receiving messages", peer.address, exc)
             self._pull_refused.add(peer)
-            return wire.WriteStatus.READY, ""
+            return WriteStatus.READY, ""
         self.cma_reads += 1
-        return wire.WriteStatus.DONE, ""
+        return WriteStatus.DONE, ""
 
     def _cancelled_status(
         self,
         peer: ChannelPeer,
         write_id: int,
         scope: anyio.CancelScope,
-        status: wire.WriteStatus,
+        status: WriteStatus,
         detail: str,
-    ) -> tuple[wire.WriteStatus, str]:
+    ) -> tuple[WriteStatus, str]:
         """Why a write being received was stopped: a revoke of its grant (REGION), its stall deadline
         (TIMEOUT), or else as it was (an abort, the peer's loss)."""
         if (peer, write_id) in self._revoked_writes:
-            return wire.WriteStatus.REGION, (
+            return WriteStatus.REGION, (
                 f"{_NOT_GRANTED}the grant of a write from {peer.address} was revoked while it was received"
             )
         if scope.deadline <= anyio.current_time():
-            return wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+            return WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
         return status, detail
 
     def _end_incoming(self, peer: ChannelPeer, write_id: int) -> None:
@@ -811,27 +813,27 @@ class UcxTransport(ChannelTransport):
                 self._revoked_writes.add((peer, write_id))
                 scope.cancel()
 
-    async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
+    async def _reply(self, peer: ChannelPeer, reply: WriteReply) -> None:
         with suppress(TransportError):  # the peer is gone; its writer learns that from the control channel
-            await self.send_frame(peer, wire.FrameKind.WRITE_REPLY, wire.encode(self._converter, reply))
+            await self.send_frame(peer, FrameKind.WRITE_REPLY, wire.encode(reply))
 
     async def _receive(
         self,
         peer: ChannelPeer,
-        request: wire.WriteRequest,
+        request: WriteRequest,
         views: _Views,
         plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
         tag = (self.tag_prefix << 40) | ((self._next_incoming & 0xFFFFF) << 20)
         self._next_incoming += 1
-        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        status, detail = WriteStatus.FAILED, "cancelled"
         try:
             with scope:
                 # stopped before it started (its grant revoked, an abort): ends here, nothing posted
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 scope.deadline = anyio.current_time() + self._stall_timeout
-                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.READY, tag=tag))
+                await self._reply(peer, WriteReply(request.write_id, WriteStatus.READY, tag=tag))
 
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
@@ -851,7 +853,7 @@ class UcxTransport(ChannelTransport):
                         len(plan), self._window, start, done, lambda k: plan[k][2], self._packed_window
                     )
                 except ucx_errors.UCXError as exc:
-                    status, detail = wire.WriteStatus.FAILED, str(translate(exc, "receiving"))
+                    status, detail = WriteStatus.FAILED, str(translate(exc, "receiving"))
                 else:
                     if any(v.device != "cpu" for v in views.table.regions):
                         import torch
@@ -860,14 +862,14 @@ class UcxTransport(ChannelTransport):
                     if request.notify is not None:
                         with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                             peer.notifications_out.send_nowait(request.notify)
-                    status, detail = wire.WriteStatus.DONE, ""
+                    status, detail = WriteStatus.DONE, ""
             if scope.cancelled_caught:
                 status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
             self._end_incoming(peer, request.write_id)
             with anyio.CancelScope(shield=True):
                 if peer.state.value == "connected":
-                    await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
+                    await self._reply(peer, WriteReply(request.write_id, status, detail))
 
     def _backend_handles(self) -> int:
         return self._endpoints
@@ -876,14 +878,14 @@ class UcxTransport(ChannelTransport):
         return {TransportAttribute.ucx_worker_address: lambda: self._worker_address}
 
 
-def _raise_for(reply: wire.WriteReply, peer: ChannelPeer, expected: wire.WriteStatus) -> None:
+def _raise_for(reply: WriteReply, peer: ChannelPeer, expected: WriteStatus) -> None:
     if reply.status is expected:
         return
-    if reply.status is wire.WriteStatus.REGION:
+    if reply.status is WriteStatus.REGION:
         if reply.detail.startswith(_NOT_GRANTED):
             raise NotGranted(f"{peer.address} refused the write: {reply.detail}")
         raise RegionError(f"{peer.address} refused the write: {reply.detail}")
-    if reply.status is wire.WriteStatus.TIMEOUT:
+    if reply.status is WriteStatus.TIMEOUT:
         raise TransferTimeout(f"{peer.address} received nothing for its stall deadline: {reply.detail}")
     raise TransportError(f"{peer.address} failed the write ({reply.status.value}): {reply.detail}")
 

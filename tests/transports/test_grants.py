@@ -9,14 +9,16 @@ import struct
 from typing import Any
 
 import anyio
+import msgpack
 import numpy as np
 import pytest
 import torch
 from conftest import TRANSPORTS, Remote, variant
 from test_transports import connected, random_tensor, remote_buffer, sha
 
+from kvferry import wire
 from kvferry.errors import NotGranted, PeerDisconnected, RegionError, TransportError, WireFormatError
-from kvferry.transports import PeerState, Transport, as_fragments, get_transport, wire
+from kvferry.transports import PeerState, Transport, as_fragments, get_transport, messages
 from kvferry.transports._memory import Grants, GrantTable, union_of
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
@@ -318,20 +320,19 @@ async def test_malformed_grants_cost_the_peer_its_connection(
     async with get_transport("local")() as a, get_transport("local")() as b:
         pa = await a.connect(b.address)
         pb = await b.accept()
-        converter = wire.make_converter()
         row = np.array([[0x1000, 16]], dtype="<u8").tobytes()
 
-        def grant(grant_id: int, rows: bytes = row) -> tuple[wire.FrameKind, bytes]:
-            return wire.FrameKind.GRANT, wire.encode(converter, wire.WriteGrant(grant_id, rows))
+        def grant(grant_id: int, rows: bytes = row) -> tuple[messages.FrameKind, bytes]:
+            return messages.FrameKind.GRANT, wire.encode(messages.WriteGrant(grant_id, rows))
 
         if frames == "the same id twice":
             sent = [grant(1), grant(1)]
         elif frames == "a revoke of an unknown id":
-            sent = [grant(1), (wire.FrameKind.REVOKE, wire.encode(converter, wire.WriteRevoke(2)))]
+            sent = [grant(1), (messages.FrameKind.REVOKE, wire.encode(messages.WriteRevoke(2)))]
         elif frames == "malformed rows":
             sent = [grant(1, struct.pack("<QQ", 0x1000, 0))]  # a zero-length row
         else:
-            monkeypatch.setattr(wire, "MAX_LIVE_GRANTS", 2)
+            monkeypatch.setattr(messages, "MAX_LIVE_GRANTS", 2)
             sent = [grant(1), grant(2)]
         await b.send_frames(pb, sent)  # type: ignore[attr-defined]
         if frames == "too many live grants":
@@ -345,8 +346,8 @@ async def test_malformed_grants_cost_the_peer_its_connection(
 
 
 async def test_grant_refuses_past_the_cap_and_splits_large_grants(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "MAX_GRANT_FRAGMENTS", 2)
-    monkeypatch.setattr(wire, "MAX_LIVE_GRANTS", 4)
+    monkeypatch.setattr(messages, "MAX_GRANT_FRAGMENTS", 2)
+    monkeypatch.setattr(messages, "MAX_LIVE_GRANTS", 4)
     async with get_transport("local")() as a, get_transport("local")() as b:
         pa = await a.connect(b.address)
         pb = await b.accept()
@@ -415,20 +416,19 @@ def test_grant_table_is_the_union_of_its_rows() -> None:
 
 
 def test_grant_frames_decode_strictly() -> None:
-    converter = wire.make_converter()
-    good = wire.WriteGrant(7, np.array([[4096, 16]], dtype="<u8").tobytes())
-    assert wire.decode(converter, wire.encode(converter, good), wire.WriteGrant) == good
+    good = messages.WriteGrant(7, np.array([[4096, 16]], dtype="<u8").tobytes())
+    assert wire.decode(wire.encode(good), messages.WriteGrant) == good
     for bad in (
         {"grant_id": 0, "fragments": b""},
         {"grant_id": -1, "fragments": b""},
-        {"grant_id": 1, "fragments": bytes(16 * wire.MAX_GRANT_FRAGMENTS + 16)},
+        {"grant_id": 1, "fragments": bytes(16 * messages.MAX_GRANT_FRAGMENTS + 16)},
         {"grant_id": 1, "fragments": b"", "extra": 1},
     ):
         with pytest.raises(WireFormatError):
-            wire.decode(converter, converter.dumps(bad), wire.WriteGrant)
+            wire.decode(msgpack.packb(bad), messages.WriteGrant)
     for bad_revoke in ({"grant_id": 0}, {"grant_id": -5}, {}):
         with pytest.raises(WireFormatError):
-            wire.decode(converter, converter.dumps(bad_revoke), wire.WriteRevoke)
+            wire.decode(msgpack.packb(bad_revoke), messages.WriteRevoke)
 
 
 def test_every_transport_implements_grant() -> None:

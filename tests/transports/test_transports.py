@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import TRANSPORTS, LoopLag, PeerProcess, Remote, our_tasks, variant
 
+from kvferry import wire
 from kvferry.errors import (
     ClosedResourceError,
     MessageTooLarge,
@@ -32,7 +33,6 @@ from kvferry.transports import (
     TransportAttribute,
     get_transport,
     page_fragments,
-    wire,
 )
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
@@ -312,13 +312,12 @@ async def test_handshake_refused_before_body(
             await transport.connect(remote.address)
     if transport_name == "local":
         return  # the in-process peer shares the wire module: a patched version would change both sides
-    monkeypatch.setattr(wire, "WIRE_VERSION", wire.WIRE_VERSION + 1)
+    monkeypatch.setattr(wire, "TRANSPORT_PROTOCOL_VERSION", wire.TRANSPORT_PROTOCOL_VERSION + 1)
+    encode = wire.encode
     async with get_transport(transport_name)() as transport:
         # a future peer's body would not decode; it must be refused by version before anyone tries
         monkeypatch.setattr(transport, "_hello", lambda: b"not a hello at all")
-        monkeypatch.setattr(
-            wire, "encode", lambda converter, obj: obj if isinstance(obj, bytes) else converter.dumps(obj)
-        )
+        monkeypatch.setattr(wire, "encode", lambda obj: obj if isinstance(obj, bytes) else encode(obj))
         with pytest.raises(PeerIncompatible, match="wire version"):
             await transport.connect(remote.address)
     monkeypatch.undo()
@@ -379,7 +378,7 @@ async def test_receiver_refuses_what_it_did_not_register(transport_name: str, re
         src = random_tensor(4096)
         await transport.register(src)
         from kvferry.transports._memory import RegionTable
-        from kvferry.transports.wire import RegionInfo
+        from kvferry.transports.messages import RegionInfo
 
         peer.regions = RegionTable([RegionInfo(dst, 1 << 40, "cpu")])  # type: ignore[attr-defined]
         with pytest.raises(RegionError):

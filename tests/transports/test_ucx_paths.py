@@ -23,9 +23,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry import wire
 from kvferry.errors import PeerDisconnected, TransferTimeout, TransportError
-from kvferry.transports import Peer, Transport, _cma, get_transport, wire
-from kvferry.transports._channel import fragments_bytes
+from kvferry.transports import Peer, Transport, _cma, get_transport, messages
+from kvferry.transports.messages import fragments_bytes
 
 pytest.importorskip("ucxx")
 
@@ -251,8 +252,8 @@ async def test_the_driver_replaces_ucxx_arming_task() -> None:
 
 
 def test_write_status_values_are_wire_version_2() -> None:
-    assert wire.WIRE_VERSION >= 2
-    assert {s.value for s in wire.WriteStatus} >= {"pulling", "progress"}
+    assert wire.TRANSPORT_PROTOCOL_VERSION >= 2
+    assert {s.value for s in messages.WriteStatus} >= {"pulling", "progress"}
 
 
 # --- caps on a write request: refused from its length, split by the writer; the plan of its messages ---------
@@ -323,28 +324,30 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
         count = ucx_module.MAX_WRITE_FRAGMENTS + 1
         rows = np.stack([dst.data_ptr() + np.arange(count) % MiB, np.ones(count, dtype=np.int64)], axis=1)
         channel = a._peer(pa)  # type: ignore[attr-defined]
-        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](1)
+        replies_out, replies_in = anyio.create_memory_object_stream[messages.WriteReply](1)
         write_id = a.new_write_id()  # type: ignore[attr-defined]
         channel.pending[write_id] = replies_out
-        request = wire.WriteRequest(write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x")
+        request = messages.WriteRequest(
+            write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x"
+        )
         try:
-            body = wire.encode(a._converter, request)  # type: ignore[attr-defined]
-            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
+            body = wire.encode(request)  # type: ignore[attr-defined]
+            await a.send_frame(channel, messages.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
             with anyio.fail_after(30):
                 reply = await replies_in.receive()
         finally:
             channel.pending.pop(write_id, None)
         assert reply.write_id == write_id
-        assert reply.status is wire.WriteStatus.FAILED
+        assert reply.status is messages.WriteStatus.FAILED
         assert f"{count} fragments (at most {ucx_module.MAX_WRITE_FRAGMENTS} per request)" in reply.detail
         assert parsed == []
         await write_all(a, pa, src, dst)
         assert await b.receive_notification(pb) == b"n"
         assert torch.equal(src, dst)
         huge = np.zeros((4 << 20, 2), dtype=np.uint64)
-        request = wire.WriteRequest(a.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x")  # type: ignore[attr-defined]
+        request = messages.WriteRequest(a.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x")  # type: ignore[attr-defined]
         with anyio.fail_after(30), pytest.raises(PeerDisconnected):
-            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, wire.encode(a._converter, request))  # type: ignore[attr-defined]
+            await a.send_frame(channel, messages.FrameKind.WRITE_REQUEST, wire.encode(request))  # type: ignore[attr-defined]
             await pa.lost.wait()  # type: ignore[attr-defined]
             raise pa.error  # type: ignore[attr-defined]
         assert b.statistics().dropped_peers == 1
