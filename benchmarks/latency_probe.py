@@ -78,15 +78,17 @@ class _Stages:
 def _patch_stages(transport: Any) -> _Stages:
     from kvferry.kernels import span_copy
     from kvferry.transports import _memory
-    from kvferry.transports._channel import ChannelTransport
+    from kvferry.transports.peers import ControlChannel
+    from kvferry.transports.writes import WritePipeline
 
     stages = _Stages()
     cls = type(transport)
+    path = type(transport.data_path)
     stages.wrap(cls, "write", "write (whole)")
-    stages.wrap(ChannelTransport, "_checked", "checked (pairing, coalesce, locate)")
-    stages.wrap(cls, "_backend_write", "backend write (route + copy + notify)")
-    if hasattr(cls, "_ipc_route"):
-        stages.wrap(cls, "_ipc_route", "ipc route")
+    stages.wrap(WritePipeline, "checked", "checked (pairing, coalesce, locate)")
+    stages.wrap(path, "write", "data path write (route + copy + notify)")
+    if hasattr(path, "_ipc_route"):
+        stages.wrap(path, "_ipc_route", "ipc route")
     stages.wrap(_memory.CopyPlan, "run", "CopyPlan.run (queue + sync)")
     stages.wrap(_memory.CopyPlan, "_device_rows", "device rows (queue)")
     stages.wrap(span_copy, "piece_table", "piece table")
@@ -98,7 +100,7 @@ def _patch_stages(transport: Any) -> _Stages:
     stages.wrap(_memory, "wait_event", "wait_event")
     stages.wrap(span_copy._Launcher, "launch", "launch")
     stages.wrap(_memory, "synchronize_cuda", "synchronize_cuda")
-    stages.wrap(ChannelTransport, "send_frame", "send_frame")
+    stages.wrap(ControlChannel, "send_frame", "send_frame")
     return stages
 
 
@@ -107,7 +109,7 @@ def _micro(args: Any, transport: Any, peer: Any, buffer: Any, address: int) -> d
     from kvferry.kernels import span_copy
 
     own = torch.zeros_like(buffer)
-    ipc = transport._ipc.get(transport._peer(peer))
+    ipc = transport.data_path._ipc.get(transport.control.peer(peer))
     mapped = None
     if ipc is not None and len(ipc.local):
         index = ipc.table.locate(np.array([[address, args.bytes]], dtype=np.uint64), "d")

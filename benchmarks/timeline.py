@@ -117,17 +117,16 @@ def wrap_transfer_path(timeline: Timeline, transport: Any) -> None:
     its class)."""
     from kvferry.disagg import mapping, protocol, session, transfer
     from kvferry.kernels import span_copy
-    from kvferry.transports import _channel, _memory
+    from kvferry.transports import _framing, _memory, channel, peers, writes
 
-    cls = transport if isinstance(transport, type) else type(transport)
-    channel = _channel.ChannelTransport
+    path = type(getattr(transport, "data_path", None))
     for owner, name, label in (
-        (channel, "write", "T.write"),
-        (channel, "write_many", "T.write_many"),
-        (channel, "_checked", "T._checked"),
-        (cls, "_backend_write", "T._backend_write"),
-        (cls, "_backend_write_together", "T._backend_write_together"),
-        (cls, "_ipc_route", "T._ipc_route"),
+        (channel.ChannelTransport, "write", "T.write"),
+        (channel.ChannelTransport, "write_many", "T.write_many"),
+        (writes.WritePipeline, "checked", "T.writes.checked"),
+        (path, "write", "T.data_path.write"),
+        (path, "write_together", "T.data_path.write_together"),
+        (path, "_ipc_route", "T.data_path._ipc_route"),
         (_memory.CopyPlan, "run", "CopyPlan.run"),
         (_memory.CopyPlan, "_device_rows", "CopyPlan._device_rows"),
         (span_copy, "piece_table", "span_copy.piece_table"),
@@ -135,10 +134,10 @@ def wrap_transfer_path(timeline: Timeline, transport: Any) -> None:
         (span_copy._Launcher, "launch", "span_copy.launch"),
         (_memory, "synchronize_cuda", "synchronize_cuda"),
         (_memory, "wait_event", "wait_event"),
-        (channel, "send_frames", "T.send_frames"),
-        (channel, "send_message", "T.send_message"),
-        (channel, "_dispatch", "T._dispatch (control frame in)"),
-        (_channel._FrameReader, "receive_exactly", "reader.receive_exactly"),
+        (peers.ControlChannel, "send_frames", "T.control.send_frames"),
+        (channel.ChannelTransport, "send_message", "T.send_message"),
+        (peers.ControlChannel, "_dispatch", "T.control._dispatch (control frame in)"),
+        (_framing.FrameReader, "receive_exactly", "reader.receive_exactly"),
         (protocol, "encode_control", "encode_control"),
         (protocol, "decode_control", "decode_control"),
         (transfer, "plan_transfer", "plan_transfer"),

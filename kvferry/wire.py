@@ -111,7 +111,7 @@ class MaxItems:
     count: int
 
 
-#: most items of a :data:`Capped` array: 2**14 classes of a few fields structure within ~0.25 s of the loop
+#: most items of a :data:`Capped` array: bounds what structuring a peer's array of classes costs the event loop
 MAX_ARRAY_ITEMS = 1 << 14
 
 #: ``Capped[X]``: a tuple of ``X`` of at most :data:`MAX_ARRAY_ITEMS` items (see :class:`MaxItems`).

@@ -3,7 +3,7 @@
 One target per decoder: :func:`kvferry.wire.decode` for each control-channel class, the page table
 (:meth:`PageTable.decode`), the disaggregation handshake and control messages (``decode_hello``,
 ``decode_control``), the fragments of a write request (``fragments_from_bytes``) and nixl's backend blob
-(``_unpack_blob``). Each gets arbitrary bytes, arbitrary msgpack (maps keyed by the class's field names among
+(``unpack_blob``). Each gets arbitrary bytes, arbitrary msgpack (maps keyed by the class's field names among
 others, ints from -2**63 to 2**64 - 1, floats, text, bytes, nested lists and maps), valid messages with parts
 replaced, removed or added (nested messages mutated inside their envelope), and valid messages with bytes
 flipped or cut. The only exception that may escape is the decoder's own (WireFormatError; PeerIncompatible too
@@ -33,14 +33,10 @@ from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable
 from kvferry.pools.spec import preset
+from kvferry.transports import _nixl_exports as nixl_blob
 from kvferry.transports import messages
 from kvferry.transports._memory import RegionTable
 from kvferry.transports.messages import fragments_bytes, fragments_from_bytes
-
-try:
-    from kvferry.transports import nixl as nixl_module
-except ImportError:  # nixl is an extra: its blob's target is skipped without it
-    nixl_module = None  # type: ignore[assignment]
 
 SMOKE_EXAMPLES = 50
 SLOW_EXAMPLES = 2000
@@ -462,18 +458,16 @@ BLOB_REGRESSIONS = [
 
 
 def _blob_samples() -> list[Any]:
-    assert nixl_module is not None
-    export = nixl_module._IpcExport(1 << 30, 1 << 20, 0, _SHARE)
+    export = nixl_blob.IpcExport(1 << 30, 1 << 20, 0, _SHARE)
     blobs = [
-        nixl_module._pack_blob(b"meta", [export], host=[REGION]),
-        nixl_module._pack_blob(b"", [export], [b"partial"], [REGION, TOP_REGION], [REGION]),
+        nixl_blob.pack_blob(b"meta", [export], host=[REGION]),
+        nixl_blob.pack_blob(b"", [export], [b"partial"], [REGION, TOP_REGION], [REGION]),
     ]
     return [unpack(b[len(_BLOB_MARK) :]) for b in blobs]
 
 
 def _blob(data: bytes) -> None:
-    assert nixl_module is not None
-    metadata, exports, partial, new, host = nixl_module._unpack_blob(data)
+    metadata, exports, partial, new, host = nixl_blob.unpack_blob(data)
     assert type(metadata) is bytes and all(type(p) is bytes for p in partial)
     for export in exports:
         assert export.address >= 0 and export.address + export.length <= 2**64
@@ -482,8 +476,6 @@ def _blob(data: bytes) -> None:
 
 
 def _blob_target(*, slow: bool) -> Callable[[], None]:
-    if nixl_module is None:
-        return pytest.mark.skip(reason="nixl is not installed")(lambda: None)  # type: ignore[no-any-return]
     return fuzz_target(
         _blob,
         payloads(_blob_samples(), BLOB_KEYS, wrap=lambda raw: _BLOB_MARK + pack(raw)),
@@ -497,15 +489,13 @@ test_nixl_blob_long = _blob_target(slow=True)
 
 
 def test_nixl_blob_round_trip() -> None:
-    """The blob's format is what _pack_blob writes; decoded strictly, it gives back what was packed."""
-    if nixl_module is None:
-        pytest.skip("nixl is not installed")
-    export = nixl_module._IpcExport(1 << 30, 1 << 20, 64, _SHARE)
-    blob = nixl_module._pack_blob(b"meta", [export], [b"p"], [REGION, TOP_REGION], [REGION])
-    metadata, exports, partial, new, host = nixl_module._unpack_blob(blob)
+    """The blob's format is what pack_blob writes; decoded strictly, it gives back what was packed."""
+    export = nixl_blob.IpcExport(1 << 30, 1 << 20, 64, _SHARE)
+    blob = nixl_blob.pack_blob(b"meta", [export], [b"p"], [REGION, TOP_REGION], [REGION])
+    metadata, exports, partial, new, host = nixl_blob.unpack_blob(blob)
     assert (metadata, partial, new, host) == (b"meta", [b"p"], [REGION, TOP_REGION], [REGION])
     assert [(e.address, e.length, e.offset, e.share) for e in exports] == [(1 << 30, 1 << 20, 64, _SHARE)]
-    assert nixl_module._unpack_blob(b"raw agent metadata")[0] == b"raw agent metadata"
+    assert nixl_blob.unpack_blob(b"raw agent metadata")[0] == b"raw agent metadata"
     for bad in BLOB_REGRESSIONS:
         with pytest.raises(WireFormatError, match="NIXL backend blob"):
-            nixl_module._unpack_blob(bad)
+            nixl_blob.unpack_blob(bad)

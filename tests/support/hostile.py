@@ -27,9 +27,9 @@ from anyio.abc import ByteStream
 from kvferry import wire
 from kvferry.errors import PeerIncompatible
 from kvferry.transports import get_transport, messages
-from kvferry.transports._channel import parse_address
 from kvferry.transports._framing import FrameReader, frame, read_frame
 from kvferry.transports.handshake import SECRET_ENV, Handshake, pid_namespace
+from kvferry.transports.peers import parse_address
 
 HEADER = messages.FRAME_HEADER
 DEADLINE = 20.0
@@ -92,7 +92,7 @@ async def _handshaken(args: argparse.Namespace, **hello: Any) -> tuple[ByteStrea
         await _handshake(args, _secret(args)).connector(
             stream,
             FrameReader(stream),
-            lambda address: attrs.evolve(real._hello(address), **hello),  # type: ignore[attr-defined]
+            lambda address: attrs.evolve(real.control.hello(address), **hello),  # type: ignore[attr-defined]
         )
     except Exception as exc:
         return stream, f"refused: {type(exc).__name__}: {exc}"

@@ -143,7 +143,7 @@ class PeerServer:
             from kvferry.transports import messages
 
             peer = await self.current_peer()
-            await self.transport.send_frame(peer, messages.FrameKind.MESSAGE, bytes(cmd["size"]))  # type: ignore[attr-defined]
+            await self.transport.control.send_frame(peer, messages.FrameKind.MESSAGE, bytes(cmd["size"]))  # type: ignore[attr-defined]
             return {"ok": True}
         if op == "stats":
             return {"stats": self.transport.statistics()._asdict(), "pid": os.getpid()}

@@ -21,6 +21,7 @@ from kvferry.errors import NotGranted, PeerDisconnected, RegionError, TransportE
 from kvferry.transports import PeerState, Transport, as_fragments, get_transport, messages
 from kvferry.transports._memory import Grants, GrantTable, union_of
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
+from kvferry.transports.writes import WritePipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -135,7 +136,7 @@ async def test_the_ucx_receiver_refuses_outside_the_grant_when_the_writer_does_n
         assert b"registered" in await transport.receive_message(peer)
         src = random_tensor(size, seed=3)
         await transport.register(src)
-        monkeypatch.setattr(type(transport), "_check_granted", lambda self, p, dst, bounds=None: None)
+        monkeypatch.setattr(WritePipeline, "_check_granted", lambda self, p, dst, bounds=None: None)
         before = (await stats_of(remote))["incoming_refused"]
         with pytest.raises(NotGranted, match="refused the write: not granted"):
             await transport.write(peer, [[src.data_ptr(), size]], [[other, size]], b"never")
@@ -164,7 +165,7 @@ async def test_a_ucx_write_being_received_stops_when_its_grant_is_revoked(
         await b.send_message(pb, b"registered")
         await a.receive_message(pa)
         go = anyio.Event()
-        receive, pull = ucx.UcxTransport._receive, ucx.UcxTransport._pull
+        receive, pull = ucx.UcxDataPath._receive, ucx.UcxDataPath._pull
 
         async def held_receive(self: Any, *args: Any) -> None:
             await go.wait()
@@ -174,8 +175,8 @@ async def test_a_ucx_write_being_received_stops_when_its_grant_is_revoked(
             await go.wait()
             await pull(self, *args)
 
-        monkeypatch.setattr(ucx.UcxTransport, "_receive", held_receive)
-        monkeypatch.setattr(ucx.UcxTransport, "_pull", held_pull)
+        monkeypatch.setattr(ucx.UcxDataPath, "_receive", held_receive)
+        monkeypatch.setattr(ucx.UcxDataPath, "_pull", held_pull)
         outcome: list[BaseException] = []
 
         async def write() -> None:
@@ -334,11 +335,11 @@ async def test_malformed_grants_cost_the_peer_its_connection(
         else:
             monkeypatch.setattr(messages, "MAX_LIVE_GRANTS", 2)
             sent = [grant(1), grant(2)]
-        await b.send_frames(pb, sent)  # type: ignore[attr-defined]
+        await b.control.send_frames(pb, sent)  # type: ignore[attr-defined]
         if frames == "too many live grants":
             await b.send_message(pb, b"two are fine")
             assert await a.receive_message(pa) == b"two are fine"
-            await b.send_frames(pb, [grant(3)])  # type: ignore[attr-defined]
+            await b.control.send_frames(pb, [grant(3)])  # type: ignore[attr-defined]
         with anyio.fail_after(5), pytest.raises(PeerDisconnected, match="dropped"):
             while True:
                 await a.receive_message(pa)
