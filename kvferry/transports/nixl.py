@@ -246,7 +246,7 @@ class NixlDataPath(DataPath):
         self._by_agent[name] = peer
         if self._cuda_ipc and peer.hello.hostname == socket.gethostname():
             self._ipc[peer] = IpcPeer(exports)
-        # Wiring up the UCX connection takes ~0.2 s inside the first transfer otherwise, on the event loop.
+        # Otherwise the first transfer wires up the UCX connection itself, on the event loop.
         async with self._lock:
             try:
                 await anyio.to_thread.run_sync(self._agent.make_connection, name)
@@ -292,8 +292,8 @@ class NixlDataPath(DataPath):
             shared = (export_cuda(t) for t in registration.tensors if t.device.type == "cuda")
             exports.extend(e for e in shared if e is not None)
         registration.backend = (dlists, exports)
-        # Peers merge the metadata of the new regions only. Reloading our whole metadata (connection info
-        # included) is refused by NIXL once a region was deregistered (NIXL_ERR_NOT_ALLOWED on the H200).
+        # Peers merge the metadata of the new regions only: NIXL refuses to reload our whole metadata
+        # (connection info included) once a region was deregistered (NIXL_ERR_NOT_ALLOWED).
         async with self._lock:
             try:
                 partial = [self._agent.get_partial_agent_metadata(d, False) for d in dlists]
@@ -329,8 +329,8 @@ class NixlDataPath(DataPath):
                 for md in partial or [metadata]:
                     self._agent.add_remote_agent(md)
             except _NIXL_ERRORS as exc:
-                # Seen on the H200 for VRAM re-registered at an address a deregistered region had (cudaMalloc
-                # reuses addresses); the connection stays up, only these regions cannot be written through NIXL.
+                # VRAM re-registered at an address a deregistered region had (cudaMalloc reuses addresses): the
+                # connection stays up, only these regions cannot be written through NIXL.
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning(
                     "%s: NIXL refused the metadata of %s's new regions (%s)",

@@ -368,7 +368,7 @@ async def test_grant_refuses_past_the_cap_and_splits_large_grants(monkeypatch: p
 
 def test_the_grant_check_is_vectorised() -> None:
     """A write of 16384 rows scattered over a grant of as many scattered pages (none touching: the worst case,
-    16384 ranges to search): the check is one search over the rows (~0.1 us a row on a small host), nowhere
+    16384 ranges to search): the check is one search over the rows, nowhere
     near a Python loop's microseconds a row; so are the union's construction and the per-write check of an
     indexed write's ids."""
     import time

@@ -307,11 +307,11 @@ def test_the_plan_refuses_more_fragments_than_the_cap() -> None:
 
 
 async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reported: a WriteRequest of 4M tiny fragments held the receiver's event loop for 1.7 s (parsed, located,
-    planned) before it was refused. Now a request over the fragment cap is answered FAILED from the length of
-    ``dst`` alone, nothing of it parsed, and the connection serves the next write; the 4M-fragment request itself
-    (64 MiB) is past the control-frame cap, so its sender is dropped before a byte of it is read, and the
-    receiver serves on."""
+    """A WriteRequest of millions of tiny fragments must not hold the receiver's event loop (parsed, located,
+    planned) before it is refused: a request over the fragment cap is answered FAILED from the length of ``dst``
+    alone, nothing of it parsed, and the connection serves the next write; the 4M-fragment request itself (64 MiB)
+    is past the control-frame cap, so its sender is dropped before a byte of it is read, and the receiver serves
+    on."""
     parsed: list[int] = []
     parse = ucx_module.fragments_from_bytes
 

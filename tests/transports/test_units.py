@@ -563,8 +563,8 @@ def test_split_rows_moves_the_same_bytes_in_pieces(lengths: list[int], longest: 
 
 
 def test_a_region_ends_inside_the_address_space() -> None:
-    """Reported: a RegionInfo of address + length > 2**64 passed the decode and raised OverflowError in
-    RegionTable, which ended the peer's task."""
+    """A RegionInfo of address + length > 2**64 is refused at decode: in RegionTable it would raise
+    OverflowError and end the peer's task."""
     top = RegionInfo(2**64 - 4096, 4096, "cpu")  # ends at 2**64 exactly
     table = RegionTable([RegionInfo(4096, 4096, "cpu"), top])
     rows = np.array([[2**64 - 4096, 4095], [2**64 - 2, 1], [8000, 192]], dtype=np.uint64)
@@ -614,8 +614,8 @@ def test_a_region_table_answers_as_a_search_of_every_range(
 
 
 def test_the_transport_converter_takes_exact_types() -> None:
-    """Reported with the nixl blob (``bytes(2**60)``): a lax converter turned an int into bytes (allocating
-    it), a str or a float into an int, bytes into a str. Each is refused now, as is an array over the cap."""
+    """The converter takes exact types only: a lax one turns an int into bytes (``bytes(2**60)`` allocates it), a
+    str or a float into an int, bytes into a str. Each is refused, as is an array over its cap."""
     good = {"wire_version": 1, "nonce": bytes(32), "proof": b""}
     assert wire.decode(msgpack.packb(good), messages.Challenge) == messages.Challenge(1, bytes(32), b"")
     for key, value in (
