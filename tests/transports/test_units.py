@@ -1,153 +1,21 @@
-"""Fragments, region lookups, wire messages, lazy loading: no peers needed."""
+"""Region lookups, device copies and cross-memory attach (``_memory``, ``_cma``): no peers needed."""
 
 from __future__ import annotations
 
 import itertools
 import subprocess
 import sys
-import textwrap
 
 import attrs
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry import wire
-from kvferry.errors import MissingExtraError, RegionError, WireFormatError
-from kvferry.transports import _cma, as_fragments, coalesce, get_transport, messages, page_fragments
+from kvferry.errors import RegionError, WireFormatError
+from kvferry.transports import _cma, as_fragments
 from kvferry.transports._memory import RegionTable
-from kvferry.transports.base import MERGE_SHARE, check_pairing, write_rows
 from kvferry.transports.messages import RegionInfo
-
-
-def test_as_fragments_validates() -> None:
-    assert as_fragments(np.array([[1, 2]], dtype=np.int64)).dtype == np.uint64
-    for bad in ([[1, 2, 3]], [[1, -2]], [[1, 0]], [[2**64 - 1, 2]], np.zeros((2, 2), dtype=np.float32)):
-        with pytest.raises(ValueError):
-            as_fragments(np.asarray(bad))
-
-
-def test_coalesce_merges_only_when_both_sides_are_contiguous() -> None:
-    src = page_fragments(1000, 10, [0, 1, 2, 5, 6])
-    dst = page_fragments(9000, 10, [3, 4, 9, 0, 1])
-    s, d = coalesce(src, dst)
-    assert s.tolist() == [[1000, 20], [1020, 10], [1050, 20]]
-    assert d.tolist() == [[9030, 20], [9090, 10], [9000, 20]]
-
-
-@given(st.lists(st.integers(1, 5), min_size=1, max_size=40), st.randoms(use_true_random=False))
-def test_coalesce_moves_the_same_bytes(lengths: list[int], rnd: object) -> None:
-    src_off = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    order = list(range(len(lengths)))
-    rnd.shuffle(order)  # type: ignore[attr-defined]
-    dst_off = np.empty_like(src_off)
-    dst_off[order] = np.concatenate(([0], np.cumsum(np.array(lengths)[order])[:-1]))
-    src = as_fragments(np.stack([src_off + 100, lengths], axis=1))
-    dst = as_fragments(np.stack([dst_off + 5000, lengths], axis=1))
-
-    def mapping(s: np.ndarray, d: np.ndarray) -> dict[int, int]:
-        return {int(a) + i: int(b) + i for (a, n), (b, _) in zip(s, d, strict=True) for i in range(int(n))}
-
-    cs, cd = coalesce(src, dst)
-    assert mapping(cs, cd) == mapping(src, dst)
-    assert len(cs) <= len(src)
-
-
-@given(
-    st.lists(st.tuples(st.integers(1, 5), st.booleans(), st.booleans()), min_size=1, max_size=200),
-    st.sampled_from([np.uint64, np.int64]),
-)
-def test_write_rows_is_as_fragments_pairing_and_coalesce(
-    rows: list[tuple[int, bool, bool]], dtype: type
-) -> None:
-    """The fused preparation of a write returns what the three functions return one after the other, above and
-    below the row count where it switches to checking row by row; it merges only where enough rows join."""
-    lengths = np.array([n for n, _, _ in rows], dtype=np.int64)
-    # a gap before a row on either side (or both) decides whether it merges with the one before
-    s_gap = np.array([g for _, g, _ in rows], dtype=np.int64)
-    d_gap = np.array([g for _, _, g in rows], dtype=np.int64)
-    src = np.stack([1000 + np.cumsum(lengths + s_gap) - lengths, lengths], axis=1).astype(dtype)
-    dst = np.stack([90000 + np.cumsum(lengths + 3 * d_gap) - lengths, lengths], axis=1).astype(dtype)
-    got = write_rows(src, dst)
-    want_s, want_d = as_fragments(src), as_fragments(dst)
-    check_pairing(want_s, want_d)
-    assert got.src.tolist() == want_s.tolist() and got.dst.tolist() == want_d.tolist()
-    merged_s, merged_d = coalesce(want_s, want_d)
-    # merged where at least one row in MERGE_SHARE joins the row before
-    if len(want_s) - len(merged_s) >= max(1, len(want_s) // MERGE_SHARE):
-        assert got.merged_src is not None and got.merged_dst is not None
-        assert got.merged_src.tolist() == merged_s.tolist() and got.merged_dst.tolist() == merged_d.tolist()
-    else:
-        assert got.merged_src is None and got.merged_dst is None
-    unmerged = write_rows(src, dst, merge=False)
-    assert unmerged.merged_src is None and unmerged.src.tolist() == want_s.tolist()
-    # the bounds of many rows, merged or not: every row as given and merged lies inside them, the lowest
-    # address exactly
-    if got.bounds is not None:
-        sides = [(got.src, got.bounds[:2]), (got.dst, got.bounds[2:])]
-        if got.merged_src is not None and got.merged_dst is not None:
-            sides += [(got.merged_src, got.bounds[:2]), (got.merged_dst, got.bounds[2:])]
-        for rows_, (low, high) in sides:
-            assert low == int(rows_[:, 0].min()) and high >= int((rows_[:, 0] + rows_[:, 1]).max())
-    else:
-        assert len(rows) < 64
-
-
-@pytest.mark.parametrize("joined", [0, 1, 127, 128, 1023])
-def test_write_rows_merges_only_when_enough_rows_join(joined: int) -> None:
-    """A write of 1024 pages, the first ``joined`` of them landing after the page before: merged from one join
-    in MERGE_SHARE on (fewer save less than the merge costs), the rows as given otherwise."""
-    n = 1024
-    order = np.random.default_rng(joined).permutation(np.arange(joined + 1, n) * 2)  # no two neighbours
-    dst_pages = np.concatenate([np.arange(joined + 1) + 2 * n, order])
-    src, dst = page_fragments(1 << 30, 4096, np.arange(n)), page_fragments(1 << 40, 4096, dst_pages)
-    rows = write_rows(src, dst)
-    assert rows.src is src or np.array_equal(rows.src, src)
-    if joined >= n // MERGE_SHARE:
-        assert rows.merged_src is not None and rows.merged_dst is not None
-        assert len(rows.merged_src) == n - joined
-        merged_s, merged_d = coalesce(src, dst)
-        assert np.array_equal(rows.merged_src, merged_s) and np.array_equal(rows.merged_dst, merged_d)
-    else:
-        assert rows.merged_src is None and rows.merged_dst is None
-    assert len(coalesce(src, dst)[0]) == n - joined  # coalesce itself merges whatever joins
-
-
-@pytest.mark.parametrize("rows", [3, 200])
-def test_write_rows_refuses_what_as_fragments_refuses(rows: int) -> None:
-    """Every refusal holds on both of its paths (few rows: row by row; many: on the merged rows)."""
-    src = page_fragments(1 << 20, 64, np.arange(rows))
-    dst = page_fragments(1 << 30, 64, np.arange(rows))
-
-    def refused(s: np.ndarray, d: np.ndarray, match: str) -> None:
-        with pytest.raises(ValueError, match=match):
-            write_rows(s, d)
-
-    refused(src[:, :1], dst[:, :1], "shape")
-    refused(src, dst[:-1], "differ in shape")
-    other = dst.copy()
-    other[-1, 1] = 32
-    refused(src, other, "differ in length")
-    zero_s, zero_d = src.copy(), dst.copy()
-    zero_s[1, 1] = zero_d[1, 1] = 0
-    refused(zero_s, zero_d, "zero-length")
-    # the last row wraps around the address space on one side; with many rows it merges into a run first
-    wrap_s = src.copy()
-    wrap_s[:, 0] += np.uint64(2**64 - (1 << 20) - 64 * (rows - 1))
-    refused(wrap_s, dst, "wraps")
-    wrap_d = dst.copy()
-    wrap_d[:, 0] += np.uint64(2**64 - (1 << 30) - 64 * (rows - 1))
-    refused(src, wrap_d, "wraps")
-    refused(np.array([[1, -2]] * rows), np.array([[1, 2]] * rows), "negative")
-    refused(src.astype(np.float64), dst, "integer")
-    huge = np.array([[2**62 * (1 + i % 3), 2**62] for i in range(rows)], dtype=np.uint64)  # 3 * 2**62 + 2**62
-    refused(huge, huge, "wraps")  # lengths this large are checked row by row
-    # the highest address plus the longest length would wrap, but no row does: checked row by row, accepted
-    near = np.array([[(i * 2) << 40, 1 << 30] for i in range(rows)], dtype=np.uint64)
-    near[-1] = [2**64 - 8192, 4096]
-    assert write_rows(near, near).merged_src is None
 
 
 def test_region_table_with_overlaps() -> None:
@@ -211,73 +79,6 @@ def test_region_table_bounds_answer_as_the_rows_do(rows: list[tuple[int, int]], 
     # bounds in one range answer every row of that range at once
     inside = as_fragments([[5000 + low % 900, 1 + extra % 100], [5000, 1]])
     assert table.locate(inside, "x", (5000, 5000 + low % 900 + 1 + extra % 100)).tolist() == [1, 1]
-
-
-@given(st.binary(max_size=64), st.binary(max_size=256), st.integers(0, 2**64 - 1))
-def test_handshake_round_trip(compat: bytes, body: bytes, version: int) -> None:
-    for message in (
-        messages.Credentials(body[:64], compat),
-        messages.Welcome(compat),
-        messages.Challenge(version, bytes(messages.NONCE_BYTES), body[:64]),
-        messages.Greeting(version, bytes(range(messages.NONCE_BYTES)), bool(version % 2)),
-    ):
-        assert wire.decode(wire.encode(message), type(message)) == message
-
-
-def test_malformed_wire_is_refused() -> None:
-    for data in (
-        b"",
-        b"\xc1",
-        b"\x93\x01\x02\x03",
-        msgpack.packb({"wire_version": -1, "nonce": bytes(32), "authenticated": True}),
-        msgpack.packb({"wire_version": 3, "nonce": bytes(31), "authenticated": True}),
-        msgpack.packb({"wire_version": 3, "nonce": bytes(33), "authenticated": True}),
-    ):
-        with pytest.raises(WireFormatError):
-            wire.decode(data, messages.Greeting)
-    extra = msgpack.packb({"wire_version": 3, "nonce": bytes(32), "authenticated": True, "surprise": 1})
-    with pytest.raises(WireFormatError):
-        wire.decode(extra, messages.Greeting)
-    with pytest.raises(WireFormatError):
-        wire.decode(msgpack.packb({"address": 1, "length": 0, "device": "cpu"}), RegionInfo)
-
-
-def test_importing_kvferry_imports_no_library() -> None:
-    code = textwrap.dedent(
-        """
-        import sys, kvferry, kvferry.transports, kvferry.transports.base, kvferry.transports.messages, kvferry.wire
-        from kvferry.transports import get_transport
-        get_transport("local")
-        loaded = [m for m in ("nixl", "nixl_cu13", "nixl_cu12", "ucxx") if m in sys.modules]
-        assert not loaded, loaded
-        """
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def test_missing_library_names_the_extra() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        sys.modules["nixl_cu13"] = None  # as if not installed
-        sys.modules["ucxx"] = None
-        from kvferry.errors import MissingExtraError
-        from kvferry.transports import get_transport, available_transports
-        for name, extra in (("nixl", "nixl"), ("ucx", "ucx")):
-            try:
-                get_transport(name)
-            except MissingExtraError as exc:
-                assert exc.extra == extra and f"kvferry[{extra}]" in str(exc), exc
-            else:
-                raise AssertionError(name)
-        assert available_transports()["local"] is None
-        assert type(get_transport("auto")()).__name__ == "LocalTransport"
-        """
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    with pytest.raises(LookupError):
-        get_transport("carrier-pigeon")
-    assert issubclass(MissingExtraError, ImportError)
 
 
 @pytest.mark.parametrize(
@@ -379,28 +180,6 @@ async def test_a_cancelled_device_wait_returns_only_after_the_event() -> None:
     assert scope.cancel_called
 
 
-def test_ipc_route_maps_the_peers_ranges_to_its_mapped_regions() -> None:
-    """A CUDA IPC write finds the mapped region of each destination row from the range the write check found
-    it in (the peer's registered ranges, in any order; host ranges map to none), and notices a new mapping."""
-    from kvferry.transports._nixl_exports import IpcPeer
-
-    peer_regions = RegionTable(
-        [
-            RegionInfo(9000, 100, "cuda:0"),
-            RegionInfo(1000, 500, "cpu"),
-            RegionInfo(5000, 1000, "cuda:0"),
-            RegionInfo(5100, 100, "cuda:0"),  # inside the one above
-        ]
-    )
-    ipc = IpcPeer()
-    ipc.table = RegionTable([RegionInfo(5000, 1000, "cuda:0"), RegionInfo(9000, 100, "cuda:0")])
-    assert ipc.exported_of(peer_regions).tolist() == [1, -1, 0, 0]
-    assert ipc.exported_of(peer_regions) is ipc.exported_of(peer_regions)  # kept while nothing changed
-    ipc.table = RegionTable([RegionInfo(9000, 100, "cuda:0")])  # remapped: the peer exports less now
-    assert ipc.exported_of(peer_regions).tolist() == [0, -1, -1, -1]
-    assert IpcPeer().exported_of(RegionTable([])).tolist() == []
-
-
 # --- cross-memory attach ---------------------------------------------------------------------------------
 
 
@@ -440,52 +219,6 @@ def test_cma_slices_cut_runs_of_about_the_slice_size() -> None:
         runs = _cma.slices(lengths, cut)
         assert runs[0][0] == 0 and runs[-1][1] == len(lengths)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
-
-
-def _hello(**fields: object) -> messages.Hello:
-    import socket
-
-    from kvferry.transports.handshake import pid_namespace
-
-    base: dict[str, object] = dict(
-        transport="ucx",
-        instance_id="x",
-        address="ucx://127.0.0.1:1",
-        hostname=socket.gethostname(),
-        pid=0,
-        pid_namespace=pid_namespace(),
-        max_message_bytes=0,
-        tag_prefix=0,
-        regions=(),
-        backend=b"",
-    )
-    return messages.Hello(**{**base, **fields})  # type: ignore[arg-type]
-
-
-@pytest.mark.skipif(not _cma.available(), reason="needs process_vm_readv/writev")
-def test_a_peer_proves_its_pid_by_the_bytes_in_its_memory() -> None:
-    import os
-    import secrets
-
-    from kvferry.transports.handshake import Handshake
-
-    proves = Handshake._proves_pid
-    expected = secrets.token_bytes(32)
-    proof = np.frombuffer(expected, dtype=np.uint8).copy()
-    address = int(proof.ctypes.data)
-    assert proves(_hello(pid=os.getpid(), pid_proof_address=address), expected)
-    # other bytes, no address, another host or pid namespace, another process, unmapped memory: not believed
-    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address), secrets.token_bytes(32))
-    assert not proves(_hello(pid=os.getpid()), expected)
-    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address, hostname="elsewhere"), expected)
-    assert not proves(_hello(pid=os.getpid(), pid_proof_address=address, pid_namespace=1), expected)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        assert not proves(_hello(pid=other.pid, pid_proof_address=address), expected)
-    finally:
-        other.kill()
-        other.wait()
-    assert not proves(_hello(pid=os.getpid(), pid_proof_address=8), expected)
 
 
 @pytest.mark.anyio
@@ -562,24 +295,6 @@ def test_split_rows_moves_the_same_bytes_in_pieces(lengths: list[int], longest: 
 # --- what a peer's bytes may hold: exact types, ranges inside the address space ------------------------------
 
 
-def test_a_region_ends_inside_the_address_space() -> None:
-    """A RegionInfo of address + length > 2**64 is refused at decode: in RegionTable it would raise
-    OverflowError and end the peer's task."""
-    top = RegionInfo(2**64 - 4096, 4096, "cpu")  # ends at 2**64 exactly
-    table = RegionTable([RegionInfo(4096, 4096, "cpu"), top])
-    rows = np.array([[2**64 - 4096, 4095], [2**64 - 2, 1], [8000, 192]], dtype=np.uint64)
-    assert table.holding(as_fragments(rows)).tolist() == [1, 1, 0]
-    with pytest.raises(ValueError, match="ends past"):
-        RegionInfo(2**64 - 1, 2, "cpu")
-    for regions in ([[2**64 - 1, 2]], [[2**63, 2**63 + 1]], [[4096, 8], [2, 2**64 - 1]]):
-        update = {
-            "regions": [{"address": a, "length": n, "device": "cpu"} for a, n in regions],
-            "backend": b"",
-        }
-        with pytest.raises(WireFormatError):
-            wire.decode(msgpack.packb(update), messages.RegionsUpdate)
-
-
 def test_a_region_table_refuses_ranges_outside_the_address_space() -> None:
     """RegionTable itself (whatever built its ranges): WireFormatError, a ValueError, never OverflowError."""
     with attrs.validators.disabled():
@@ -611,28 +326,3 @@ def test_a_region_table_answers_as_a_search_of_every_range(
         assert (index >= 0) == any(inside)
         if index >= 0:
             assert inside[index]
-
-
-def test_the_transport_converter_takes_exact_types() -> None:
-    """The converter takes exact types only: a lax one turns an int into bytes (``bytes(2**60)`` allocates it), a
-    str or a float into an int, bytes into a str. Each is refused, as is an array over its cap."""
-    good = {"wire_version": 1, "nonce": bytes(32), "proof": b""}
-    assert wire.decode(msgpack.packb(good), messages.Challenge) == messages.Challenge(1, bytes(32), b"")
-    for key, value in (
-        ("proof", 2**60),
-        ("proof", [1, 2]),
-        ("proof", "text"),
-        ("nonce", 5),
-        ("wire_version", True),
-        ("wire_version", "1"),
-        ("wire_version", 1.5),
-        ("wire_version", b"1"),
-    ):
-        with pytest.raises(WireFormatError, match=key):
-            wire.decode(msgpack.packb({**good, key: value}), messages.Challenge)
-    with pytest.raises(WireFormatError):
-        wire.decode(msgpack.packb({"reason": b"bytes"}), messages.Refusal)
-    region = {"address": 4096, "length": 1, "device": "cpu"}
-    many = {"regions": [region] * (wire.MAX_ARRAY_ITEMS + 1), "backend": b""}
-    with pytest.raises(WireFormatError, match="at most"):
-        wire.decode(msgpack.packb(many), messages.RegionsUpdate)
