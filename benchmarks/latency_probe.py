@@ -78,7 +78,7 @@ class _Stages:
 def _patch_stages(transport: Any) -> _Stages:
     from kvferry.kernels import span_copy
     from kvferry.transports import _memory
-    from kvferry.transports.peers import ControlChannel
+    from kvferry.transports.control import ControlChannel
     from kvferry.transports.writes import WritePipeline
 
     stages = _Stages()

@@ -117,7 +117,7 @@ def wrap_transfer_path(timeline: Timeline, transport: Any) -> None:
     its class)."""
     from kvferry.disagg import mapping, protocol, session, transfer
     from kvferry.kernels import span_copy
-    from kvferry.transports import _framing, _memory, channel, peers, writes
+    from kvferry.transports import _framing, _memory, channel, control, writes
 
     path = type(getattr(transport, "data_path", None))
     for owner, name, label in (
@@ -134,9 +134,9 @@ def wrap_transfer_path(timeline: Timeline, transport: Any) -> None:
         (span_copy._Launcher, "launch", "span_copy.launch"),
         (_memory, "synchronize_cuda", "synchronize_cuda"),
         (_memory, "wait_event", "wait_event"),
-        (peers.ControlChannel, "send_frames", "T.control.send_frames"),
+        (control.ControlChannel, "send_frames", "T.control.send_frames"),
         (channel.ChannelTransport, "send_message", "T.send_message"),
-        (peers.ControlChannel, "_dispatch", "T.control._dispatch (control frame in)"),
+        (control.ControlChannel, "_dispatch", "T.control._dispatch (control frame in)"),
         (_framing.FrameReader, "receive_exactly", "reader.receive_exactly"),
         (protocol, "encode_control", "encode_control"),
         (protocol, "decode_control", "decode_control"),

@@ -2,8 +2,9 @@
 
 :class:`ChannelTransport` is a facade over four parts, each in its own module:
 
-- :class:`~kvferry.transports.peers.ControlChannel` (:mod:`~kvferry.transports.peers`): the listener, connect
-  and accept, the handshake, each peer's reader, frames out, messages and notifications, peer loss;
+- :class:`~kvferry.transports.control.ControlChannel` (:mod:`~kvferry.transports.control`): the listener,
+  connect and accept, the handshake, each peer's reader, frames out, messages and notifications, peer loss
+  (each peer's state: :class:`~kvferry.transports.peers.ChannelPeer`);
 - :class:`~kvferry.transports.grants.GrantLedger` (:mod:`~kvferry.transports.grants`): our grants to each peer,
   and each peer's to us;
 - :class:`~kvferry.transports.writes.WritePipeline` (:mod:`~kvferry.transports.writes`): every write's checks,
@@ -49,11 +50,12 @@ from kvferry.transports.base import (
     TransportAttribute,
     TransportStatistics,
 )
+from kvferry.transports.control import ControlChannel
 from kvferry.transports.datapath import DataPath
 from kvferry.transports.grants import ChannelGrant, GrantLedger
 from kvferry.transports.handshake import Handshake, TlsConfig, check_listen_address
 from kvferry.transports.limits import ChannelLimits
-from kvferry.transports.peers import ChannelPeer, ControlChannel
+from kvferry.transports.peers import ChannelPeer
 from kvferry.transports.writes import CheckedRows, Guard, WritePipeline
 
 if TYPE_CHECKING:

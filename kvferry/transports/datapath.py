@@ -2,7 +2,7 @@
 
 A :class:`~kvferry.transports.channel.ChannelTransport` does everything a transport does except that: it
 listens, handshakes, keeps its peers, carries messages, notifications and grants on its control channel
-(:mod:`~kvferry.transports.peers`), checks every write against registered memory and the peer's grants and copies
+(:mod:`~kvferry.transports.control`), checks every write against registered memory and the peer's grants and copies
 to peers of its own process itself (:mod:`~kvferry.transports.writes`). The bytes of a write to a peer in another
 process move through its :class:`DataPath`: NIXL (:mod:`~kvferry.transports.nixl`), UCX
 (:mod:`~kvferry.transports.ucx`), or none at all (:mod:`~kvferry.transports.local`: it reaches only its own

@@ -41,7 +41,8 @@ from kvferry.transports.messages import (
 if TYPE_CHECKING:
     from kvferry.transports.channel import ChannelTransport
     from kvferry.transports.datapath import DataPath
-    from kvferry.transports.peers import ChannelPeer, Frame
+    from kvferry.transports.messages import Frame
+    from kvferry.transports.peers import ChannelPeer
 
 __all__ = ["ChannelGrant", "GrantLedger"]
 

@@ -40,6 +40,7 @@ __all__ = [
     "NONCE_BYTES",
     "Challenge",
     "Credentials",
+    "Frame",
     "FrameKind",
     "Greeting",
     "Hello",
@@ -89,6 +90,10 @@ class FrameKind(enum.IntEnum):
     GRANT = 10
     #: a :class:`WriteRevoke`: a grant ends
     REVOKE = 11
+
+
+#: one frame to send: its kind and body
+Frame = tuple[FrameKind, bytes]
 
 
 # --- handshake ------------------------------------------------------------------------------------------

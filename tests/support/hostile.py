@@ -28,8 +28,8 @@ from kvferry import wire
 from kvferry.errors import PeerIncompatible
 from kvferry.transports import get_transport, messages
 from kvferry.transports._framing import FrameReader, frame, read_frame
+from kvferry.transports.control import parse_address
 from kvferry.transports.handshake import SECRET_ENV, Handshake, pid_namespace
-from kvferry.transports.peers import parse_address
 
 HEADER = messages.FRAME_HEADER
 DEADLINE = 20.0
