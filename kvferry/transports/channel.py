@@ -75,7 +75,8 @@ __all__ = [
 
 log = logging.getLogger("kvferry.transports")
 
-#: the data path of a ChannelTransport (covariant: a ChannelTransport[NixlDataPath] is a ChannelTransport[DataPath])
+#: the data path of a ChannelTransport (covariant: a ChannelTransport[NixlDataPath] is a
+#: ChannelTransport[DataPath])
 P = TypeVar("P", bound=DataPath, covariant=True)
 
 

@@ -9,9 +9,10 @@ involving that peer ends with :class:`~kvferry.errors.PeerDisconnected`. That is
 paths (NIXL, UCX) run with their cheaper, hang-prone settings (error handling off, shared memory) and still fail
 within a deadline.
 
-A peer's life is drawn in :mod:`~kvferry.transports.peers`. Whatever a peer sends, or whatever breaks while serving it, ends that peer only: it is LOST with a logged,
-counted reason, and every other peer goes on. Frames go out under the peer's send lock; a frame cut midway
-(a cancel, an error) loses the peer, since the stream can no longer be framed.
+A peer's life is drawn in :mod:`~kvferry.transports.peers`. Whatever a peer sends, or whatever breaks while
+serving it, ends that peer only: it is LOST with a logged, counted reason, and every other peer goes on. Frames go
+out under the peer's send lock; a frame cut midway (a cancel, an error) loses the peer, since the stream can no
+longer be framed.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A :class:`~kvferry.transports.channel.ChannelTransport` does everything a transport does except that: it
 listens, handshakes, keeps its peers, carries messages, notifications and grants on its control channel
-(:mod:`~kvferry.transports.control`), checks every write against registered memory and the peer's grants and copies
-to peers of its own process itself (:mod:`~kvferry.transports.writes`). The bytes of a write to a peer in another
-process move through its :class:`DataPath`: NIXL (:mod:`~kvferry.transports.nixl`), UCX
+(:mod:`~kvferry.transports.control`), checks every write against registered memory and the peer's grants, and
+copies to peers of its own process itself (:mod:`~kvferry.transports.writes`). The bytes of a write to a peer in
+another process move through its :class:`DataPath`: NIXL (:mod:`~kvferry.transports.nixl`), UCX
 (:mod:`~kvferry.transports.ucx`), or none at all (:mod:`~kvferry.transports.local`: it reaches only its own
 process).
 
@@ -51,8 +51,8 @@ class DataPath(metaclass=ABCMeta):
     default that does nothing (or declines), so a backend names only those.
     """
 
-    #: the tag prefix two-sided data to this transport carries (:attr:`~kvferry.transports.messages.Hello.tag_prefix`);
-    #: 0 where the data path does not tag its data
+    #: the tag prefix two-sided data to this transport carries
+    #: (:attr:`~kvferry.transports.messages.Hello.tag_prefix`); 0 where the data path does not tag its data
     tag_prefix: int = 0
 
     def __init__(self, transport: ChannelTransport[DataPath]) -> None:

@@ -114,8 +114,8 @@ class ChannelPeer(Peer):
         #: what we granted this peer (:meth:`ChannelTransport.grant`): its writes we receive must land inside
         self.granted = Grants()
         #: frames that go out ahead of the next ones sent (deferred grants, revokes; see
-        #: :meth:`~kvferry.transports.control.ControlChannel.send_frames`), and what wakes the task that sends them when nothing else does
-        #: (None until the first is queued)
+        #: :meth:`~kvferry.transports.control.ControlChannel.send_frames`), and what wakes the task that sends
+        #: them when nothing else does (None until the first is queued)
         self.outbox: list[Frame] = []
         self.wake: anyio.Event | None = None
 
