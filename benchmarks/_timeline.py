@@ -31,25 +31,25 @@ from typing import Any
 Event = tuple[str, float, float]
 
 #: (module, attribute, label) of the stages of a write and of a message's or notification's trip; ``T.`` is
-#: the transport's class (its own attribute when it has one, else the channel base's)
+#: the transport's class (its own attribute when it has one, else the channel base's), ``P.`` its data path's class
 TRANSFER_PATH: tuple[tuple[str, str, str], ...] = (
-    ("kvferry.transports._channel", "ChannelTransport.write", "T.write"),
-    ("kvferry.transports._channel", "ChannelTransport.write_many", "T.write_many"),
-    ("kvferry.transports._channel", "ChannelTransport._checked", "T._checked"),
-    ("T", "_backend_write", "T._backend_write"),
-    ("T", "_backend_write_together", "T._backend_write_together"),
-    ("T", "_ipc_route", "T._ipc_route"),
+    ("kvferry.transports.channel", "ChannelTransport.write", "T.write"),
+    ("kvferry.transports.channel", "ChannelTransport.write_many", "T.write_many"),
+    ("kvferry.transports.writes", "WritePipeline.checked", "T.writes.checked"),
+    ("P", "write", "P.write"),
+    ("P", "write_together", "P.write_together"),
+    ("P", "_ipc_route", "P._ipc_route"),
     ("kvferry.transports._memory", "CopyPlan.run", "CopyPlan.run"),
     ("kvferry.transports._memory", "CopyPlan._device_rows", "CopyPlan._device_rows"),
     ("kvferry.kernels.span_copy", "piece_table", "span_copy.piece_table"),
-    ("kvferry.kernels.span_copy", "_pinned_table", "span_copy._pinned_table"),
-    ("kvferry.kernels.span_copy", "_Launcher.launch", "span_copy.launch"),
+    ("kvferry.kernels.span_copy", "pinned_table", "span_copy.pinned_table"),
+    ("kvferry.kernels.span_copy", "Launcher.launch", "span_copy.launch"),
     ("kvferry.transports._memory", "synchronize_cuda", "synchronize_cuda"),
     ("kvferry.transports._memory", "wait_event", "wait_event"),
-    ("kvferry.transports._channel", "ChannelTransport.send_frames", "T.send_frames"),
-    ("kvferry.transports._channel", "ChannelTransport.send_message", "T.send_message"),
-    ("kvferry.transports._channel", "ChannelTransport._dispatch", "T._dispatch (control frame in)"),
-    ("kvferry.transports._channel", "_FrameReader.receive_exactly", "reader.receive_exactly"),
+    ("kvferry.transports.control", "ControlChannel.send_frames", "T.control.send_frames"),
+    ("kvferry.transports.control", "ControlChannel.send_message", "T.control.send_message"),
+    ("kvferry.transports.control", "ControlChannel._dispatch", "T.control._dispatch (control frame in)"),
+    ("kvferry.transports._framing", "FrameReader.receive_exactly", "reader.receive_exactly"),
     ("kvferry.disagg.protocol", "encode_control", "encode_control"),
     ("kvferry.disagg.protocol", "decode_control", "decode_control"),
     ("kvferry.disagg.transfer", "plan_transfer", "plan_transfer"),
@@ -62,34 +62,37 @@ TRANSFER_PATH: tuple[tuple[str, str, str], ...] = (
 #: the stages of one write on the writer's side (``--stages``), with labels that say what each covers
 WRITE_STAGES: tuple[tuple[str, str, str], ...] = (
     ("T", "write", "write (whole)"),
-    ("kvferry.transports._channel", "ChannelTransport._checked", "checked (pairing, coalesce, locate)"),
-    ("T", "_backend_write", "backend write (route + copy + notify)"),
-    ("T", "_ipc_route", "ipc route"),
+    ("kvferry.transports.writes", "WritePipeline.checked", "checked (pairing, coalesce, locate)"),
+    ("P", "write", "data path write (route + copy + notify)"),
+    ("P", "_ipc_route", "ipc route"),
     ("kvferry.transports._memory", "CopyPlan.run", "CopyPlan.run (queue + sync)"),
     ("kvferry.transports._memory", "CopyPlan._device_rows", "device rows (queue)"),
     ("kvferry.kernels.span_copy", "piece_table", "piece table"),
     ("kvferry.kernels.span_copy", "copy_spans", "copy_spans (table + upload + launch)"),
     ("kvferry.kernels.span_copy", "copy_fragments", "copy_fragments (rows + upload + launch)"),
-    ("kvferry.kernels.span_copy", "_upload", "table upload"),
-    ("kvferry.kernels.span_copy", "_pinned_table", "pinned table"),
-    ("kvferry.kernels.span_copy", "_upload_held", "table upload (grid)"),
+    ("kvferry.kernels.span_copy", "upload", "table upload"),
+    ("kvferry.kernels.span_copy", "pinned_table", "pinned table"),
+    ("kvferry.kernels.span_copy", "upload_held", "table upload (grid)"),
     ("kvferry.transports._memory", "wait_event", "wait_event"),
-    ("kvferry.kernels.span_copy", "_Launcher.launch", "launch"),
+    ("kvferry.kernels.span_copy", "Launcher.launch", "launch"),
     ("kvferry.transports._memory", "synchronize_cuda", "synchronize_cuda"),
-    ("kvferry.transports._channel", "ChannelTransport.send_frame", "send_frame"),
+    ("kvferry.transports.control", "ControlChannel.send_frame", "send_frame"),
 )
 
 
-def _find(module: str, path: str, transport: type | None) -> tuple[Any, str] | None:
+def _find(
+    module: str, path: str, transport: type | None, data_path: type | None = None
+) -> tuple[Any, str] | None:
     """The owner of ``path``'s last attribute (a module or class) and that attribute's name, or None.
 
-    ``module`` ``"T"`` is the transport's class; otherwise the module and its loaded submodules are searched
+    ``module`` ``"T"`` is the transport's class, ``"P"`` its data path's class; otherwise the module and its loaded submodules are searched
     for the first part of ``path``."""
     head, _, rest = path.partition(".")
-    if module == "T":
-        if transport is None:
+    if module in ("T", "P"):
+        owner = transport if module == "T" else data_path
+        if owner is None:
             return None
-        return (transport, head) if hasattr(transport, head) else None
+        return (owner, head) if hasattr(owner, head) else None
     try:
         importlib.import_module(module)
     except ImportError:
@@ -157,10 +160,13 @@ class Timeline:
 
     def wrap_all(self, targets: Iterable[tuple[str, str, str]], transport: Any = None) -> None:
         """Wrap every ``(module, attribute path, label)`` of ``targets`` that exists; ``transport`` (a transport
-        or its class) stands for the module ``"T"``."""
+        or its class) stands for the module ``"T"``, and its data path's class (known from a transport, not
+        from a class) for ``"P"``."""
         cls = transport if isinstance(transport, type) or transport is None else type(transport)
+        path_object = getattr(transport, "data_path", None) if not isinstance(transport, type) else None
+        data_path = type(path_object) if path_object is not None else None
         for module, path, label in targets:
-            found = _find(module, path, cls)
+            found = _find(module, path, cls, data_path)
             if found is None:
                 self.missing.append(f"{module}:{path}")
             else:

@@ -1,22 +1,44 @@
 """The one wire format of kvferry: frozen attrs classes, serialised by one cattrs converter to msgpack.
 
+Two protocols travel in it, versioned apart:
+
+- the transports' peer protocol (:mod:`kvferry.transports.messages`: handshake, regions, two-sided writes,
+  grants), versioned by :data:`TRANSPORT_PROTOCOL_VERSION` and compared in the handshake's first frames;
+- the disaggregation protocol (:mod:`kvferry.disagg.protocol`, :mod:`kvferry.pools.pagetable`: page tables,
+  hellos, control messages), versioned by :data:`DISAGG_PROTOCOL_VERSION` and compared in its hello.
+
 :func:`encode` turns a message into bytes; :func:`decode` turns bytes from a peer back into a message of the
 class you expect, or raises :class:`~kvferry.errors.WireFormatError` -- for *every* failure: truncated or
 trailing bytes, msgpack errors, unknown or missing keys, wrong types (a bool where an int belongs, a string
-where a list belongs), integers outside int64, deep recursion, and whatever the message's own ``validate()``
-refuses. No other exception escapes :func:`decode`.
+where a list belongs), integers outside their range, arrays over their cap, deep recursion, and whatever the
+message's own validators or ``validate()`` refuse. No other exception escapes :func:`decode`.
 
 Messages need no registration: any ``@frozen`` attrs class whose fields are ints, floats, strs, bools, bytes,
 enums, tuples / lists / dicts of those, ``X | None`` or other such classes works. A class with a
 ``validate(self) -> None`` method gets it called after structuring; it raises ``WireFormatError`` when the
 fields are individually well typed but inconsistent (overlapping ranges, counts that disagree).
 
-Tuples of ints (``tuple[int, ...]``: page ids, token ids) travel packed, as msgpack binary of little-endian
-int64 values: one buffer to copy where a list costs a msgpack item and a type check per value (a receive request
-of an 8K-token prompt decodes in a fifth of the time). Lists of ints travel as msgpack arrays.
+Scalars are taken as their exact type only (no conversion: ``bytes(2**60)`` would allocate, ``int("12")``
+parse, ``str(b"x")`` invent text); a float field also takes an int. A plain ``int`` is an int64; a field
+annotated :data:`U64` (addresses, lengths, ids, tags) is an unsigned 64-bit int instead. An array annotated
+:class:`MaxItems` (or :data:`Capped`) is refused on its length before any of its items is structured, which
+bounds what a peer's message costs to decode.
 
-Version history (``WIRE_VERSION``):
-  1 -- first version: page tables.
+Tuples of ints (``tuple[int, ...]``: page ids, token ids) travel packed, as msgpack binary of little-endian
+int64 values: one buffer to copy where a list costs a msgpack item and a type check per value. Lists of ints
+travel as msgpack arrays.
+
+Versions of the transports' peer protocol (:data:`TRANSPORT_PROTOCOL_VERSION`):
+  1 -- handshake envelope and hello, regions, messages, notifications, two-sided writes.
+  2 -- a two-sided write may offer its source ranges for the receiver to read (same host): ``WriteRequest.src``,
+       ``WriteStatus.PULLING`` and ``PROGRESS``; ``Hello.pid_proof`` and ``pid_proof_address``.
+  3 -- the handshake authenticates both sides by challenge-response (``Greeting``, ``Challenge``,
+       ``Credentials``, ``Welcome``); the pid proof is derived from the handshake, not sent.
+  4 -- grants: a peer writes only into ranges granted to it (``GRANT`` / ``REVOKE`` frames, ``WriteGrant``,
+       ``WriteRevoke``).
+
+Versions of the disaggregation protocol (:data:`DISAGG_PROTOCOL_VERSION`):
+  1 -- page tables.
   2 -- tuples of ints packed as little-endian int64 binary.
   3 -- control kind ``chunk_results``: several writers' reports in one message.
 """
@@ -27,22 +49,73 @@ import enum
 import sys
 from array import array
 from collections.abc import Callable
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 import cattrs
 import msgpack
+from attrs import frozen
+from cattrs.v import format_exception
 
 from kvferry.errors import WireFormatError
 
-__all__ = ["INT64_MAX", "INT64_MIN", "WIRE_VERSION", "PackedInts", "decode", "encode", "make_converter"]
+__all__ = [
+    "DISAGG_PROTOCOL_VERSION",
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_ARRAY_ITEMS",
+    "TRANSPORT_PROTOCOL_VERSION",
+    "U64",
+    "UINT64_MAX",
+    "WIRE_VERSION",
+    "Capped",
+    "MaxItems",
+    "PackedInts",
+    "decode",
+    "encode",
+    "make_converter",
+]
 
-#: Bumped on every incompatible change of any message; peers compare it before decoding anything else.
-WIRE_VERSION = 3
+#: The transports' peer protocol (:mod:`kvferry.transports.messages`); bumped on every change the previous
+#: version cannot read. Peers compare it in the handshake before anything else is decoded.
+TRANSPORT_PROTOCOL_VERSION = 4
+#: The disaggregation protocol (page tables, disagg hellos and control messages); bumped on every change the
+#: previous version cannot read. Peers compare it in the disagg hello before anything else is decoded.
+DISAGG_PROTOCOL_VERSION = 3
+#: The disaggregation protocol's version under the name page tables carry it as (``PageTable.wire_version``).
+WIRE_VERSION = DISAGG_PROTOCOL_VERSION
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
 
 T = TypeVar("T")
+
+
+class _Unsigned64:
+    """The mark :data:`U64` carries."""
+
+    def __repr__(self) -> str:
+        return "U64"
+
+
+#: An unsigned 64-bit int field (addresses, lengths, ids, tags): taken in ``[0, 2**64)``, where a plain ``int``
+#: field is an int64.
+U64 = Annotated[int, _Unsigned64()]
+
+
+@frozen
+class MaxItems:
+    """``Annotated[tuple[X, ...], MaxItems(n)]``: an array of at most ``n`` items, refused on its length before
+    any item is structured (a peer's array of classes costs microseconds per item to structure and check)."""
+
+    count: int
+
+
+#: most items of a :data:`Capped` array: bounds what structuring a peer's array of classes costs the event loop
+MAX_ARRAY_ITEMS = 1 << 14
+
+#: ``Capped[X]``: a tuple of ``X`` of at most :data:`MAX_ARRAY_ITEMS` items (see :class:`MaxItems`).
+Capped = Annotated[tuple[T, ...], MaxItems(MAX_ARRAY_ITEMS)]
 
 
 def _type_name(value: object) -> str:
@@ -54,6 +127,14 @@ def _structure_int(value: Any, _cls: type) -> int:
         raise TypeError(f"expected an int, got {_type_name(value)}")
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"int {value} outside int64")
+    return value
+
+
+def _structure_u64(value: Any, _cls: type) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got {_type_name(value)}")
+    if not 0 <= value <= UINT64_MAX:
+        raise ValueError(f"int {value} outside uint64")
     return value
 
 
@@ -133,8 +214,13 @@ def _is_container(cls: Any) -> bool:
     return get_origin(cls) in (tuple, list, dict)
 
 
+def _is_annotated(cls: Any) -> bool:
+    return get_origin(cls) is Annotated
+
+
 def make_converter() -> cattrs.Converter:
-    """A strict converter: exact scalar types, int64 range, lists for sequences, no extra keys."""
+    """A strict converter: exact scalar types, int64 (or :data:`U64`) range, arrays for sequences (capped where
+    a field says so), no extra keys."""
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     # Scalars dispatch by class and so would also catch subclasses (a StrEnum is a str, an IntEnum an int):
     # enums get a hook of their own, registered on each enum base that sits before str/int in the MRO.
@@ -194,12 +280,32 @@ def make_converter() -> cattrs.Converter:
             if item_type is int:  # page ids and the like: one pass over the types, not a hook call per item
                 _check_ints(value)
                 return tuple(value) if origin is tuple else list(value)
-            items = [converter.structure(v, item_type) for v in value]
+            structure_item = converter.get_structure_hook(item_type)  # once per array, not once per item
+            items = [structure_item(v, item_type) for v in value]
             return tuple(items) if origin is tuple else items
 
         return structure_sequence
 
+    def annotated_hook(cls: Any) -> Callable[[Any, type], Any]:
+        base, *marks = get_args(cls)
+        if any(isinstance(mark, _Unsigned64) for mark in marks):
+            return _structure_u64
+        cap = next((mark.count for mark in marks if isinstance(mark, MaxItems)), None)
+        if cap is None:
+            return converter.get_structure_hook(base)
+        structure_base = converter.get_structure_hook(base)
+
+        def structure_capped(value: Any, _cls: type) -> Any:
+            if type(value) not in (list, tuple):
+                raise TypeError(f"expected an array, got {_type_name(value)}")
+            if len(value) > cap:
+                raise ValueError(f"an array of {len(value)} items (at most {cap})")
+            return structure_base(value, base)
+
+        return structure_capped
+
     converter.register_structure_hook_factory(_is_container, container_hook)
+    converter.register_structure_hook_factory(_is_annotated, annotated_hook)
     return converter
 
 
@@ -208,12 +314,20 @@ _CONVERTER = make_converter()
 
 
 def _describe(exc: Exception) -> str:
+    """What failed where (``$.regions``), and why (the hook's or validator's own words)."""
     if isinstance(exc, cattrs.BaseValidationError):
         try:
-            return "; ".join(cattrs.transform_error(exc))
+            return "; ".join(cattrs.transform_error(exc, format_exception=_format_exception))
         except Exception:  # the error report itself must not fail the decode
             pass
     return f"{type(exc).__name__}: {exc}"
+
+
+def _format_exception(exc: BaseException, cls: type | None) -> str:
+    if cls is not None and _is_annotated(cls):
+        cls = get_args(cls)[0]  # name the annotated type (``int``), not ``Annotated``
+    described = format_exception(exc, cls)
+    return f"{described} ({exc})" if isinstance(exc, ValueError | TypeError) else described
 
 
 def encode(obj: object) -> bytes:

@@ -1,6 +1,6 @@
 """Frames on a control connection: the header, a reader that hands out exact byte counts, and socket tuning.
 
-A frame is :data:`~kvferry.transports.wire.FRAME_HEADER` (kind, body length) followed by the body. Every read
+A frame is :data:`~kvferry.transports.FRAME_HEADER` (kind, body length) followed by the body. Every read
 takes a limit: a header announcing more than the caller allows is refused before a byte of its body is read.
 """
 
@@ -13,7 +13,7 @@ import anyio
 from anyio.abc import ByteStream, SocketAttribute
 
 from kvferry.errors import WireFormatError
-from kvferry.transports import wire
+from kvferry.transports.messages import FRAME_HEADER, FrameKind
 
 __all__ = ["FrameReader", "close_quietly", "discard", "frame", "read_frame", "tune"]
 
@@ -23,8 +23,8 @@ READ_CHUNK = 1 << 16
 _DISCARD_CHUNK = 1 << 20
 
 
-def frame(kind: wire.FrameKind, body: bytes) -> bytes:
-    return wire.FRAME_HEADER.pack(kind, len(body)) + body
+def frame(kind: FrameKind, body: bytes) -> bytes:
+    return FRAME_HEADER.pack(kind, len(body)) + body
 
 
 class FrameReader:
@@ -57,7 +57,7 @@ async def read_frame(reader: FrameReader, limit: int) -> tuple[int, bytes]:
 
     :raises ~kvferry.errors.WireFormatError: its header announces more than ``limit`` bytes (nothing more is read).
     """
-    kind, length = wire.FRAME_HEADER.unpack(await reader.receive_exactly(wire.FRAME_HEADER.size))
+    kind, length = FRAME_HEADER.unpack(await reader.receive_exactly(FRAME_HEADER.size))
     if length > limit:
         raise WireFormatError(f"frame of {length} bytes exceeds {limit}")
     return kind, (await reader.receive_exactly(length) if length else b"")

@@ -16,7 +16,7 @@ from kvferry.errors import NotGranted, RegionError, WireFormatError
 from kvferry.kernels import span_copy
 from kvferry.kernels.rows import copy_by_rows
 from kvferry.transports.base import Fragments, Registration, total_bytes
-from kvferry.transports.wire import RegionInfo
+from kvferry.transports.messages import RegionInfo
 
 if TYPE_CHECKING:
     import torch

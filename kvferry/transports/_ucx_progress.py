@@ -3,7 +3,7 @@
 ucxx 0.52's ``blocking`` progress mode watches the worker's epoll descriptor, but it arms the worker
 (``ucp_worker_arm``) only once, in a task started with the loop; after the first wake-up the descriptor stays
 readable and its reader runs on every turn of the loop. Where UCX's TCP transport has a connection (peers on other
-hosts, or on this host without CMA), a transport with a connected peer and nothing to do kept a core at 100%.
+hosts, or on this host without CMA), a transport with a connected peer and nothing to do would keep a core busy.
 And where the worker always has work (a peer that died in the middle of a shared-memory message leaves UCX
 retrying it: error handling is off), that first arming task never yields, so the next event loop to start ucxx
 hangs, and so does ucxx's hook on a loop's close.

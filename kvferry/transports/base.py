@@ -171,8 +171,7 @@ class WriteRows(NamedTuple):
 #: below this many rows a write's rows are checked row by row (:func:`as_fragments`): as fast, and simpler
 _FEW_ROWS = 64
 #: a write's rows are merged when at least one in this many joins the row before: fewer save less per-row
-#: work anywhere (a kernel's program, a NIXL descriptor, an iovec) than the merge costs (a write of 1024
-#: random 1 MiB pages joins one pair: merging it took 36 us of a small host's time, not merging it 14 us)
+#: work anywhere (a kernel's program, a NIXL descriptor, an iovec) than the merge itself costs
 MERGE_SHARE = 8
 _MAX_ADDRESS = (1 << 64) - 1
 
@@ -639,7 +638,7 @@ class Transport(TypedAttributeProvider, metaclass=ABCMeta):
         :raises ~kvferry.errors.RegionError: if a range is not inside our registered memory.
         :raises ~kvferry.errors.PeerDisconnected: if the peer is gone.
         :raises ~kvferry.errors.TransportError: if the peer would hold more than
-            :data:`~kvferry.transports.wire.MAX_LIVE_GRANTS` grants from us.
+            :data:`~kvferry.transports.messages.MAX_LIVE_GRANTS` grants from us.
         :raises ValueError: if the fragment array is malformed.
         """
 

@@ -53,11 +53,21 @@ import numpy as np
 import numpy.typing as npt
 from anyio.abc import ByteStream, SocketAttribute
 from attrs import frozen
-from cattrs.preconf.msgpack import MsgpackConverter
 
+from kvferry import wire
 from kvferry.errors import AuthenticationFailed, ConfigError, PeerIncompatible, WireFormatError
-from kvferry.transports import _cma, wire
+from kvferry.transports import _cma
 from kvferry.transports._framing import FrameReader, frame, read_frame
+from kvferry.transports.messages import (
+    NONCE_BYTES,
+    Challenge,
+    Credentials,
+    FrameKind,
+    Greeting,
+    Hello,
+    Refusal,
+    Welcome,
+)
 
 __all__ = [
     "MIN_SECRET_BYTES",
@@ -191,7 +201,7 @@ class TlsConfig:
 class Introduction:
     """What a handshake established about the peer."""
 
-    hello: wire.Hello
+    hello: Hello
     #: on this host, in this pid namespace, and shown to be process ``hello.pid``
     same_host: bool
     #: our pid proof for this connection: keep it alive as long as the connection
@@ -238,14 +248,12 @@ class Handshake:
         name: str,
         secret: bytes | None,
         compat_hash: bytes,
-        converter: MsgpackConverter,
         max_bytes: int,
     ) -> None:
         self.name = name
         self._secret = secret
         self._key = secret or b""
         self._compat_hash = compat_hash
-        self._converter = converter
         self.max_bytes = max_bytes
 
     @property
@@ -255,7 +263,7 @@ class Handshake:
     # --- the two sides ---------------------------------------------------------------------------------
 
     async def connector(
-        self, stream: ByteStream, reader: FrameReader, hello_at: Callable[[int], wire.Hello]
+        self, stream: ByteStream, reader: FrameReader, hello_at: Callable[[int], Hello]
     ) -> Introduction:
         """Run the connector's side. ``hello_at(address)`` builds our hello with our pid proof at ``address``.
 
@@ -264,13 +272,13 @@ class Handshake:
             model.
         :raises ~kvferry.errors.WireFormatError: the peer sent something that is not a step of the handshake.
         """
-        nc = secrets.token_bytes(wire.NONCE_BYTES)
-        greeting = wire.Greeting(wire.WIRE_VERSION, nc, self.authenticates)
-        await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, greeting)))
-        challenge = await self._step(reader, wire.Challenge, STEP_BYTES)
-        if challenge.wire_version != wire.WIRE_VERSION:
+        nc = secrets.token_bytes(NONCE_BYTES)
+        greeting = Greeting(wire.TRANSPORT_PROTOCOL_VERSION, nc, self.authenticates)
+        await stream.send(frame(FrameKind.HANDSHAKE, wire.encode(greeting)))
+        challenge = await self._step(reader, Challenge, STEP_BYTES)
+        if challenge.wire_version != wire.TRANSPORT_PROTOCOL_VERSION:
             raise _VersionMismatch(
-                f"peer speaks wire version {challenge.wire_version}, we speak {wire.WIRE_VERSION}"
+                f"peer speaks wire version {challenge.wire_version}, we speak {wire.TRANSPORT_PROTOCOL_VERSION}"
             )
         na = challenge.nonce
         if self._secret is not None:
@@ -280,14 +288,13 @@ class Handshake:
                 raise AuthenticationFailed("the peer does not hold our secret")
         endpoints = self._endpoints(stream, connector=True)
         proof, hello_bytes = self._hello(hello_at, b"pid connector", nc, na, endpoints)
-        credentials = wire.Credentials(
+        credentials = Credentials(
             _mac(self._key, b"connector", nc, na) if self._secret is not None else b"", self._compat_hash
         )
         await stream.send(
-            frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, credentials))
-            + frame(wire.FrameKind.HANDSHAKE, hello_bytes)
+            frame(FrameKind.HANDSHAKE, wire.encode(credentials)) + frame(FrameKind.HANDSHAKE, hello_bytes)
         )
-        welcome = await self._step(reader, wire.Welcome, STEP_BYTES)
+        welcome = await self._step(reader, Welcome, STEP_BYTES)
         self._check_compat(welcome.compat_hash)
         peer_hello = await self._hello_frame(reader)
         hello = self._peer_hello(peer_hello)
@@ -298,11 +305,11 @@ class Handshake:
         self,
         stream: ByteStream,
         reader: FrameReader,
-        hello_at: Callable[[int], wire.Hello],
+        hello_at: Callable[[int], Hello],
         admit: Callable[[Introduction], Awaitable[None]],
     ) -> Introduction:
         """Run the acceptor's side; ``admit`` may refuse the peer (raise PeerIncompatible) before our hello is sent.
-        Whatever is refused is answered with a :class:`~kvferry.transports.wire.Refusal` (bounded in time) and
+        Whatever is refused is answered with a :class:`~kvferry.transports.Refusal` (bounded in time) and
         raised; a peer that has not authenticated learns only that it was refused.
 
         :raises ~kvferry.errors.AuthenticationFailed: the peer does not hold our secret, or does not authenticate.
@@ -311,18 +318,18 @@ class Handshake:
         """
         authenticated = False
         try:
-            greeting = await self._step(reader, wire.Greeting, STEP_BYTES, first=True)
-            if greeting.wire_version != wire.WIRE_VERSION:
+            greeting = await self._step(reader, Greeting, STEP_BYTES, first=True)
+            if greeting.wire_version != wire.TRANSPORT_PROTOCOL_VERSION:
                 raise _VersionMismatch(
-                    f"peer speaks wire version {greeting.wire_version}, we speak {wire.WIRE_VERSION}"
+                    f"peer speaks wire version {greeting.wire_version}, we speak {wire.TRANSPORT_PROTOCOL_VERSION}"
                 )
             if self._secret is not None and not greeting.authenticated:
                 raise AuthenticationFailed("the peer does not authenticate, and we require it")
-            nc, na = greeting.nonce, secrets.token_bytes(wire.NONCE_BYTES)
+            nc, na = greeting.nonce, secrets.token_bytes(NONCE_BYTES)
             proof_a = _mac(self._key, b"acceptor", nc, na) if self._secret is not None else b""
-            challenge = wire.Challenge(wire.WIRE_VERSION, na, proof_a)
-            await stream.send(frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, challenge)))
-            credentials = await self._step(reader, wire.Credentials, STEP_BYTES)
+            challenge = Challenge(wire.TRANSPORT_PROTOCOL_VERSION, na, proof_a)
+            await stream.send(frame(FrameKind.HANDSHAKE, wire.encode(challenge)))
+            credentials = await self._step(reader, Credentials, STEP_BYTES)
             if self._secret is not None:
                 if not hmac.compare_digest(credentials.proof, _mac(self._key, b"connector", nc, na)):
                     raise AuthenticationFailed("the peer does not hold our secret")
@@ -340,10 +347,9 @@ class Handshake:
         except (PeerIncompatible, WireFormatError) as exc:
             await self._refuse(stream, exc, authenticated)
             raise
-        welcome = wire.Welcome(self._compat_hash)
+        welcome = Welcome(self._compat_hash)
         await stream.send(
-            frame(wire.FrameKind.HANDSHAKE, wire.encode(self._converter, welcome))
-            + frame(wire.FrameKind.HANDSHAKE, hello_bytes)
+            frame(FrameKind.HANDSHAKE, wire.encode(welcome)) + frame(FrameKind.HANDSHAKE, hello_bytes)
         )
         return introduction
 
@@ -351,28 +357,28 @@ class Handshake:
 
     async def _step(self, reader: FrameReader, cls: type[T], limit: int, *, first: bool = False) -> T:
         kind, body = await read_frame(reader, limit)
-        if kind == wire.FrameKind.REFUSAL and not first:
-            refusal = wire.decode(self._converter, body, wire.Refusal)
+        if kind == FrameKind.REFUSAL and not first:
+            refusal = wire.decode(body, Refusal)
             if refusal.reason == _AUTHENTICATION_FAILED:
                 raise AuthenticationFailed(
                     "refused by the peer: authentication failed (do both sides hold the same secret?)"
                 )
             raise PeerIncompatible(f"refused by the peer: {refusal.reason}")
-        if kind != wire.FrameKind.HANDSHAKE:
+        if kind != FrameKind.HANDSHAKE:
             raise WireFormatError(f"expected a {cls.__name__} (handshake), got frame kind {kind}")
         try:
-            return wire.decode(self._converter, body, cls)
+            return wire.decode(body, cls)
         except WireFormatError:
             version = _peek_version(body)
-            if version is not None and version != wire.WIRE_VERSION:
+            if version is not None and version != wire.TRANSPORT_PROTOCOL_VERSION:
                 raise _VersionMismatch(
-                    f"peer speaks wire version {version}, we speak {wire.WIRE_VERSION}"
+                    f"peer speaks wire version {version}, we speak {wire.TRANSPORT_PROTOCOL_VERSION}"
                 ) from None
             raise
 
     async def _hello_frame(self, reader: FrameReader) -> bytes:
         kind, body = await read_frame(reader, self.max_bytes)
-        if kind != wire.FrameKind.HANDSHAKE:
+        if kind != FrameKind.HANDSHAKE:
             raise WireFormatError(f"expected a hello (handshake), got frame kind {kind}")
         return body
 
@@ -381,19 +387,19 @@ class Handshake:
         if theirs != self._compat_hash:
             raise PeerIncompatible(f"compatibility hash differs (the peer's: {theirs.hex() or 'empty'})")
 
-    def _peer_hello(self, data: bytes) -> wire.Hello:
-        hello = wire.decode(self._converter, data, wire.Hello)
+    def _peer_hello(self, data: bytes) -> Hello:
+        hello = wire.decode(data, Hello)
         if hello.transport != self.name:
             raise PeerIncompatible(f"peer is a {hello.transport!r} transport, we are {self.name!r}")
         return hello
 
     def _hello(
-        self, hello_at: Callable[[int], wire.Hello], label: bytes, nc: bytes, na: bytes, endpoints: bytes
+        self, hello_at: Callable[[int], Hello], label: bytes, nc: bytes, na: bytes, endpoints: bytes
     ) -> tuple[npt.NDArray[np.uint8], bytes]:
         """Our hello with our pid proof for this connection, and the proof's buffer (written after the hello is
         encoded: the proof covers the hello, which names the buffer)."""
         proof = np.zeros(_PROOF_BYTES, dtype=np.uint8)
-        hello_bytes = wire.encode(self._converter, hello_at(int(proof.ctypes.data)))
+        hello_bytes = wire.encode(hello_at(int(proof.ctypes.data)))
         proof[:] = np.frombuffer(_mac(self._key, label, nc, na, endpoints, hello_bytes), dtype=np.uint8)
         return proof, hello_bytes
 
@@ -405,7 +411,7 @@ class Handshake:
         return local + b"|" + remote if connector else remote + b"|" + local
 
     @staticmethod
-    def _proves_pid(hello: wire.Hello, expected: bytes) -> bool:
+    def _proves_pid(hello: Hello, expected: bytes) -> bool:
         """True when process ``hello.pid`` of this host, in our pid namespace, holds ``expected`` at
         ``hello.pid_proof_address``. False where it does not, or where the kernel will not let us look."""
         if hello.hostname != socket.gethostname() or hello.pid_namespace != pid_namespace():
@@ -437,13 +443,13 @@ class Handshake:
         reason = str(exc) if public else "refused"
         if isinstance(exc, AuthenticationFailed):
             reason = _AUTHENTICATION_FAILED
-        body = wire.encode(self._converter, wire.Refusal(reason[:4096]))
+        body = wire.encode(Refusal(reason[:4096]))
         with (
             anyio.move_on_after(REFUSAL_SECONDS),
             anyio.CancelScope(shield=True),
             suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError),
         ):
-            await stream.send(frame(wire.FrameKind.REFUSAL, body))
+            await stream.send(frame(FrameKind.REFUSAL, body))
 
 
 def _peek_version(body: bytes) -> int | None:

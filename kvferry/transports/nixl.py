@@ -1,54 +1,55 @@
-"""``nixl``: one-sided WRITE through a NIXL agent with the UCX backend, notifications after the data.
+"""``nixl``: one-sided WRITE through a NIXL agent with the UCX backend, the notification after the data.
 
-Measured behaviour this follows (../shared/reference/feasibility.md):
+How NIXL is driven:
 
-- NIXL's progress thread busy-spins (its delay is hard-coded to 0), so it is off. Both sides are polled from the
-  event loop with a growing ``anyio.sleep``: the initiator polls its transfer, and every agent runs one pump task
-  that collects notifications. The pump is also what progresses the passive side, without which the first
-  transfer to a peer stays ``PROC`` forever.
-- On host memory UCX does the whole copy (CMA ``process_vm_writev``) inside ``transfer()``, which releases the
-  GIL: large transfers are posted from a worker thread so the event loop is never blocked for long.
+- NIXL's progress thread busy-spins (its delay is fixed at 0), so it is off. Both sides are polled from the event
+  loop with a growing delay: the initiator polls its transfer, and every agent runs one pump task that collects
+  notifications. The pump also progresses the passive side, without which the first transfer to a peer would
+  stay in progress for ever.
+- On host memory UCX does the whole copy inside ``transfer()``, which releases the GIL: large writes are posted
+  from a worker thread, so that the event loop is never blocked for long.
+- Completion is awaited in a worker thread that polls with microsecond sleeps, :data:`_POLL_SLICE` at a time:
+  ``anyio.sleep`` on the event loop rounds every wait up to a millisecond, which a large device write would feel.
 - The UCX backend runs with ``ucx_error_handling_mode=none`` by default (shared memory for active messages); a
-  dead peer is still noticed within a deadline through the control channel.
-- Completion is awaited in a worker thread that polls with microsecond sleeps (``_poll_slice``), a slice of a
-  few milliseconds at a time: ``anyio.sleep`` on the event loop rounds every wait up to a millisecond (epoll), which
-  halved the rate of a 1 GiB device write (~1 ms at 1 TB/s).
-- CUDA peers on the same host are written by CUDA IPC (``cuda_ipc``, on by default): each side exports its
-  registered CUDA regions (``torch`` IPC handles, carried with the NIXL metadata), the writer maps the peer's and
-  copies with batched indexed copies on its current stream (``_memory.CopyPlan``), then sends the notification
-  over the control channel once the stream has passed the copies. Measured on one H200: NIXL's UCX ``cuda_ipc``
-  costs ~10 us per descriptor, so 1 MiB fragments reached 0.2 of one contiguous write; a bounce (gather, one
-  large write, scatter) moves every byte through HBM three times on one GPU and stays near 0.5. Other peers
-  (other hosts, host memory, a peer whose handles cannot be opened) go through NIXL.
-- Host memory of peers on the same host is written with batched ``process_vm_writev`` calls (``host_cma``, on
-  by default; :mod:`~kvferry.transports._cma`): UCX's CMA transport makes one system call per descriptor (~3 us
-  here), which capped mismatched-TP KV mappings (thousands of 16-32 KiB fragments) near 0.6 of one contiguous
-  write; one call per 1024 fragments does not, and a long write runs in slices on several worker threads at once
-  (one kernel copy is bound by one core: 15-17 GB/s on the H200's host). Destinations are checked against the
-  host regions the peer's blob lists as well as the channel's table (the kernel would write anywhere the peer
-  maps), and only for a peer that has shown its pid (``Hello.pid_proof``); a refusal (no ptrace permission) turns
-  the path off for that peer and the write goes through NIXL.
-- Re-registration at a freed device address on a live connection: on the H200 (VRAM, NIXL 1.5.1), after a
-  peer deregistered a region and registered a new one at the same address (cudaMalloc reuses addresses), our
-  ``add_remote_agent`` refused the new regions' metadata (NIXL_ERR_NOT_ALLOWED, with whole or partial
-  metadata), and removing the agent and loading its whole metadata afresh failed too (NIXL_ERR_INVALID_PARAM,
-  "error loading connection info for backend UCX"). On host memory (DRAM) the same sequence works, with
-  partial metadata: same address with the same, a shorter or a longer length. So peers merge only the new
-  regions' partial metadata; when NIXL refuses it, the connection stays up (messages, other regions, CUDA IPC
-  writes) and only NIXL writes into those regions fail, with a :class:`~kvferry.errors.RegionError` naming
-  the cause ("re-registration at a freed device address on a live NIXL connection; reconnect"), until the peer
-  registers them again and NIXL accepts it. Keep VRAM registered for a connection's lifetime where possible.
-- Grants (:meth:`~kvferry.transports.Transport.grant`) are checked by the writer only: before any byte moves,
-  every destination row of a write, whatever its path (NIXL, ``process_vm_writev``, CUDA IPC), must lie inside
-  what the peer granted us, else :class:`~kvferry.errors.NotGranted`. The receiver cannot check: its CPU takes
-  no part in a one-sided write, and its NIXL agent accepts a WRITE from any agent that loaded its metadata,
-  into any memory registered with it (NIXL knows registrations, not peers' rights); likewise the kernel lets
-  any process of this host that may ``ptrace`` it write its memory, and a process holding a CUDA IPC handle it
-  exported can write the whole region. So a grant holds against a confused writer running this code, not
-  against a hostile one: what bounds that is giving the NIXL metadata (and the IPC handles) only to peers that
-  authenticated themselves, which is the handshake's job. ``ucx`` checks in the receiver as well.
-- nixl_cu13 is imported directly (not the ``nixl`` meta package, which imports torch and picks a variant by
-  import order) so it pairs with ucxx-cu13.
+  dead peer is still noticed within a deadline, through the control channel.
+
+Peers on this host take paths that cost less than NIXL's descriptors (one library call per fragment):
+
+- their CUDA regions by CUDA IPC (``cuda_ipc``, on by default): each side exports its registered CUDA regions
+  (torch IPC handles, carried in its backend blob: :mod:`~kvferry.transports._nixl_exports`); the writer maps the
+  peer's and copies with batched indexed copies on its current stream, then sends the notification over the
+  control channel once the stream has passed the copies. A bounce through one large NIXL write would move every
+  byte through device memory three times instead.
+- their host memory by batched ``process_vm_writev`` calls (``host_cma``, on by default;
+  :mod:`~kvferry.transports._cma`): up to 1024 fragments per call, a long write in slices on several worker
+  threads at once (one kernel copy is bound by one core). Destinations are checked against the host regions the
+  peer's blob lists as well as the channel's table (the kernel would write anywhere the peer maps), and only a
+  peer that has proven its pid in the handshake is written this way; a refusal (no ``ptrace`` permission) turns
+  the path off for that peer, and its writes go through NIXL.
+
+Other peers (other hosts, host memory of a peer we may not attach to, a peer whose IPC handles cannot be opened)
+go through NIXL.
+
+Re-registration at a freed device address on a live connection: once a peer deregistered a VRAM region and
+registered a new one at the same address (``cudaMalloc`` reuses addresses), NIXL may refuse the new regions'
+metadata (``NIXL_ERR_NOT_ALLOWED``), and removing the agent and loading its whole metadata afresh fails too;
+host memory is not affected. So peers merge only the new regions' partial metadata, and when NIXL refuses it the
+connection stays up (messages, other regions, CUDA IPC writes): only NIXL writes into those regions fail, with a
+:class:`~kvferry.errors.RegionError` naming the cause, until the peer registers them again and NIXL accepts it.
+Keep VRAM registered for a connection's lifetime where possible.
+
+Grants (:meth:`~kvferry.transports.Transport.grant`) are checked by the writer only: before any byte moves,
+every destination row of a write, whatever its path (NIXL, ``process_vm_writev``, CUDA IPC), must lie inside
+what the peer granted us, else :class:`~kvferry.errors.NotGranted`. The receiver cannot check: its CPU takes no
+part in a one-sided write, and its NIXL agent accepts a WRITE from any agent that loaded its metadata, into any
+memory registered with it (NIXL knows registrations, not peers' rights); likewise the kernel lets any process of
+this host that may ``ptrace`` it write its memory, and a process holding a CUDA IPC handle it exported can write
+the whole region. So a grant holds against a confused writer running this code, not against a hostile one: what
+bounds that is giving the NIXL metadata (and the IPC handles) only to peers that authenticated themselves, which
+is the handshake's job. ``ucx`` checks in the receiver as well.
+
+``nixl_cu13`` is imported directly (not the ``nixl`` meta package, which imports torch and picks a variant by
+import order) so that it pairs with ``ucxx-cu13``.
 """
 
 from __future__ import annotations
@@ -56,228 +57,37 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-import msgpack
 import nixl_cu13._api as nixl_api
 import nixl_cu13._bindings as nixl_bindings
 import numpy as np
-import numpy.typing as npt
-from attrs import define, field, frozen
-from attrs.validators import max_len
 
 from kvferry.errors import PeerDisconnected, PeerIncompatible, RegionError, TransportError, WireFormatError
-from kvferry.transports import _cma, wire
-from kvferry.transports._channel import ChannelPeer, ChannelTransport, CheckedRows
+from kvferry.transports import _cma
 from kvferry.transports._indexed_copy import DeviceDestinations
 from kvferry.transports._memory import CopyPlan, RegionTable, TensorRegistration
+from kvferry.transports._nixl_exports import IpcExport, IpcPeer, IpcRoute, export_cuda, pack_blob, unpack_blob
 from kvferry.transports.base import Capabilities, Fragments, TransportAttribute, total_bytes
+from kvferry.transports.channel import ChannelTransport
+from kvferry.transports.datapath import DataPath
+from kvferry.transports.messages import FrameKind, RegionInfo
+from kvferry.transports.peers import ChannelPeer
+from kvferry.transports.writes import CheckedRows
 
-__all__ = ["NixlTransport", "transport_class"]
+__all__ = ["NixlDataPath", "NixlTransport", "transport_class"]
 
 log = logging.getLogger("kvferry.transports.nixl")
 
 #: prefix of every notification we send, so that an empty ``notify`` still arrives (NIXL drops empty ones)
 _NOTIFY_MARK = b"\x01"
-#: prefix of our backend blob (NIXL metadata + CUDA IPC exports), msgpack after it
-_BLOB_MARK = b"KVFN1"
 #: longest a worker thread polls one write before handing back to the event loop (cancel, stall, peer loss)
 _POLL_SLICE = 5e-3
-
-
-@define(eq=False)
-class _IpcExport:
-    """A registered CUDA region of the peer as it exported it: its address there and a torch IPC handle."""
-
-    address: int
-    length: int
-    offset: int
-    share: tuple[Any, ...]
-
-
-@define(eq=False)
-class _IpcPeer:
-    """What we mapped of one peer's CUDA regions (by CUDA IPC); ``failed`` once a handle could not be opened."""
-
-    exports: list[_IpcExport] = field(factory=list)
-    mapped: dict[tuple[int, int, bytes], tuple[Any, int, str]] = field(factory=dict)
-    table: RegionTable = field(factory=lambda: RegionTable(()))
-    local: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
-    starts: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
-    #: ``local - starts`` (mod 2**64): what turns the peer's address into ours, per mapped region
-    shift: np.ndarray[Any, Any] = field(factory=lambda: np.empty(0, dtype=np.uint64))
-    local_table: RegionTable = field(factory=lambda: RegionTable(()))
-    failed: bool = False
-    #: exports changed since the last mapping
-    dirty: bool = True
-    #: (the peer's regions, our mapping's table, which mapped region holds each of the peer's regions)
-    _exported: tuple[RegionTable, RegionTable, npt.NDArray[np.int64]] | None = None
-    #: (the peer's regions, our mapping's local table, where indexed writes find them): kept while both stay
-    destinations: tuple[RegionTable, RegionTable, DeviceDestinations] | None = None
-
-    def exported_of(self, regions: RegionTable) -> npt.NDArray[np.int64]:
-        """For each range of ``regions`` (the peer's registered regions), the index in :attr:`table` of the
-        mapped region that holds it, or -1; kept until the peer's regions or our mapping change."""
-        known = self._exported
-        if known is None or known[0] is not regions or known[1] is not self.table:
-            # a range ending at 2**64 (allowed) as one ending at 2**64 - 1, as far as a fragment can reach
-            ranges = np.array(
-                [[r.address, min(r.length, _U64 - r.address)] for r in regions.regions], dtype=np.uint64
-            ).reshape(-1, 2)
-            known = self._exported = (regions, self.table, self.table.holding(ranges))
-        return known[2]
-
-
-@frozen
-class _IpcRoute:
-    """A write that goes by CUDA IPC: the destination rows in our mapping of the peer's regions, that mapping's
-    table (in the order of the peer's), and the regions each source and destination row lies in."""
-
-    dst: Fragments
-    table: RegionTable
-    src_index: npt.NDArray[np.int64]
-    dst_index: npt.NDArray[np.int64]
-
-
-def _take(values: npt.NDArray[Any], index: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
-    """``values[index]``, kept a broadcast when ``index`` is one (rows in one range, as
-    :meth:`RegionTable.locate` answers them): one lookup instead of one per row."""
-    if index.strides == (0,) and len(index):
-        return np.broadcast_to(values[int(index[0])], len(index))
-    return values[index]
-
-
-def _pack_blob(
-    metadata: bytes,
-    exports: Sequence[_IpcExport],
-    partial: Sequence[bytes] = (),
-    new: Sequence[wire.RegionInfo] = (),
-    host: Sequence[wire.RegionInfo] = (),
-) -> bytes:
-    """``metadata``: the agent's whole metadata (hello); ``partial``: metadata of the ``new`` regions only
-    (updates); ``host``: every host region registered now (what process_vm_writev writers check against)."""
-    rows = [[e.address, e.length, e.offset, list(e.share)] for e in exports]
-    body = {
-        "nixl": metadata,
-        "ipc": rows,
-        "partial": list(partial),
-        "new": [[r.address, r.length, r.device] for r in new],
-        "host": [[r.address, r.length] for r in host],
-    }
-    packed: bytes = msgpack.packb(body, use_bin_type=True)
-    return _BLOB_MARK + packed
-
-
-_U64 = (1 << 64) - 1
-#: most items of each list of a blob (exports, partial metadata, new regions, host regions)
-_MAX_BLOB_ITEMS = 1 << 14
-#: most items of a torch IPC handle (``_share_cuda_()`` gives 8), and most bytes of each
-_MAX_SHARE_ITEMS = 16
-_MAX_SHARE_BYTES = 4096
-#: most bytes of the blob's metadata (the blob travels in Hello.backend, at most 64 MiB)
-_MAX_METADATA = 64 << 20
-
-
-def _fail(attribute: Any, message: str) -> ValueError:
-    return ValueError(f"{attribute.name}: {message}")
-
-
-def _check_range(attribute: Any, address: int, length: int) -> None:
-    if not (0 <= address <= _U64 and 1 <= length <= _U64 and address + length <= 1 << 64):
-        raise _fail(attribute, f"range [{address:#x}, +{length:#x}) is not inside the address space")
-
-
-def _valid_exports(
-    _instance: Any, attribute: Any, rows: tuple[tuple[int, int, int, tuple[Any, ...]], ...]
-) -> None:
-    for address, length, offset, share in rows:
-        _check_range(attribute, address, length)
-        if not 0 <= offset <= _U64:
-            raise _fail(attribute, f"offset {offset}")
-        # torch's handle: (device, handle bytes, size, offset, ref counter bytes, its offset, event bytes, sync)
-        if not 2 <= len(share) <= _MAX_SHARE_ITEMS or type(share[1]) is not bytes:
-            raise _fail(attribute, "not a torch IPC handle")
-        for item in share:
-            kind = type(item)
-            if kind is int:
-                if not 0 <= item <= _U64:
-                    raise _fail(attribute, f"IPC handle holds {item}")
-            elif kind is bytes:
-                if len(item) > _MAX_SHARE_BYTES:
-                    raise _fail(attribute, f"IPC handle holds {len(item)} bytes")
-            elif kind is not bool and item is not None:
-                raise _fail(attribute, f"IPC handle holds a {kind.__name__}")
-
-
-def _valid_regions(_instance: Any, attribute: Any, rows: tuple[tuple[Any, ...], ...]) -> None:
-    for row in rows:
-        _check_range(attribute, row[0], row[1])
-        if len(row) > 2 and len(row[2]) > 32:
-            raise _fail(attribute, "device name too long")
-
-
-@frozen
-class _Blob:
-    """The msgpack map after :data:`_BLOB_MARK` (what :func:`_pack_blob` writes), decoded strictly by the
-    transports' converter: every field of its exact type, every int in ``[0, 2**64)``, every range inside the
-    address space, every list at most :data:`_MAX_BLOB_ITEMS` long."""
-
-    nixl: bytes = field(validator=max_len(_MAX_METADATA))
-    #: ``[address, length, offset, share]``: a CUDA region exported by torch IPC
-    ipc: tuple[tuple[int, int, int, tuple[Any, ...]], ...] = field(
-        validator=[max_len(_MAX_BLOB_ITEMS), _valid_exports]
-    )
-    partial: tuple[bytes, ...] = field(default=(), validator=max_len(_MAX_BLOB_ITEMS))
-    #: ``[address, length, device]``
-    new: tuple[tuple[int, int, str], ...] = field(
-        default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
-    )
-    #: ``[address, length]``: host memory
-    host: tuple[tuple[int, int], ...] = field(
-        default=(), validator=[max_len(_MAX_BLOB_ITEMS), _valid_regions]
-    )
-
-
-_BLOB_CONVERTER = wire.make_converter()
-
-
-def _unpack_blob(
-    blob: bytes,
-) -> tuple[bytes, list[_IpcExport], list[bytes], list[wire.RegionInfo], list[wire.RegionInfo]]:
-    """What :func:`_pack_blob` packed (a blob without our mark is the agent's metadata alone).
-
-    :raises ~kvferry.errors.WireFormatError: on anything else: no other exception escapes.
-    """
-    if not blob.startswith(_BLOB_MARK):
-        return blob, [], [], [], []
-    try:
-        body = wire.decode(_BLOB_CONVERTER, blob[len(_BLOB_MARK) :], _Blob)
-    except WireFormatError as exc:
-        raise WireFormatError(f"malformed NIXL backend blob: {exc}") from None
-    exports = [_IpcExport(a, n, o, share) for a, n, o, share in body.ipc]
-    new = [wire.RegionInfo(a, n, d) for a, n, d in body.new]
-    host = [wire.RegionInfo(a, n, "cpu") for a, n in body.host]
-    return body.nixl, exports, list(body.partial), new, host
-
-
-def _export_cuda(tensor: Any) -> _IpcExport | None:
-    """A torch IPC handle of ``tensor``'s storage (None if torch cannot share it)."""
-    try:
-        storage = tensor.untyped_storage()
-        share = storage._share_cuda_()
-    except Exception as exc:  # any failure only disables the fast path
-        log.debug("cannot export %s by CUDA IPC: %s", tensor.device, exc)
-        return None
-    return _IpcExport(
-        tensor.data_ptr(),
-        tensor.numel() * tensor.element_size(),
-        tensor.data_ptr() - storage.data_ptr(),
-        tuple(share),
-    )
 
 
 def translate(exc: BaseException, what: str) -> TransportError:
@@ -323,28 +133,13 @@ def _descs(fragments: Fragments, table: RegionTable, what: str) -> tuple[np.ndar
     return rows, mem
 
 
-class NixlTransport(ChannelTransport):
-    """NIXL agent, UCX backend, one-sided WRITE with notifications.
-
-    Takes the :class:`~kvferry.transports._channel.ChannelTransport` options, and:
-
-    :param error_handling: the UCX backend's ``ucx_error_handling_mode`` (``"none"``: shared memory allowed;
-        ``"peer"``: UCX watches peers too, at some cost)
-    :param thread_bytes: writes of at least this many bytes (or :attr:`thread_fragments` fragments) are posted
-        from a worker thread, because UCX copies host memory inside the call
-    :param poll_min: first polling delay (seconds) of the notification pump; it doubles up to ``poll_busy``
-        while a write or a notification is awaited, and up to ``poll_idle`` otherwise
-    :param cuda_ipc: write CUDA regions of peers on this host by CUDA IPC and batched device copies instead of
-        NIXL descriptors (see the module docstring); False: everything goes through NIXL
-    :param host_cma: write host memory of peers on this host with batched ``process_vm_writev`` calls (up to
-        1024 fragments per call; see :mod:`~kvferry.transports._cma`) instead of NIXL descriptors (one call each)
-    """
-
-    name = "nixl"
-    capabilities = Capabilities(one_sided_write=True, device_memory=True, cross_process=True, cross_host=True)
+class NixlDataPath(DataPath):
+    """A NIXL agent with the UCX backend, and the same-host paths beside it (see the module docstring); its
+    options are :class:`NixlTransport`'s."""
 
     def __init__(
         self,
+        transport: ChannelTransport[Any],
         *,
         error_handling: str = "none",
         thread_bytes: int = 1 << 20,
@@ -354,15 +149,14 @@ class NixlTransport(ChannelTransport):
         poll_idle: float = 20e-3,
         cuda_ipc: bool = True,
         host_cma: bool = True,
-        **options: Any,
     ) -> None:
-        super().__init__(**options)
+        super().__init__(transport)
         self._error_handling = error_handling
         self._thread_bytes = thread_bytes
         self._thread_fragments = thread_fragments
         self._poll_min, self._poll_busy, self._poll_idle = poll_min, poll_busy, poll_idle
         self._cuda_ipc = cuda_ipc
-        self._ipc: dict[ChannelPeer, _IpcPeer] = {}
+        self._ipc: dict[ChannelPeer, IpcPeer] = {}
         self._host_cma = host_cma and _cma.available()
         #: peers whose memory this process may not attach to (the first refusal turns the path off for them)
         self._cma_refused: set[ChannelPeer] = set()
@@ -371,7 +165,7 @@ class NixlTransport(ChannelTransport):
         #: writes that went by process_vm_writev (not through NIXL) since start
         self.cma_writes = 0
         #: per peer: regions whose NIXL metadata NIXL refused to merge (why), refused as write destinations
-        self._refused_regions: dict[ChannelPeer, dict[wire.RegionInfo, str]] = {}
+        self._refused_regions: dict[ChannelPeer, dict[RegionInfo, str]] = {}
         #: writes that went by CUDA IPC (not through NIXL) since start
         self.ipc_writes = 0
         self._agent: Any = None
@@ -388,7 +182,7 @@ class NixlTransport(ChannelTransport):
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    async def _backend_open(self) -> None:
+    async def open(self) -> None:
         config = nixl_api.nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
@@ -397,7 +191,7 @@ class NixlTransport(ChannelTransport):
         )
 
         def create() -> Any:
-            agent = nixl_api.nixl_agent(self.instance_id, config)
+            agent = nixl_api.nixl_agent(self.transport.instance_id, config)
             agent.create_backend("UCX", {"ucx_error_handling_mode": self._error_handling})
             return agent
 
@@ -406,10 +200,10 @@ class NixlTransport(ChannelTransport):
         except _NIXL_ERRORS as exc:
             raise translate(exc, "creating the NIXL agent") from exc
 
-    async def _backend_start_tasks(self) -> None:
-        self.spawn(self._pump)
+    async def start_tasks(self) -> None:
+        self.transport.spawn(self._pump)
 
-    async def _backend_close(self) -> None:
+    async def close(self) -> None:
         for handle in self._stuck:
             with suppress(*_NIXL_ERRORS):
                 handle.release()
@@ -419,24 +213,24 @@ class NixlTransport(ChannelTransport):
         self._agent = None
 
     def _registered(self, extra: TensorRegistration | None = None) -> list[TensorRegistration]:
-        return [*self._registrations, *([extra] if extra is not None else [])]
+        return [*self.transport.registrations, *([extra] if extra is not None else [])]
 
-    def _exports(self, extra: TensorRegistration | None = None) -> list[_IpcExport]:
+    def _exports(self, extra: TensorRegistration | None = None) -> list[IpcExport]:
         return [e for r in self._registered(extra) for e in (r.backend[1] if r.backend else ())]
 
-    def _host_regions(self, extra: TensorRegistration | None = None) -> list[wire.RegionInfo]:
+    def _host_regions(self, extra: TensorRegistration | None = None) -> list[RegionInfo]:
         return [i for r in self._registered(extra) for i in r.infos if i.device == "cpu"]
 
-    def _backend_hello(self) -> bytes:
-        return _pack_blob(self._agent.get_agent_metadata(), self._exports(), host=self._host_regions())
+    def hello(self) -> bytes:
+        return pack_blob(self._agent.get_agent_metadata(), self._exports(), host=self._host_regions())
 
     def _nixl_peer(self, peer: ChannelPeer) -> bool:
-        return not (peer.same_process and self._same_process_copy)
+        return not (peer.same_process and self.transport.same_process_copy)
 
-    async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
+    async def peer_connected(self, peer: ChannelPeer) -> None:
         if not self._nixl_peer(peer):
             return
-        metadata, exports, _, _, host = _unpack_blob(peer.hello.backend)
+        metadata, exports, _, _, host = unpack_blob(peer.hello.backend)
         self._cma_tables[peer] = RegionTable(host)
         try:
             name = self._agent.add_remote_agent(metadata)
@@ -451,15 +245,15 @@ class NixlTransport(ChannelTransport):
         peer.backend = name
         self._by_agent[name] = peer
         if self._cuda_ipc and peer.hello.hostname == socket.gethostname():
-            self._ipc[peer] = _IpcPeer(exports)
-        # Wiring up the UCX connection takes ~0.2 s inside the first transfer otherwise, on the event loop.
+            self._ipc[peer] = IpcPeer(exports)
+        # Otherwise the first transfer wires up the UCX connection itself, on the event loop.
         async with self._lock:
             try:
                 await anyio.to_thread.run_sync(self._agent.make_connection, name)
             except _NIXL_ERRORS as exc:
                 log.debug("make_connection to %s: %s (the first transfer will connect)", peer.address, exc)
 
-    async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+    async def peer_lost(self, peer: ChannelPeer) -> None:
         self._refused_regions.pop(peer, None)
         self._cma_tables.pop(peer, None)
         self._cma_refused.discard(peer)
@@ -479,7 +273,7 @@ class NixlTransport(ChannelTransport):
             with suppress(*_NIXL_ERRORS):
                 self._agent.remove_remote_agent(name)
 
-    async def _backend_register(self, registration: TensorRegistration) -> bytes:
+    async def register(self, registration: TensorRegistration) -> bytes:
         dlists = []
         try:
             async with self._lock:
@@ -493,23 +287,23 @@ class NixlTransport(ChannelTransport):
                 with suppress(*_NIXL_ERRORS):
                     self._agent.deregister_memory(dlist)
             raise translate(exc, "registering memory with NIXL") from exc
-        exports: list[_IpcExport] = []
+        exports: list[IpcExport] = []
         if self._cuda_ipc:
-            shared = (_export_cuda(t) for t in registration.tensors if t.device.type == "cuda")
+            shared = (export_cuda(t) for t in registration.tensors if t.device.type == "cuda")
             exports.extend(e for e in shared if e is not None)
         registration.backend = (dlists, exports)
-        # Peers merge the metadata of the new regions only. Reloading our whole metadata (connection info
-        # included) is refused by NIXL once a region was deregistered (NIXL_ERR_NOT_ALLOWED on the H200).
+        # Peers merge the metadata of the new regions only: NIXL refuses to reload our whole metadata
+        # (connection info included) once a region was deregistered (NIXL_ERR_NOT_ALLOWED).
         async with self._lock:
             try:
                 partial = [self._agent.get_partial_agent_metadata(d, False) for d in dlists]
             except _NIXL_ERRORS as exc:
                 raise translate(exc, "reading NIXL metadata of new regions") from exc
-        return _pack_blob(
+        return pack_blob(
             b"", self._exports(registration), partial, registration.infos, self._host_regions(registration)
         )
 
-    async def _backend_deregister(self, registration: TensorRegistration) -> None:
+    async def deregister(self, registration: TensorRegistration) -> None:
         if self._agent is None:
             return
         async with self._lock:
@@ -518,10 +312,10 @@ class NixlTransport(ChannelTransport):
                     self._agent.deregister_memory(dlist)
         registration.backend = None
 
-    async def _backend_regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
+    async def regions_updated(self, peer: ChannelPeer, blob: bytes) -> None:
         if peer.backend is None:
             return
-        metadata, exports, partial, new, host = _unpack_blob(blob)
+        metadata, exports, partial, new, host = unpack_blob(blob)
         self._cma_tables[peer] = RegionTable(host)
         if peer in self._ipc:
             self._ipc[peer].exports = exports
@@ -535,11 +329,14 @@ class NixlTransport(ChannelTransport):
                 for md in partial or [metadata]:
                     self._agent.add_remote_agent(md)
             except _NIXL_ERRORS as exc:
-                # Seen on the H200 for VRAM re-registered at an address a deregistered region had (cudaMalloc
-                # reuses addresses); the connection stays up, only these regions cannot be written through NIXL.
+                # VRAM re-registered at an address a deregistered region had (cudaMalloc reuses addresses): the
+                # connection stays up, only these regions cannot be written through NIXL.
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning(
-                    "%s: NIXL refused the metadata of %s's new regions (%s)", self.instance_id, peer, why
+                    "%s: NIXL refused the metadata of %s's new regions (%s)",
+                    self.transport.instance_id,
+                    peer,
+                    why,
                 )
                 refused.update((r, why) for r in new)
         if refused:
@@ -566,7 +363,7 @@ class NixlTransport(ChannelTransport):
     # --- progress ------------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def _backend_waiting(self) -> AsyncIterator[None]:
+    async def waiting(self) -> AsyncIterator[None]:
         self._busy += 1
         if self._pump_delay > self._poll_busy:  # asleep for the idle delay: poll now, then at the busy pace
             self._wake.set()
@@ -606,14 +403,12 @@ class NixlTransport(ChannelTransport):
 
     # --- writes --------------------------------------------------------------------------------------
 
-    async def _backend_write(
-        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
-    ) -> None:
+    async def write(self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float) -> None:
         name = peer.backend
         if name is None:
             raise peer.error
         src, dst = rows.src, rows.dst
-        src_devices = self.own_regions.devices(rows.src_index)
+        src_devices = self.transport.own_regions.devices(rows.src_index)
         route = self._ipc_route(peer, rows, src_devices)
         if route is not None:
             await self._ipc_write(peer, src, route, notify, stall)
@@ -625,7 +420,7 @@ class NixlTransport(ChannelTransport):
         ):
             return
         self._check_refused(peer, dst)
-        local, local_mem = _descs(src, self.own_regions, "source")
+        local, local_mem = _descs(src, self.transport.own_regions, "source")
         remote, remote_mem = _descs(dst, peer.regions, f"destination at {peer.address}")
         indices = np.arange(len(src), dtype=np.int32)
         message = b"" if notify is None else _NOTIFY_MARK + notify
@@ -647,14 +442,14 @@ class NixlTransport(ChannelTransport):
                         remote_dlist,
                         indices,
                         message,
-                        skip_desc_merge=not self._coalesce,
+                        skip_desc_merge=not self.transport.coalesce,
                     )
                     handles.append(xfer)
                 except _NIXL_ERRORS as exc:
                     raise translate(exc, f"preparing a write to {peer.address}") from exc
                 finally:
                     self._handles += len(handles)
-            async with self.guard(peer, stall):
+            async with self.transport.writes.guard(peer, stall):
                 state = await self._post(
                     xfer, total_bytes(src) >= self._thread_bytes or len(src) >= self._thread_fragments
                 )
@@ -721,7 +516,7 @@ class NixlTransport(ChannelTransport):
         threads, a cancel or a stall seen between them), then notify over the control channel. False (the caller
         writes through NIXL; what was written is written again) when the kernel refuses: the path stays off for
         this peer."""
-        async with self.guard(peer, stall) as guard:
+        async with self.transport.writes.guard(peer, stall) as guard:
 
             async def after_slice() -> None:
                 # a slice that outlasted the stall deadline ends the write here
@@ -740,32 +535,28 @@ class NixlTransport(ChannelTransport):
                 return False
         self.cma_writes += 1
         if notify is not None:
-            await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
+            await self.transport.control.send_frame(peer, FrameKind.NOTIFY, notify)
         return True
 
-    def _backend_device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
+    def device_destinations(self, peer: ChannelPeer) -> DeviceDestinations | None:
         """Our mapping of the peer's CUDA regions (CUDA IPC), for indexed writes: templates into memory it did not
         export (host memory) go through NIXL as plain fragments."""
         ipc = self._ipc.get(peer)
-        if peer.backend is None or ipc is None or ipc.failed or not ipc.exports or not self._ipc_map(ipc):
+        if peer.backend is None or ipc is None:
             return None
-        known = ipc.destinations
-        if known is None or known[0] is not peer.regions or known[1] is not ipc.local_table:
-            destinations = DeviceDestinations(ipc.exported_of(peer.regions), ipc.shift, ipc.local_table)
-            known = ipc.destinations = (peer.regions, ipc.local_table, destinations)
-        return known[2]
+        return ipc.device_destinations(peer.regions)
 
-    def _backend_may_write_together(self, peer: ChannelPeer) -> bool:
+    def may_write_together(self, peer: ChannelPeer) -> bool:
         ipc = self._ipc.get(peer)
-        return ipc is not None and not ipc.failed and bool(ipc.exports)
+        return ipc is not None and ipc.usable
 
-    async def _backend_write_together(self, peer: ChannelPeer, rows: CheckedRows, stall: float) -> bool:
+    async def write_together(self, peer: ChannelPeer, rows: CheckedRows, stall: float) -> bool:
         """Through our mapping of the peer's CUDA memory: one launch and one wait, after which every byte is in
         place. Host memory (``process_vm_writev`` copies in worker threads, several at once when the writes
         go on their own) and NIXL's own path write each on its own."""
         if peer.backend is None:
             raise peer.error
-        route = self._ipc_route(peer, rows, self.own_regions.devices(rows.src_index))
+        route = self._ipc_route(peer, rows, self.transport.own_regions.devices(rows.src_index))
         if route is None:
             return False
         await self._ipc_write(peer, rows.src, route, None, stall)
@@ -773,79 +564,36 @@ class NixlTransport(ChannelTransport):
 
     # --- CUDA IPC ------------------------------------------------------------------------------------
 
-    def _ipc_route(self, peer: ChannelPeer, rows: CheckedRows, src_devices: set[str]) -> _IpcRoute | None:
+    def _ipc_route(self, peer: ChannelPeer, rows: CheckedRows, src_devices: set[str]) -> IpcRoute | None:
         """``rows.dst`` translated into our mapping of the peer's CUDA regions, or None (the write goes through
         NIXL). ``src_devices``: the devices of our source ranges."""
         ipc = self._ipc.get(peer)
-        if ipc is None or ipc.failed or not ipc.exports or len(rows.src) == 0 or "cpu" in src_devices:
+        if ipc is None or "cpu" in src_devices:
             return None
-        if not self._ipc_map(ipc):
-            return None
-        exported = _take(ipc.exported_of(peer.regions), rows.dst_index)
-        if int(exported.min()) < 0:  # a row in memory the peer did not export (host memory, say)
-            return None
-        translated = rows.dst.copy()
-        translated[:, 0] += _take(ipc.shift, exported)
-        return _IpcRoute(translated, ipc.local_table, rows.src_index, exported)
-
-    def _ipc_map(self, ipc: _IpcPeer) -> bool:
-        """Open (once) the IPC handles of every region the peer exports; False if one cannot be opened."""
-        if not ipc.dirty:
-            return True
-        import torch
-
-        keys = set()
-        for export in ipc.exports:
-            key = (export.address, export.length, bytes(export.share[1]))
-            keys.add(key)
-            if key in ipc.mapped:
-                continue
-            try:
-                storage = torch.UntypedStorage._new_shared_cuda(*export.share)
-            except Exception as exc:  # any failure only disables the fast path
-                log.info("cannot open the peer's CUDA IPC handle (%s); writing through NIXL", exc)
-                ipc.failed = True
-                return False
-            ipc.mapped[key] = (
-                storage,
-                storage.data_ptr() + export.offset,
-                f"cuda:{storage.device.index or 0}",
-            )
-        for key in set(ipc.mapped) - keys:
-            del ipc.mapped[key]  # re-exported or gone: the mapping of a region the peer no longer offers
-        keys_in_order = list(ipc.mapped)
-        ipc.table = RegionTable([wire.RegionInfo(k[0], k[1], ipc.mapped[k][2]) for k in keys_in_order])
-        ipc.local = np.array([ipc.mapped[k][1] for k in keys_in_order], dtype=np.uint64)
-        ipc.starts = np.array([k[0] for k in keys_in_order], dtype=np.uint64)
-        ipc.shift = ipc.local - ipc.starts
-        ipc.dirty = False
-        ipc.local_table = RegionTable(
-            [wire.RegionInfo(ipc.mapped[k][1], k[1], ipc.mapped[k][2]) for k in keys_in_order]
-        )
-        return True
+        return ipc.route(peer.regions, rows)
 
     async def _ipc_write(
         self,
         peer: ChannelPeer,
         src: Fragments,
-        route: _IpcRoute,
+        route: IpcRoute,
         notify: bytes | None,
         stall: float,
     ) -> None:
         plan = CopyPlan(
             src,
-            self.own_regions,
+            self.transport.own_regions,
             route.dst,
             route.table,
             src_index=route.src_index,
             dst_index=route.dst_index,
         )
-        async with self.guard(peer, stall):
+        async with self.transport.writes.guard(peer, stall):
             # polled on the loop only when it is our one write in flight (pollers slow each other down)
-            await plan.run(poll=self.writes_in_flight == 1)
+            await plan.run(poll=self.transport.writes.in_flight == 1)
         self.ipc_writes += 1
         if notify is not None:
-            await self.send_frame(peer, wire.FrameKind.NOTIFY, notify)
+            await self.transport.control.send_frame(peer, FrameKind.NOTIFY, notify)
 
     async def _release_handles(self, handles: list[Any]) -> None:
         async with self._lock:
@@ -857,15 +605,72 @@ class NixlTransport(ChannelTransport):
                     # Still active (a cancelled write NIXL could not abort): keep it, retry at aclose.
                     self._stuck.append(handle)
 
-    def _backend_handles(self) -> int:
+    def handles(self) -> int:
         return self._handles + len(self._by_agent)
 
-    def _backend_extra(self) -> dict[Any, Any]:
+    def extra_attributes(self) -> dict[Any, Any]:
         return {
-            TransportAttribute.nixl_agent_name: lambda: self.instance_id,
+            TransportAttribute.nixl_agent_name: lambda: self.transport.instance_id,
             TransportAttribute.nixl_error_handling: lambda: self._error_handling,
             TransportAttribute.nixl_cuda_ipc: lambda: self._cuda_ipc,
         }
+
+
+class NixlTransport(ChannelTransport[NixlDataPath]):
+    """NIXL agent, UCX backend, one-sided WRITE with notifications.
+
+    Takes the :class:`~kvferry.transports.channel.ChannelTransport` options, and:
+
+    :param error_handling: the UCX backend's ``ucx_error_handling_mode`` (``"none"``: shared memory allowed;
+        ``"peer"``: UCX watches peers too, at some cost)
+    :param thread_bytes: writes of at least this many bytes (or :attr:`thread_fragments` fragments) are posted
+        from a worker thread, because UCX copies host memory inside the call
+    :param poll_min: first polling delay (seconds) of the notification pump; it doubles up to ``poll_busy``
+        while a write or a notification is awaited, and up to ``poll_idle`` otherwise
+    :param cuda_ipc: write CUDA regions of peers on this host by CUDA IPC and batched device copies instead of
+        NIXL descriptors (see the module docstring); False: everything goes through NIXL
+    :param host_cma: write host memory of peers on this host with batched ``process_vm_writev`` calls (up to
+        1024 fragments per call; see :mod:`~kvferry.transports._cma`) instead of NIXL descriptors (one call each)
+    """
+
+    name = "nixl"
+    capabilities = Capabilities(one_sided_write=True, device_memory=True, cross_process=True, cross_host=True)
+
+    def __init__(
+        self,
+        *,
+        error_handling: str = "none",
+        thread_bytes: int = 1 << 20,
+        thread_fragments: int = 256,
+        poll_min: float = 20e-6,
+        poll_busy: float = 1e-3,
+        poll_idle: float = 20e-3,
+        cuda_ipc: bool = True,
+        host_cma: bool = True,
+        **options: Any,
+    ) -> None:
+        data_path = partial(
+            NixlDataPath,
+            error_handling=error_handling,
+            thread_bytes=thread_bytes,
+            thread_fragments=thread_fragments,
+            poll_min=poll_min,
+            poll_busy=poll_busy,
+            poll_idle=poll_idle,
+            cuda_ipc=cuda_ipc,
+            host_cma=host_cma,
+        )
+        super().__init__(data_path, **options)
+
+    @property
+    def cma_writes(self) -> int:
+        """Writes that went by ``process_vm_writev`` (not through NIXL) since start."""
+        return self.data_path.cma_writes
+
+    @property
+    def ipc_writes(self) -> int:
+        """Writes that went by CUDA IPC (not through NIXL) since start."""
+        return self.data_path.ipc_writes
 
 
 transport_class = NixlTransport

@@ -15,30 +15,29 @@ How a write travels:
    kernel will not let it attach, it answers READY instead and the write goes on as in 4;
 4. otherwise it answers READY with a tag base, and posts receives: fragments of at least ``zero_copy_bytes`` go
    straight into their destination (UCX rendezvous, zero-copy), shorter ones arrive packed in messages of at
-   most ``pack_bytes`` and are scattered;
+   most ``pack_bytes`` and are scattered (:mod:`~kvferry.transports._ucx_messages`);
 5. when every byte has landed, the receiver queues the notification and answers DONE; only then does the
    writer's ``write`` return.
 
 Endpoints are made from worker addresses with UCX error handling off, which is what lets UCX use shared memory
-(tens of GB/s instead of ~1.6 over the listener's TCP). In that mode a receive from a dead peer never ends by
-itself (feasibility.md §3), so every wait here is raced against the peer's control connection (the kernel closes
-a dead process's sockets) and against a stall deadline.
+instead of the listener's TCP. In that mode a receive from a dead peer never ends by itself, so every wait here
+is raced against the peer's control connection (the kernel closes a dead process's sockets) and against a stall
+deadline.
 
-Why host memory of this host is read by the receiver itself: in that mode UCX 1.21 cannot lose a peer cleanly.
+Why host memory of this host is read by the receiver itself: with error handling off, UCX cannot lose a peer
+cleanly on the host paths.
 
 - With its CMA transport, a receiver reads the writer's memory by ``process_vm_readv`` for every rendezvous
-  message, and if the writer has died that failed call aborts the whole process (``cma_ep.c``); it ended one test
-  run. So the UCX context this transport starts leaves CMA out (``cma=False``, ``TLS=^cma``, unless ``UCX_TLS``
-  is set).
+  message, and if the writer has died that failed call aborts the whole process (``cma_ep.c``). So the UCX
+  context this transport starts leaves CMA out (``cma=False``: ``TLS=^cma``, unless ``UCX_TLS`` is set).
 - Without CMA, large messages go through the shared-memory FIFOs: a peer that dies in the middle of one leaves
-  this process's UCX worker with work it retries forever (ucxx alone then kept a core at 100%, and its arming task
-  of any event loop started later never yielded; :mod:`~kvferry.transports._ucx_progress` polls such a worker
-  every 10 ms instead, and later writes through it run 1.5-2x slower).
-- Our own ``process_vm_readv`` fails with an error instead, moves up to 1024 fragments per call (0.94-0.98 of a
-  contiguous write at 1 MiB fragments on 2 cores, against 0.82 through UCX's CMA and 0.67-0.72 through the
-  FIFOs), and keeps UCX out of the host path. CUDA memory and peers on other hosts still go through UCX, and so
-  does host memory where the kernel refuses to attach (``ptrace`` policy), with the FIFO caveat above. A peer
-  counts as one of this host only once it has shown its pid (``Hello.pid_proof``).
+  this process's UCX worker with work it retries for ever, which would keep a core busy and starve the event
+  loop's arming task; :mod:`~kvferry.transports._ucx_progress` polls such a worker every 10 ms instead, and
+  later writes through it are slower.
+- Our own ``process_vm_readv`` fails with an error instead, moves up to 1024 fragments per call, and keeps UCX
+  out of the host path. CUDA memory and peers on other hosts still go through UCX, and so does host memory where
+  the kernel refuses to attach (``ptrace`` policy), with the FIFO caveat above. A peer counts as one of this
+  host only once it has proven its pid in the handshake (:mod:`~kvferry.transports.handshake`).
 """
 
 from __future__ import annotations
@@ -47,20 +46,21 @@ import asyncio
 import errno
 import logging
 import os
+import secrets
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Coroutine
 from contextlib import suppress
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import numpy as np
-import numpy.typing as npt
 import ucxx
 import ucxx.exceptions as ucx_errors
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from kvferry import wire
 from kvferry.errors import (
     ConfigError,
     NotGranted,
@@ -70,32 +70,45 @@ from kvferry.errors import (
     TransportError,
     WireFormatError,
 )
-from kvferry.transports import _cma, wire
-from kvferry.transports._channel import (
-    ChannelPeer,
-    ChannelTransport,
-    CheckedRows,
+from kvferry.transports import _cma
+from kvferry.transports._memory import synchronize_cuda
+from kvferry.transports._ucx_messages import (
+    MAX_PACK_BYTES,
+    MAX_WRITE_FRAGMENTS,
+    MessagePlan,
+    Views,
+    plan_messages,
+    windowed,
+)
+from kvferry.transports._ucx_progress import WorkerEvents
+from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
+from kvferry.transports.channel import ChannelTransport
+from kvferry.transports.datapath import DataPath
+from kvferry.transports.messages import (
+    FrameKind,
+    WriteAbort,
+    WriteReply,
+    WriteRequest,
+    WriteStatus,
     fragments_bytes,
     fragments_from_bytes,
 )
-from kvferry.transports._memory import RegionTable, byte_view, synchronize_cuda
-from kvferry.transports._ucx_progress import WorkerEvents
-from kvferry.transports.base import Capabilities, Fragments, TransportAttribute
+from kvferry.transports.peers import ChannelPeer
+from kvferry.transports.writes import CheckedRows
 
-__all__ = ["MAX_WRITE_FRAGMENTS", "MessagePlan", "UcxTransport", "plan_messages", "transport_class"]
+__all__ = [
+    "MAX_WRITE_FRAGMENTS",
+    "MessagePlan",
+    "UcxDataPath",
+    "UcxTransport",
+    "plan_messages",
+    "transport_class",
+]
 
 log = logging.getLogger("kvferry.transports.ucx")
 
-_MAX_MESSAGES = 1 << 20
-#: most fragments (rows) of one write request: the receiver refuses more from the length of the request's
-#: ``dst`` alone, before parsing or planning anything, and a longer write is sent as several requests (its
-#: notification with the last); at the cap a receiver's checks and plan take ~0.1 s of its event loop
-MAX_WRITE_FRAGMENTS = 1 << 18
 #: a row of a write request's ``dst`` (and ``src``): address and length, u64 each
 _ROW_BYTES = 16
-#: packed messages are at most this long (the receiver refuses longer ones)
-_MAX_PACK_BYTES = 1 << 30
-_U64 = (1 << 64) - 1
 #: a pulling receiver tells the writer about progress at most this often
 _PULL_PROGRESS_SECONDS = 0.05
 #: how a REGION reply's detail starts when the write reached outside what the receiver granted the writer
@@ -118,312 +131,26 @@ def translate(exc: BaseException, what: str) -> TransportError:
     return TransportError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-class MessagePlan:
-    """How a write is cut into messages: message ``k`` is rows ``first[k]:end[k]``, packed or not (a row alone,
-    straight into place). Indexing gives ``(first, end, packed)``; kept as arrays, so that a plan of many
-    messages costs no Python object per message until each is sent."""
-
-    __slots__ = ("end", "first", "packed")
-
-    def __init__(
-        self, first: npt.NDArray[np.int64], end: npt.NDArray[np.int64], packed: npt.NDArray[np.bool_]
-    ) -> None:
-        self.first, self.end, self.packed = first, end, packed
-
-    def __len__(self) -> int:
-        return len(self.first)
-
-    def __getitem__(self, k: int) -> tuple[int, int, bool]:
-        return int(self.first[k]), int(self.end[k]), bool(self.packed[k])
-
-    def __iter__(self) -> Iterator[tuple[int, int, bool]]:
-        return zip(self.first.tolist(), self.end.tolist(), self.packed.tolist(), strict=True)
-
-
-def plan_messages(lengths: npt.NDArray[np.uint64], zero_copy_bytes: int, pack_bytes: int) -> MessagePlan:
-    """Cut rows into messages; both sides compute the same plan.
-
-    A row of at least ``zero_copy_bytes`` is a message of its own; the rows between two such rows are packed
-    greedily, in order, into messages of at most ``pack_bytes`` (a longer row alone). Vectorised: where a pack
-    starting at each row would end is one ``searchsorted`` over the running sum of the lengths, and the packs
-    that start where the one before ends are found by pointer doubling (``log2`` of the longest chain of packs
-    in numpy passes over the rows), so no Python step is taken per row or per message.
-
-    :raises ValueError: more than :data:`MAX_WRITE_FRAGMENTS` rows, or ``pack_bytes`` outside ``[1, 2**30]``.
-    """
-    n = len(lengths)
-    if n > MAX_WRITE_FRAGMENTS:
-        raise ValueError(f"a write may have at most {MAX_WRITE_FRAGMENTS} fragments, this one has {n}")
-    if not 1 <= pack_bytes <= _MAX_PACK_BYTES:
-        raise ValueError(f"packed messages of {pack_bytes} bytes")
-    lengths = np.asarray(lengths, dtype=np.uint64)
-    alone = lengths >= np.uint64(min(max(zero_copy_bytes, 0), _U64))
-    # a row longer than a pack closes the pack before it and is packed alone, whatever its length: clamped, the
-    # running sum stays far inside int64 (at most 2**18 rows of 2**30 + 1 bytes)
-    short = np.minimum(lengths, np.uint64(pack_bytes + 1)).astype(np.int64)
-    short[alone] = 0
-    ends = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(short, out=ends[1:])
-    rows = np.arange(n + 1, dtype=np.int64)
-    # jump[i]: where a pack from short row i ends: rows i.. while their sum stays within pack_bytes (row i at
-    # least), never past the next row that travels alone. Rows alone (and the end, n) jump to themselves.
-    jump = np.searchsorted(ends, ends + pack_bytes, side="right") - 1
-    jump = np.maximum(jump, rows + 1)
-    next_alone = np.where(np.append(alone, True), rows, n)
-    next_alone = np.minimum.accumulate(next_alone[::-1])[::-1]
-    jump = np.minimum(jump, next_alone)
-    # the packs of a run of short rows start at its first row, then each where the one before ends: every
-    # row reached from a run's first row by jumps. After round t, ``reached`` holds the rows up to 2**t jumps
-    # away and ``jump`` goes 2**t jumps at once; done when no jump moves any more.
-    reached = np.zeros(n + 1, dtype=bool)
-    reached[:n] = ~alone
-    reached[1:n] &= alone[:-1]
-    while True:
-        reached[jump[reached]] = True
-        further = jump[jump]
-        if np.array_equal(further, jump):
-            break
-        jump = further
-    reached[n] = False
-    reached[:n] &= ~alone
-    packs = np.flatnonzero(reached)
-    if n and len(packs):
-        stops = np.empty(len(packs), dtype=np.int64)
-        stops[:-1] = packs[1:]
-        stops[-1] = n
-        # a pack ends where the next pack starts, or at the row alone before it
-        stops = np.minimum(stops, next_alone[packs])
-    else:
-        stops = np.empty(0, dtype=np.int64)
-    singles = np.flatnonzero(alone)
-    count = len(packs) + len(singles)
-    if count > _MAX_MESSAGES:
-        raise ValueError(f"a write may be cut into at most {_MAX_MESSAGES} messages, this one needs {count}")
-    first = np.concatenate((packs, singles))
-    order = np.argsort(first, kind="stable")
-    last = np.concatenate((stops, singles + 1))[order]
-    is_packed = np.concatenate((np.ones(len(packs), dtype=bool), np.zeros(len(singles), dtype=bool)))[order]
-    return MessagePlan(first[order], last, is_packed)
-
-
-class _Views:
-    """Byte views of registered ranges, made once per write."""
+class UcxDataPath(DataPath):
+    """UCXX endpoints between processes, two-sided: the writer announces, the receiver checks and places every
+    write (see the module docstring); its options are :class:`UcxTransport`'s."""
 
     def __init__(
         self,
-        table: RegionTable,
-        fragments: Fragments,
-        what: str,
+        transport: ChannelTransport[Any],
         *,
-        index: npt.NDArray[np.int64] | None = None,
+        endpoint_error_handling: bool,
+        host_cma: bool,
+        cma: bool,
+        progress_mode: str | None,
+        zero_copy_bytes: int,
+        pack_bytes: int,
+        window: int,
+        packed_window: int,
     ) -> None:
-        """``index``: the range of each row, when the caller has located them already."""
-        self.table = table
-        self.fragments = fragments
-        self.index = table.locate(fragments, what) if index is None else index
-        self._cache: dict[int, Any] = {}
-
-    def row(self, row: int) -> Any:
-        i = int(self.index[row])
-        view = self._cache.get(i)
-        if view is None:
-            view = self._cache[i] = byte_view(self.table.regions[i])
-        offset = int(self.fragments[row, 0]) - self.table.regions[i].address
-        return view[offset : offset + int(self.fragments[row, 1])]
-
-    def staging(self, start: int, end: int) -> Any:
-        nbytes = int(self.fragments[start:end, 1].sum())
-        device = self.table.regions[int(self.index[start])].device
-        if device == "cpu":
-            return np.empty(nbytes, dtype=np.uint8)
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def _pages(self, start: int, end: int) -> tuple[Any, Any] | None:
-        """Rows of one length, inside one region, at offsets that are multiples of it: a page table.
-
-        Then the region is an array of pages and gather/scatter are single indexed copies.
-        """
-        index = self.index[start:end]
-        lengths = self.fragments[start:end, 1]
-        if not (bool((index == index[0]).all()) and bool((lengths == lengths[0]).all())):
-            return None
-        length = int(lengths[0])
-        region = self.table.regions[int(index[0])]
-        offsets = self.fragments[start:end, 0] - np.uint64(region.address)
-        if bool((offsets % np.uint64(length)).any()):
-            return None
-        i = int(index[0])
-        view = self._cache.get(i)
-        if view is None:
-            view = self._cache[i] = byte_view(region)
-        pages = view[: (region.length // length) * length].reshape(-1, length)
-        ids = (offsets // np.uint64(length)).astype(np.int64)
-        if not isinstance(pages, np.ndarray):
-            import torch
-
-            return pages, torch.from_numpy(ids).to(pages.device)
-        return pages, ids
-
-    def gather(self, start: int, end: int) -> Any:
-        """(In a worker thread) rows ``start:end`` packed into a new staging buffer, ready for UCX to read: CUDA
-        copies are waited for here, since UCX does not order itself after the stream."""
-        buffer = self._gather(start, end)
-        _finish_stream(buffer)
-        return buffer
-
-    def scatter(self, buffer: Any, start: int, end: int) -> None:
-        """(In a worker thread) a received staging buffer written into rows ``start:end``; returns once CUDA is
-        done with it, so the buffer can be freed and its memory handed to the next receive."""
-        self._scatter(buffer, start, end)
-        _finish_stream(buffer)
-
-    def _gather(self, start: int, end: int) -> Any:
-        buffer = self.staging(start, end)
-        paged = self._pages(start, end)
-        if paged is not None:
-            pages, ids = paged
-            if isinstance(pages, np.ndarray):
-                np.take(pages, ids, axis=0, out=buffer.reshape(len(ids), -1))
-            else:
-                buffer.view(len(ids), -1).copy_(pages.index_select(0, ids))
-            return buffer
-        position = 0
-        for row in range(start, end):
-            piece = self.row(row)
-            n = len(piece)
-            _copy(buffer[position : position + n], piece)
-            position += n
-        return buffer
-
-    def _scatter(self, buffer: Any, start: int, end: int) -> None:
-        paged = self._pages(start, end)
-        if paged is not None:
-            pages, ids = paged
-            if isinstance(pages, np.ndarray):
-                pages[ids] = buffer.reshape(len(ids), -1)
-            else:
-                pages.index_copy_(0, ids, buffer.view(len(ids), -1))
-            return
-        position = 0
-        for row in range(start, end):
-            piece = self.row(row)
-            n = len(piece)
-            _copy(piece, buffer[position : position + n])
-            position += n
-
-
-def _finish_stream(buffer: Any) -> None:
-    """Wait until the current CUDA stream has run what this thread queued on it (nothing for host buffers)."""
-    if not isinstance(buffer, np.ndarray) and buffer.is_cuda:
-        import torch
-
-        torch.cuda.current_stream(buffer.device).synchronize()
-
-
-def _copy(dst: Any, src: Any) -> None:
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        dst[...] = src
-        return
-    import torch
-
-    d = dst if isinstance(dst, torch.Tensor) else torch.from_numpy(dst)
-    s = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
-    d.copy_(s)
-
-
-async def _windowed(
-    count: int,
-    window: int,
-    start: Callable[[int], Awaitable[tuple[Coroutine[Any, Any, Any], Any]]],
-    done: Callable[[int, Any], Awaitable[None]],
-    packed: Callable[[int], bool] = lambda k: False,
-    packed_window: int = 0,
-) -> None:
-    """Run ``start(k)`` for k in 0..count, at most ``window`` at once and at most ``packed_window`` of those for
-    which ``packed(k)`` (0: no separate bound), calling ``done(k, context)`` in order.
-
-    The futures are asyncio's (ucxx is asyncio only). Whatever is still pending when this ends early is cancelled.
-    """
-    pending: deque[tuple[int, asyncio.Future[Any], Any]] = deque()
-    in_flight_packed = 0
-
-    async def finish_oldest() -> None:
-        nonlocal in_flight_packed
-        j, future, ctx = pending.popleft()
-        in_flight_packed -= packed(j)
-        await future
-        await done(j, ctx)
-
-    try:
-        for k in range(count):
-            if packed_window and packed(k):
-                while in_flight_packed >= packed_window:
-                    await finish_oldest()
-                in_flight_packed += 1
-            coroutine, context = await start(k)
-            pending.append((k, asyncio.ensure_future(coroutine), context))
-            while len(pending) >= window:
-                await finish_oldest()
-        while pending:
-            await finish_oldest()
-    finally:
-        for _, future, _ in pending:
-            future.cancel()
-        for _, future, _ in pending:
-            # the future's own cancellation (or failure) is expected here; ours cannot happen (shielded)
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0), suppress(BaseException):
-                await future
-
-
-class UcxTransport(ChannelTransport):
-    """UCXX between processes, two-sided; the receiver checks and places every write.
-
-    Takes the :class:`~kvferry.transports._channel.ChannelTransport` options, and:
-
-    :param endpoint_error_handling: UCX endpoint error handling. Off (default) allows shared memory; dead peers
-        are noticed through the control channel either way.
-    :param host_cma: between peers of this host, a receiver reads host-memory writes out of the writer's process
-        itself (``process_vm_readv``, see the module docstring) when both sides allow it (default). False: this
-        transport neither offers its sources nor reads offered ones; everything goes through UCX
-    :param cma: let UCX itself read the memory of peers on this host by CMA where this transport starts UCXX and
-        ``UCX_TLS`` is not set. Off by default: a peer dying in the middle of such a read aborts this process
-    :param progress_mode: UCXX progress mode if this transport initialises UCXX (default: ``UCXPY_PROGRESS_MODE``
-        or ``"blocking"``, which costs no CPU while idle)
-    :param zero_copy_bytes: fragments at least this long travel as their own message, straight into place
-    :param pack_bytes: shorter fragments are packed into messages of at most this size
-    :param window: messages in flight per write
-    :param packed_window: packed messages in flight per write (each costs a gather and a scatter in worker threads,
-        and ucxx polls every pending request on the event loop: fewer at once halved a 64 KiB-fragment write on 2
-        cores)
-    """
-
-    name = "ucx"
-    capabilities = Capabilities(
-        one_sided_write=False, device_memory=True, cross_process=True, cross_host=True
-    )
-    _uses_tag_prefix = True
-
-    def __init__(
-        self,
-        *,
-        endpoint_error_handling: bool = False,
-        host_cma: bool = True,
-        cma: bool = False,
-        progress_mode: str | None = None,
-        zero_copy_bytes: int = 256 << 10,
-        pack_bytes: int = 4 << 20,
-        window: int = 32,
-        packed_window: int = 4,
-        **options: Any,
-    ) -> None:
-        if not 1 <= pack_bytes <= _MAX_PACK_BYTES or zero_copy_bytes < 1:
-            raise ConfigError(
-                f"pack_bytes must be in [1, {_MAX_PACK_BYTES}] and zero_copy_bytes positive, got "
-                f"{pack_bytes} and {zero_copy_bytes}"
-            )
-        super().__init__(**options)
+        super().__init__(transport)
+        #: the tag prefix our receives are posted under (high bits of every tag of data for us)
+        self.tag_prefix = secrets.randbits(24)
         self._endpoint_error_handling = endpoint_error_handling
         self._host_cma = host_cma and _cma.available()
         self._pull_refused: set[ChannelPeer] = set()
@@ -446,7 +173,7 @@ class UcxTransport(ChannelTransport):
         #: writes being received that a revoke stopped (answered REGION)
         self._revoked_writes: set[tuple[ChannelPeer, int]] = set()
 
-    async def _backend_open(self) -> None:
+    async def open(self) -> None:
         keep_transports = self._cma or self._endpoint_error_handling or "UCX_TLS" in os.environ
         with suppress(
             RuntimeError
@@ -463,13 +190,13 @@ class UcxTransport(ChannelTransport):
         if self._worker_events is not None:
             self._worker_events.kick()
 
-    def _backend_hello(self) -> bytes:
+    def hello(self) -> bytes:
         return self._worker_address
 
     def _ucx_peer(self, peer: ChannelPeer) -> bool:
-        return not (peer.same_process and self._same_process_copy)
+        return not (peer.same_process and self.transport.same_process_copy)
 
-    async def _backend_peer_connected(self, peer: ChannelPeer) -> None:
+    async def peer_connected(self, peer: ChannelPeer) -> None:
         if not self._ucx_peer(peer):
             return
         try:
@@ -477,19 +204,19 @@ class UcxTransport(ChannelTransport):
         except (ucx_errors.UCXError, IndexError, ValueError, TypeError) as exc:
             raise WireFormatError(f"{peer.address} sent no valid UCX worker address: {exc}") from exc
         try:
-            with anyio.fail_after(self._connect_timeout):
+            with anyio.fail_after(self.transport.connect_timeout):
                 peer.backend = await ucxx.create_endpoint_from_worker_address(
                     address, endpoint_error_handling=self._endpoint_error_handling
                 )
         except TimeoutError as exc:
             raise PeerDisconnected(
-                f"no UCX endpoint to {peer.address} within {self._connect_timeout} s"
+                f"no UCX endpoint to {peer.address} within {self.transport.connect_timeout} s"
             ) from exc
         except ucx_errors.UCXError as exc:
             raise WireFormatError(f"cannot reach the UCX worker address of {peer.address}: {exc}") from exc
         self._endpoints += 1
 
-    async def _backend_peer_lost(self, peer: ChannelPeer) -> None:
+    async def peer_lost(self, peer: ChannelPeer) -> None:
         self._pull_refused.discard(peer)
         endpoint, peer.backend = peer.backend, None
         if endpoint is None:
@@ -503,9 +230,7 @@ class UcxTransport(ChannelTransport):
 
     # --- writer --------------------------------------------------------------------------------------
 
-    async def _backend_write(
-        self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float
-    ) -> None:
+    async def write(self, peer: ChannelPeer, rows: CheckedRows, notify: bytes | None, stall: float) -> None:
         """One write request, or (more than :data:`MAX_WRITE_FRAGMENTS` rows) several in turn, the notification
         with the last: when a later one fails, the earlier ones have landed."""
         starts = range(0, len(rows.src), MAX_WRITE_FRAGMENTS)
@@ -527,45 +252,43 @@ class UcxTransport(ChannelTransport):
             raise peer.error
         src, dst = rows.src, rows.dst
         plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
-        views = _Views(self.own_regions, src, "source", index=rows.src_index)
+        views = Views(self.transport.own_regions, src, "source", index=rows.src_index)
         if views.table.devices(views.index) - {"cpu"}:
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
             await synchronize_cuda()
-        write_id = self.new_write_id()
-        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](4)
+        write_id = self.transport.writes.new_write_id()
+        replies_out, replies_in = anyio.create_memory_object_stream[WriteReply](4)
         peer.pending[write_id] = replies_out
         offer = self._pull_offer(peer, rows)
-        request = wire.WriteRequest(
+        request = WriteRequest(
             write_id, fragments_bytes(dst), self._zero_copy_bytes, self._pack_bytes, notify, offer
         )
         announced = finished = False
         try:
-            async with self.guard(peer, stall) as guard:
+            async with self.transport.writes.guard(peer, stall) as guard:
 
-                async def reply() -> wire.WriteReply:
+                async def reply() -> WriteReply:
                     try:
                         return await replies_in.receive()
                     except anyio.EndOfStream:
                         raise peer.error from None
 
-                await self.send_frame(
-                    peer, wire.FrameKind.WRITE_REQUEST, wire.encode(self._converter, request)
-                )
+                await self.transport.control.send_frame(peer, FrameKind.WRITE_REQUEST, wire.encode(request))
                 announced = True
                 answer = await reply()
-                if answer.status is wire.WriteStatus.PULLING:
+                if answer.status is WriteStatus.PULLING:
                     # the receiver reads our memory itself and says how far it got; READY: it could not after all
                     guard.progress()
-                    while (answer := await reply()).status is wire.WriteStatus.PROGRESS:
+                    while (answer := await reply()).status is WriteStatus.PROGRESS:
                         guard.progress()
-                    if answer.status is not wire.WriteStatus.READY:
+                    if answer.status is not WriteStatus.READY:
                         finished = True
-                        _raise_for(answer, peer, wire.WriteStatus.DONE)
+                        _raise_for(answer, peer, WriteStatus.DONE)
                         self.pulled_writes += 1
                         return
-                if offer is not None and answer.status is wire.WriteStatus.READY:
+                if offer is not None and answer.status is WriteStatus.READY:
                     self._pull_refused.add(peer)  # it could not: do not offer again
-                _raise_for(answer, peer, wire.WriteStatus.READY)
+                _raise_for(answer, peer, WriteStatus.READY)
                 guard.progress()
 
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
@@ -584,14 +307,14 @@ class UcxTransport(ChannelTransport):
                     guard.progress()
 
                 try:
-                    await _windowed(
+                    await windowed(
                         len(plan), self._window, start, sent, lambda k: plan[k][2], self._packed_window
                     )
                 except ucx_errors.UCXError as exc:
                     raise translate(exc, f"sending to {peer.address}") from exc
                 answer = await reply()
                 finished = True
-                _raise_for(answer, peer, wire.WriteStatus.DONE)
+                _raise_for(answer, peer, WriteStatus.DONE)
         finally:
             try:
                 if announced and not finished and peer.lost.is_set() is False:
@@ -606,16 +329,16 @@ class UcxTransport(ChannelTransport):
         self,
         peer: ChannelPeer,
         write_id: int,
-        replies: MemoryObjectReceiveStream[wire.WriteReply],
+        replies: MemoryObjectReceiveStream[WriteReply],
         offered: bool,
     ) -> None:
         """Tell the receiver to drop a write we leave early. If we offered it our source, wait for its last answer
         too: it may be reading our memory (a slice at most), and the caller may free that memory once we return."""
         try:
-            abort = wire.encode(self._converter, wire.WriteAbort(write_id))
-            await self.send_frame(peer, wire.FrameKind.WRITE_ABORT, abort)
+            abort = wire.encode(WriteAbort(write_id))
+            await self.transport.control.send_frame(peer, FrameKind.WRITE_ABORT, abort)
             if offered:
-                ongoing = (wire.WriteStatus.PULLING, wire.WriteStatus.PROGRESS, wire.WriteStatus.READY)
+                ongoing = (WriteStatus.PULLING, WriteStatus.PROGRESS, WriteStatus.READY)
                 while (await replies.receive()).status in ongoing:
                     pass
         except (TransportError, anyio.EndOfStream, anyio.ClosedResourceError):
@@ -631,22 +354,22 @@ class UcxTransport(ChannelTransport):
         peers of this host, for host memory on both sides."""
         if not self._pulls_with(peer) or not len(rows.src):
             return None
-        if self.own_regions.devices(rows.src_index) != {"cpu"} or peer.regions.devices(rows.dst_index) != {
-            "cpu"
-        }:
+        if self.transport.own_regions.devices(rows.src_index) != {"cpu"} or peer.regions.devices(
+            rows.dst_index
+        ) != {"cpu"}:
             return None
         return fragments_bytes(rows.src)
 
     # --- receiver ------------------------------------------------------------------------------------
 
-    async def _backend_frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
-        if kind == wire.FrameKind.WRITE_ABORT:
-            abort = wire.decode(self._converter, body, wire.WriteAbort)
+    async def frame(self, peer: ChannelPeer, kind: int, body: bytes) -> None:
+        if kind == FrameKind.WRITE_ABORT:
+            abort = wire.decode(body, WriteAbort)
             scope = peer.incoming.get(abort.write_id)
             if scope is not None:
                 scope.cancel()
             return
-        request = wire.decode(self._converter, body, wire.WriteRequest)
+        request = wire.decode(body, WriteRequest)
         what = f"destination of a write from {peer.address}"
         try:
             # from the length alone, before a row is parsed: a longer write comes as several requests
@@ -655,24 +378,24 @@ class UcxTransport(ChannelTransport):
                     f"a write request of {len(request.dst) // _ROW_BYTES} fragments "
                     f"(at most {MAX_WRITE_FRAGMENTS} per request)"
                 )
-            if not 1 <= request.pack_bytes <= _MAX_PACK_BYTES:
+            if not 1 <= request.pack_bytes <= MAX_PACK_BYTES:
                 raise ValueError(f"packed messages of {request.pack_bytes} bytes")
             dst = fragments_from_bytes(request.dst)
             # Every destination range is checked before anything is posted: a refused write writes nothing.
             # Inside our registered memory, and inside what we granted this peer (whatever the writer checked).
-            views = _Views(self.own_regions, dst, what)
+            views = Views(self.transport.own_regions, dst, what)
             peer.granted.check(dst, what)
             plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
         except WireFormatError:
             raise  # malformed fragments: the peer is dropped
         except NotGranted as exc:
-            self.count_incoming_refused(peer, exc)
-            reply = wire.WriteReply(request.write_id, wire.WriteStatus.REGION, _NOT_GRANTED + str(exc))
+            self.transport.writes.count_incoming_refused(peer, exc)
+            reply = WriteReply(request.write_id, WriteStatus.REGION, _NOT_GRANTED + str(exc))
             await self._reply(peer, reply)
             return
         except (RegionError, ValueError) as exc:
-            status = wire.WriteStatus.REGION if isinstance(exc, RegionError) else wire.WriteStatus.FAILED
-            await self._reply(peer, wire.WriteReply(request.write_id, status, str(exc)))
+            status = WriteStatus.REGION if isinstance(exc, RegionError) else WriteStatus.FAILED
+            await self._reply(peer, WriteReply(request.write_id, status, str(exc)))
             return
         if request.write_id in peer.incoming:
             raise WireFormatError(f"{peer.address} reused write id {request.write_id}")
@@ -681,11 +404,11 @@ class UcxTransport(ChannelTransport):
         peer.incoming[request.write_id] = scope
         self._incoming_dst[peer, request.write_id] = dst
         if source is not None:
-            self.spawn(self._pull, peer, request, source, views, plan, scope)
+            self.transport.spawn(self._pull, peer, request, source, views, plan, scope)
         else:
-            self.spawn(self._receive, peer, request, views, plan, scope)
+            self.transport.spawn(self._receive, peer, request, views, plan, scope)
 
-    def _pull_source(self, peer: ChannelPeer, request: wire.WriteRequest, views: _Views) -> Fragments | None:
+    def _pull_source(self, peer: ChannelPeer, request: WriteRequest, views: Views) -> Fragments | None:
         """The offered source fragments when we read them ourselves: a peer of this host that we may attach to,
         host memory here, and an offer that pairs with the destination row for row; otherwise None (the writer
         sends messages; a malformed offer is ignored, like an absent one)."""
@@ -712,9 +435,9 @@ class UcxTransport(ChannelTransport):
     async def _pull(
         self,
         peer: ChannelPeer,
-        request: wire.WriteRequest,
+        request: WriteRequest,
         src: Fragments,
-        views: _Views,
+        views: Views,
         plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
@@ -723,33 +446,33 @@ class UcxTransport(ChannelTransport):
         (``EPERM`` and the like) the write goes on as messages (what was copied is written again) and later writes
         from this peer are not pulled; a writer whose process is gone (``ESRCH``) or whose memory is (``EFAULT``)
         fails the write. A cancel leaves the destination partly written."""
-        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        status, detail = WriteStatus.FAILED, "cancelled"
         try:
             with scope:
                 # stopped before it started (its grant revoked, an abort): ends here, nothing read
                 await anyio.lowlevel.checkpoint_if_cancelled()
-                scope.deadline = anyio.current_time() + self._stall_timeout
-                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.PULLING))
+                scope.deadline = anyio.current_time() + self.transport.stall_timeout
+                await self._reply(peer, WriteReply(request.write_id, WriteStatus.PULLING))
                 status, detail = await self._pull_slices(peer, request.write_id, src, views.fragments, scope)
-                if status is wire.WriteStatus.DONE and request.notify is not None:
+                if status is WriteStatus.DONE and request.notify is not None:
                     with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                         peer.notifications_out.send_nowait(request.notify)
             if scope.cancelled_caught:
                 status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
-            if status is not wire.WriteStatus.READY:
+            if status is not WriteStatus.READY:
                 self._end_incoming(peer, request.write_id)
                 with anyio.CancelScope(shield=True):
                     if peer.state.value == "connected":
-                        await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
-        if status is wire.WriteStatus.READY:
+                        await self._reply(peer, WriteReply(request.write_id, status, detail))
+        if status is WriteStatus.READY:
             # we may not read the writer's memory: it sends the data as messages (it waits for READY)
             scope = peer.incoming[request.write_id] = anyio.CancelScope()
             await self._receive(peer, request, views, plan, scope)
 
     async def _pull_slices(
         self, peer: ChannelPeer, write_id: int, src: Fragments, dst: Fragments, scope: anyio.CancelScope
-    ) -> tuple[wire.WriteStatus, str]:
+    ) -> tuple[WriteStatus, str]:
         """The copies of :meth:`_pull`: DONE, FAILED (the writer or its memory is gone) or READY (we may not
         attach: receive messages instead)."""
         told = time.monotonic()
@@ -757,38 +480,38 @@ class UcxTransport(ChannelTransport):
         async def after_slice() -> None:
             nonlocal told
             await anyio.lowlevel.checkpoint()
-            scope.deadline = anyio.current_time() + self._stall_timeout
+            scope.deadline = anyio.current_time() + self.transport.stall_timeout
             if time.monotonic() - told >= _PULL_PROGRESS_SECONDS:
                 told = time.monotonic()
-                await self._reply(peer, wire.WriteReply(write_id, wire.WriteStatus.PROGRESS))
+                await self._reply(peer, WriteReply(write_id, WriteStatus.PROGRESS))
 
         try:
             await _cma.copy_slices(_cma.read, peer.hello.pid, src, dst, after_slice=after_slice)
         except OSError as exc:
             if exc.errno in (errno.ESRCH, errno.EFAULT):
-                return wire.WriteStatus.FAILED, f"reading the writer's memory: {exc}"
+                return WriteStatus.FAILED, f"reading the writer's memory: {exc}"
             log.info("cannot read %s by process_vm_readv (%s); receiving messages", peer.address, exc)
             self._pull_refused.add(peer)
-            return wire.WriteStatus.READY, ""
+            return WriteStatus.READY, ""
         self.cma_reads += 1
-        return wire.WriteStatus.DONE, ""
+        return WriteStatus.DONE, ""
 
     def _cancelled_status(
         self,
         peer: ChannelPeer,
         write_id: int,
         scope: anyio.CancelScope,
-        status: wire.WriteStatus,
+        status: WriteStatus,
         detail: str,
-    ) -> tuple[wire.WriteStatus, str]:
+    ) -> tuple[WriteStatus, str]:
         """Why a write being received was stopped: a revoke of its grant (REGION), its stall deadline
         (TIMEOUT), or else as it was (an abort, the peer's loss)."""
         if (peer, write_id) in self._revoked_writes:
-            return wire.WriteStatus.REGION, (
+            return WriteStatus.REGION, (
                 f"{_NOT_GRANTED}the grant of a write from {peer.address} was revoked while it was received"
             )
         if scope.deadline <= anyio.current_time():
-            return wire.WriteStatus.TIMEOUT, f"no data for {self._stall_timeout} s"
+            return WriteStatus.TIMEOUT, f"no data for {self.transport.stall_timeout} s"
         return status, detail
 
     def _end_incoming(self, peer: ChannelPeer, write_id: int) -> None:
@@ -796,7 +519,7 @@ class UcxTransport(ChannelTransport):
         self._incoming_dst.pop((peer, write_id), None)
         self._revoked_writes.discard((peer, write_id))
 
-    def _backend_revoked(self, peer: ChannelPeer) -> None:
+    def revoked(self, peer: ChannelPeer) -> None:
         """Stop every write of ``peer`` being received that reaches outside its live grants now: it posts no more
         receives, pulls no more slices and answers REGION. Receives already posted (ucxx cannot cancel one
         request) and the slice being pulled may still land."""
@@ -806,32 +529,34 @@ class UcxTransport(ChannelTransport):
             dst = self._incoming_dst.get((peer, write_id))
             if dst is not None and not peer.granted.holds(dst):
                 log.warning(
-                    "%s: stopping a write from %s: its grant was revoked", self.instance_id, peer.address
+                    "%s: stopping a write from %s: its grant was revoked",
+                    self.transport.instance_id,
+                    peer.address,
                 )
                 self._revoked_writes.add((peer, write_id))
                 scope.cancel()
 
-    async def _reply(self, peer: ChannelPeer, reply: wire.WriteReply) -> None:
+    async def _reply(self, peer: ChannelPeer, reply: WriteReply) -> None:
         with suppress(TransportError):  # the peer is gone; its writer learns that from the control channel
-            await self.send_frame(peer, wire.FrameKind.WRITE_REPLY, wire.encode(self._converter, reply))
+            await self.transport.control.send_frame(peer, FrameKind.WRITE_REPLY, wire.encode(reply))
 
     async def _receive(
         self,
         peer: ChannelPeer,
-        request: wire.WriteRequest,
-        views: _Views,
+        request: WriteRequest,
+        views: Views,
         plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
         tag = (self.tag_prefix << 40) | ((self._next_incoming & 0xFFFFF) << 20)
         self._next_incoming += 1
-        status, detail = wire.WriteStatus.FAILED, "cancelled"
+        status, detail = WriteStatus.FAILED, "cancelled"
         try:
             with scope:
                 # stopped before it started (its grant revoked, an abort): ends here, nothing posted
                 await anyio.lowlevel.checkpoint_if_cancelled()
-                scope.deadline = anyio.current_time() + self._stall_timeout
-                await self._reply(peer, wire.WriteReply(request.write_id, wire.WriteStatus.READY, tag=tag))
+                scope.deadline = anyio.current_time() + self.transport.stall_timeout
+                await self._reply(peer, WriteReply(request.write_id, WriteStatus.READY, tag=tag))
 
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
@@ -841,17 +566,17 @@ class UcxTransport(ChannelTransport):
                     return receive, buffer
 
                 async def done(k: int, buffer: Any) -> None:
-                    scope.deadline = anyio.current_time() + self._stall_timeout
+                    scope.deadline = anyio.current_time() + self.transport.stall_timeout
                     first, end, packed = plan[k]
                     if packed:
                         await anyio.to_thread.run_sync(views.scatter, buffer, first, end)
 
                 try:
-                    await _windowed(
+                    await windowed(
                         len(plan), self._window, start, done, lambda k: plan[k][2], self._packed_window
                     )
                 except ucx_errors.UCXError as exc:
-                    status, detail = wire.WriteStatus.FAILED, str(translate(exc, "receiving"))
+                    status, detail = WriteStatus.FAILED, str(translate(exc, "receiving"))
                 else:
                     if any(v.device != "cpu" for v in views.table.regions):
                         import torch
@@ -860,30 +585,98 @@ class UcxTransport(ChannelTransport):
                     if request.notify is not None:
                         with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                             peer.notifications_out.send_nowait(request.notify)
-                    status, detail = wire.WriteStatus.DONE, ""
+                    status, detail = WriteStatus.DONE, ""
             if scope.cancelled_caught:
                 status, detail = self._cancelled_status(peer, request.write_id, scope, status, detail)
         finally:
             self._end_incoming(peer, request.write_id)
             with anyio.CancelScope(shield=True):
                 if peer.state.value == "connected":
-                    await self._reply(peer, wire.WriteReply(request.write_id, status, detail))
+                    await self._reply(peer, WriteReply(request.write_id, status, detail))
 
-    def _backend_handles(self) -> int:
+    def handles(self) -> int:
         return self._endpoints
 
-    def _backend_extra(self) -> dict[Any, Any]:
+    def extra_attributes(self) -> dict[Any, Any]:
         return {TransportAttribute.ucx_worker_address: lambda: self._worker_address}
 
 
-def _raise_for(reply: wire.WriteReply, peer: ChannelPeer, expected: wire.WriteStatus) -> None:
+class UcxTransport(ChannelTransport[UcxDataPath]):
+    """UCXX between processes, two-sided; the receiver checks and places every write.
+
+    Takes the :class:`~kvferry.transports.channel.ChannelTransport` options, and:
+
+    :param endpoint_error_handling: UCX endpoint error handling. Off (default) allows shared memory; dead peers
+        are noticed through the control channel either way.
+    :param host_cma: between peers of this host, a receiver reads host-memory writes out of the writer's process
+        itself (``process_vm_readv``, see the module docstring) when both sides allow it (default). False: this
+        transport neither offers its sources nor reads offered ones; everything goes through UCX
+    :param cma: let UCX itself read the memory of peers on this host by CMA where this transport starts UCXX and
+        ``UCX_TLS`` is not set. Off by default: a peer dying in the middle of such a read aborts this process
+    :param progress_mode: UCXX progress mode if this transport initialises UCXX (default: ``UCXPY_PROGRESS_MODE``
+        or ``"blocking"``, which costs no CPU while idle)
+    :param zero_copy_bytes: fragments at least this long travel as their own message, straight into place
+    :param pack_bytes: shorter fragments are packed into messages of at most this size
+    :param window: messages in flight per write
+    :param packed_window: packed messages in flight per write (each costs a gather and a scatter in worker threads,
+        and ucxx polls every pending request on the event loop: a few at once keep the loop free)
+    """
+
+    name = "ucx"
+    capabilities = Capabilities(
+        one_sided_write=False, device_memory=True, cross_process=True, cross_host=True
+    )
+
+    def __init__(
+        self,
+        *,
+        endpoint_error_handling: bool = False,
+        host_cma: bool = True,
+        cma: bool = False,
+        progress_mode: str | None = None,
+        zero_copy_bytes: int = 256 << 10,
+        pack_bytes: int = 4 << 20,
+        window: int = 32,
+        packed_window: int = 4,
+        **options: Any,
+    ) -> None:
+        if not 1 <= pack_bytes <= MAX_PACK_BYTES or zero_copy_bytes < 1:
+            raise ConfigError(
+                f"pack_bytes must be in [1, {MAX_PACK_BYTES}] and zero_copy_bytes positive, got "
+                f"{pack_bytes} and {zero_copy_bytes}"
+            )
+        data_path = partial(
+            UcxDataPath,
+            endpoint_error_handling=endpoint_error_handling,
+            host_cma=host_cma,
+            cma=cma,
+            progress_mode=progress_mode,
+            zero_copy_bytes=zero_copy_bytes,
+            pack_bytes=pack_bytes,
+            window=window,
+            packed_window=packed_window,
+        )
+        super().__init__(data_path, **options)
+
+    @property
+    def pulled_writes(self) -> int:
+        """Writes of ours that the receiver read itself (``process_vm_readv``) since start."""
+        return self.data_path.pulled_writes
+
+    @property
+    def cma_reads(self) -> int:
+        """Writes of peers that we read ourselves (``process_vm_readv``) since start."""
+        return self.data_path.cma_reads
+
+
+def _raise_for(reply: WriteReply, peer: ChannelPeer, expected: WriteStatus) -> None:
     if reply.status is expected:
         return
-    if reply.status is wire.WriteStatus.REGION:
+    if reply.status is WriteStatus.REGION:
         if reply.detail.startswith(_NOT_GRANTED):
             raise NotGranted(f"{peer.address} refused the write: {reply.detail}")
         raise RegionError(f"{peer.address} refused the write: {reply.detail}")
-    if reply.status is wire.WriteStatus.TIMEOUT:
+    if reply.status is WriteStatus.TIMEOUT:
         raise TransferTimeout(f"{peer.address} received nothing for its stall deadline: {reply.detail}")
     raise TransportError(f"{peer.address} failed the write ({reply.status.value}): {reply.detail}")
 

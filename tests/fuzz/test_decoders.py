@@ -1,9 +1,9 @@
 """Fuzz targets: every decoder of a peer's bytes lets out only the error it documents.
 
-One target per decoder: :func:`kvferry.transports.wire.decode` for each control-channel class, the page table
+One target per decoder: :func:`kvferry.wire.decode` for each control-channel class, the page table
 (:meth:`PageTable.decode`), the disaggregation handshake and control messages (``decode_hello``,
 ``decode_control``), the fragments of a write request (``fragments_from_bytes``) and nixl's backend blob
-(``_unpack_blob``). Each gets arbitrary bytes, arbitrary msgpack (maps keyed by the class's field names among
+(``unpack_blob``). Each gets arbitrary bytes, arbitrary msgpack (maps keyed by the class's field names among
 others, ints from -2**63 to 2**64 - 1, floats, text, bytes, nested lists and maps), valid messages with parts
 replaced, removed or added (nested messages mutated inside their envelope), and valid messages with bytes
 flipped or cut. The only exception that may escape is the decoder's own (WireFormatError; PeerIncompatible too
@@ -27,20 +27,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvferry import wire as project_wire
+from kvferry import wire
 from kvferry.disagg import protocol
 from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable
 from kvferry.pools.spec import preset
-from kvferry.transports import wire
-from kvferry.transports._channel import fragments_bytes, fragments_from_bytes
+from kvferry.transports import _nixl_exports as nixl_blob
+from kvferry.transports import messages
 from kvferry.transports._memory import RegionTable
-
-try:
-    from kvferry.transports import nixl as nixl_module
-except ImportError:  # nixl is an extra: its blob's target is skipped without it
-    nixl_module = None  # type: ignore[assignment]
+from kvferry.transports.messages import fragments_bytes, fragments_from_bytes
 
 SMOKE_EXAMPLES = 50
 SLOW_EXAMPLES = 2000
@@ -203,10 +199,9 @@ def fuzz_target(
 
 # --- transports: the control channel's classes -----------------------------------------------------------
 
-CONVERTER = wire.make_converter()
-REGION = wire.RegionInfo(1 << 20, 4096, "cpu")
-TOP_REGION = wire.RegionInfo(2**64 - 4096, 4096, "cuda:0")  # ends at 2**64 exactly: valid
-HELLO = wire.Hello(
+REGION = messages.RegionInfo(1 << 20, 4096, "cpu")
+TOP_REGION = messages.RegionInfo(2**64 - 4096, 4096, "cuda:0")  # ends at 2**64 exactly: valid
+HELLO = messages.Hello(
     transport="ucx",
     instance_id="instance",
     address="ucx://127.0.0.1:1",
@@ -221,58 +216,61 @@ HELLO = wire.Hello(
 )
 ROWS = fragments_bytes(np.array([[1 << 20, 64], [(1 << 20) + 128, 64]], dtype=np.uint64))
 TRANSPORT_SAMPLES: dict[type, list[Any]] = {
-    wire.Greeting: [wire.Greeting(wire.WIRE_VERSION, bytes(range(32)), True)],
-    wire.Challenge: [
-        wire.Challenge(wire.WIRE_VERSION, bytes(32), bytes(32)),
-        wire.Challenge(3, bytes(32), b""),
+    messages.Greeting: [messages.Greeting(wire.TRANSPORT_PROTOCOL_VERSION, bytes(range(32)), True)],
+    messages.Challenge: [
+        messages.Challenge(wire.TRANSPORT_PROTOCOL_VERSION, bytes(32), bytes(32)),
+        messages.Challenge(3, bytes(32), b""),
     ],
-    wire.Credentials: [wire.Credentials(bytes(32), b"hash"), wire.Credentials(b"", b"")],
-    wire.Welcome: [wire.Welcome(b"hash")],
-    wire.Hello: [HELLO, attrs.evolve(HELLO, regions=())],
-    wire.RegionsUpdate: [wire.RegionsUpdate((REGION, TOP_REGION), b"blob"), wire.RegionsUpdate((), b"")],
-    wire.WriteRequest: [
-        wire.WriteRequest(7, ROWS, 256 << 10, 4 << 20, b"n", ROWS),
-        wire.WriteRequest(8, ROWS, 1, 1, None),
+    messages.Credentials: [messages.Credentials(bytes(32), b"hash"), messages.Credentials(b"", b"")],
+    messages.Welcome: [messages.Welcome(b"hash")],
+    messages.Hello: [HELLO, attrs.evolve(HELLO, regions=())],
+    messages.RegionsUpdate: [
+        messages.RegionsUpdate((REGION, TOP_REGION), b"blob"),
+        messages.RegionsUpdate((), b""),
     ],
-    wire.WriteReply: [
-        wire.WriteReply(7, wire.WriteStatus.READY, "", 5),
-        wire.WriteReply(7, wire.WriteStatus.FAILED, "why"),
+    messages.WriteRequest: [
+        messages.WriteRequest(7, ROWS, 256 << 10, 4 << 20, b"n", ROWS),
+        messages.WriteRequest(8, ROWS, 1, 1, None),
     ],
-    wire.WriteAbort: [wire.WriteAbort(7)],
-    wire.Refusal: [wire.Refusal("no")],
+    messages.WriteReply: [
+        messages.WriteReply(7, messages.WriteStatus.READY, "", 5),
+        messages.WriteReply(7, messages.WriteStatus.FAILED, "why"),
+    ],
+    messages.WriteAbort: [messages.WriteAbort(7)],
+    messages.Refusal: [messages.Refusal("no")],
 }
 
 # crashes reported or found, per class: what each decoded to before it was refused
 _OVERFLOWING_REGION = {"address": 2**64 - 1, "length": 2, "device": "cpu"}
 TRANSPORT_REGRESSIONS: dict[type, list[bytes]] = {
     # bytes(2**60): MemoryError (a lax converter turned the int into bytes)
-    wire.Greeting: [
+    messages.Greeting: [
         pack({"wire_version": 3, "nonce": 2**60, "authenticated": True}),
         pack({"wire_version": 1.5, "nonce": "text", "authenticated": [1, 2]}),
     ],
-    wire.Credentials: [pack({"proof": 2**60, "compat_hash": b""})],
+    messages.Credentials: [pack({"proof": 2**60, "compat_hash": b""})],
     # address + length > 2**64: OverflowError in RegionTable, later
-    wire.Hello: [pack({**unpack(wire.encode(CONVERTER, HELLO)), "regions": [_OVERFLOWING_REGION]})],
-    wire.RegionsUpdate: [
+    messages.Hello: [pack({**unpack(wire.encode(HELLO)), "regions": [_OVERFLOWING_REGION]})],
+    messages.RegionsUpdate: [
         pack({"regions": [_OVERFLOWING_REGION], "backend": b""}),
         pack({"regions": [[1, 2, "cpu"]], "backend": b""}),
     ],
-    wire.WriteRequest: [
+    messages.WriteRequest: [
         pack({"write_id": 1, "dst": 2**62, "zero_copy_bytes": 1, "pack_bytes": 1, "notify": None}),
     ],
-    wire.WriteReply: [pack({"write_id": 1, "status": ["ready"]})],
-    wire.WriteAbort: [pack({"write_id": True})],
-    wire.Refusal: [pack({"reason": b"bytes"})],
+    messages.WriteReply: [pack({"write_id": 1, "status": ["ready"]})],
+    messages.WriteAbort: [pack({"write_id": True})],
+    messages.Refusal: [pack({"reason": b"bytes"})],
 }
 
 
 def _transport_target(cls: type, *, slow: bool) -> Callable[[], None]:
-    samples = [unpack(wire.encode(CONVERTER, m)) for m in TRANSPORT_SAMPLES[cls]]
+    samples = [unpack(wire.encode(m)) for m in TRANSPORT_SAMPLES[cls]]
 
     def decode(data: bytes) -> None:
-        message = wire.decode(CONVERTER, data, cls)
-        wire.encode(CONVERTER, message)  # what decodes encodes again
-        if isinstance(message, wire.Hello | wire.RegionsUpdate):
+        message = wire.decode(data, cls)
+        wire.encode(message)  # what decodes encodes again
+        if isinstance(message, messages.Hello | messages.RegionsUpdate):
             RegionTable(message.regions)  # what the channel does with them at once
 
     return fuzz_target(
@@ -283,26 +281,26 @@ def _transport_target(cls: type, *, slow: bool) -> Callable[[], None]:
     )
 
 
-test_greeting = _transport_target(wire.Greeting, slow=False)
-test_greeting_long = _transport_target(wire.Greeting, slow=True)
-test_challenge = _transport_target(wire.Challenge, slow=False)
-test_challenge_long = _transport_target(wire.Challenge, slow=True)
-test_credentials = _transport_target(wire.Credentials, slow=False)
-test_credentials_long = _transport_target(wire.Credentials, slow=True)
-test_welcome = _transport_target(wire.Welcome, slow=False)
-test_welcome_long = _transport_target(wire.Welcome, slow=True)
-test_hello = _transport_target(wire.Hello, slow=False)
-test_hello_long = _transport_target(wire.Hello, slow=True)
-test_regions_update = _transport_target(wire.RegionsUpdate, slow=False)
-test_regions_update_long = _transport_target(wire.RegionsUpdate, slow=True)
-test_write_request = _transport_target(wire.WriteRequest, slow=False)
-test_write_request_long = _transport_target(wire.WriteRequest, slow=True)
-test_write_reply = _transport_target(wire.WriteReply, slow=False)
-test_write_reply_long = _transport_target(wire.WriteReply, slow=True)
-test_write_abort = _transport_target(wire.WriteAbort, slow=False)
-test_write_abort_long = _transport_target(wire.WriteAbort, slow=True)
-test_refusal = _transport_target(wire.Refusal, slow=False)
-test_refusal_long = _transport_target(wire.Refusal, slow=True)
+test_greeting = _transport_target(messages.Greeting, slow=False)
+test_greeting_long = _transport_target(messages.Greeting, slow=True)
+test_challenge = _transport_target(messages.Challenge, slow=False)
+test_challenge_long = _transport_target(messages.Challenge, slow=True)
+test_credentials = _transport_target(messages.Credentials, slow=False)
+test_credentials_long = _transport_target(messages.Credentials, slow=True)
+test_welcome = _transport_target(messages.Welcome, slow=False)
+test_welcome_long = _transport_target(messages.Welcome, slow=True)
+test_hello = _transport_target(messages.Hello, slow=False)
+test_hello_long = _transport_target(messages.Hello, slow=True)
+test_regions_update = _transport_target(messages.RegionsUpdate, slow=False)
+test_regions_update_long = _transport_target(messages.RegionsUpdate, slow=True)
+test_write_request = _transport_target(messages.WriteRequest, slow=False)
+test_write_request_long = _transport_target(messages.WriteRequest, slow=True)
+test_write_reply = _transport_target(messages.WriteReply, slow=False)
+test_write_reply_long = _transport_target(messages.WriteReply, slow=True)
+test_write_abort = _transport_target(messages.WriteAbort, slow=False)
+test_write_abort_long = _transport_target(messages.WriteAbort, slow=True)
+test_refusal = _transport_target(messages.Refusal, slow=False)
+test_refusal_long = _transport_target(messages.Refusal, slow=True)
 
 
 # --- fragments of a write request --------------------------------------------------------------------------
@@ -369,7 +367,7 @@ HELLO_KEYS = field_names(protocol.Hello, protocol.PeerInfo)
 
 def _in_envelope(info: Any) -> bytes:
     """A PeerInfo (raw) inside a Hello envelope that matches ours: the decoder reaches the body."""
-    return project_wire.encode(protocol.Hello(TABLE.wire_version, TABLE.compat_hash, pack(info)))
+    return wire.encode(protocol.Hello(TABLE.wire_version, TABLE.compat_hash, pack(info)))
 
 
 def _disagg_hello(data: bytes) -> None:
@@ -378,11 +376,11 @@ def _disagg_hello(data: bytes) -> None:
 
 DISAGG_HELLO_PAYLOADS = st.one_of(
     payloads([unpack(protocol.encode_hello(PEER_INFO))], HELLO_KEYS),
-    payloads([unpack(project_wire.encode(PEER_INFO))], HELLO_KEYS, wrap=_in_envelope),
+    payloads([unpack(wire.encode(PEER_INFO))], HELLO_KEYS, wrap=_in_envelope),
 )
 DISAGG_HELLO_REGRESSIONS = [
-    _in_envelope({**unpack(project_wire.encode(PEER_INFO)), "tp_size": 2**63}),
-    _in_envelope({**unpack(project_wire.encode(PEER_INFO)), "page_tables": []}),
+    _in_envelope({**unpack(wire.encode(PEER_INFO)), "tp_size": 2**63}),
+    _in_envelope({**unpack(wire.encode(PEER_INFO)), "page_tables": []}),
 ]
 test_disagg_hello = fuzz_target(
     _disagg_hello,
@@ -426,7 +424,7 @@ _KIND_OF = {type(m): unpack(protocol.encode_control(m))["kind"] for m in CONTROL
 def _control_bodies(draw: st.DrawFn) -> bytes:
     """A body mutated inside a Control of its kind (or of another): the decoder reaches the body."""
     message = draw(st.sampled_from(CONTROL_SAMPLES))
-    body = draw(mutated(unpack(project_wire.encode(message)), CONTROL_KEYS))
+    body = draw(mutated(unpack(wire.encode(message)), CONTROL_KEYS))
     kind = draw(st.one_of(st.just(_KIND_OF[type(message)]), st.sampled_from(sorted(_KIND_OF.values()))))
     return pack({"kind": kind, "body": pack(body)})
 
@@ -460,28 +458,24 @@ BLOB_REGRESSIONS = [
 
 
 def _blob_samples() -> list[Any]:
-    assert nixl_module is not None
-    export = nixl_module._IpcExport(1 << 30, 1 << 20, 0, _SHARE)
+    export = nixl_blob.IpcExport(1 << 30, 1 << 20, 0, _SHARE)
     blobs = [
-        nixl_module._pack_blob(b"meta", [export], host=[REGION]),
-        nixl_module._pack_blob(b"", [export], [b"partial"], [REGION, TOP_REGION], [REGION]),
+        nixl_blob.pack_blob(b"meta", [export], host=[REGION]),
+        nixl_blob.pack_blob(b"", [export], [b"partial"], [REGION, TOP_REGION], [REGION]),
     ]
     return [unpack(b[len(_BLOB_MARK) :]) for b in blobs]
 
 
 def _blob(data: bytes) -> None:
-    assert nixl_module is not None
-    metadata, exports, partial, new, host = nixl_module._unpack_blob(data)
+    metadata, exports, partial, new, host = nixl_blob.unpack_blob(data)
     assert type(metadata) is bytes and all(type(p) is bytes for p in partial)
     for export in exports:
         assert export.address >= 0 and export.address + export.length <= 2**64
         assert type(export.share[1]) is bytes
-    assert all(isinstance(r, wire.RegionInfo) for r in [*new, *host])
+    assert all(isinstance(r, messages.RegionInfo) for r in [*new, *host])
 
 
 def _blob_target(*, slow: bool) -> Callable[[], None]:
-    if nixl_module is None:
-        return pytest.mark.skip(reason="nixl is not installed")(lambda: None)  # type: ignore[no-any-return]
     return fuzz_target(
         _blob,
         payloads(_blob_samples(), BLOB_KEYS, wrap=lambda raw: _BLOB_MARK + pack(raw)),
@@ -495,15 +489,13 @@ test_nixl_blob_long = _blob_target(slow=True)
 
 
 def test_nixl_blob_round_trip() -> None:
-    """The blob's format is what _pack_blob writes; decoded strictly, it gives back what was packed."""
-    if nixl_module is None:
-        pytest.skip("nixl is not installed")
-    export = nixl_module._IpcExport(1 << 30, 1 << 20, 64, _SHARE)
-    blob = nixl_module._pack_blob(b"meta", [export], [b"p"], [REGION, TOP_REGION], [REGION])
-    metadata, exports, partial, new, host = nixl_module._unpack_blob(blob)
+    """The blob's format is what pack_blob writes; decoded strictly, it gives back what was packed."""
+    export = nixl_blob.IpcExport(1 << 30, 1 << 20, 64, _SHARE)
+    blob = nixl_blob.pack_blob(b"meta", [export], [b"p"], [REGION, TOP_REGION], [REGION])
+    metadata, exports, partial, new, host = nixl_blob.unpack_blob(blob)
     assert (metadata, partial, new, host) == (b"meta", [b"p"], [REGION, TOP_REGION], [REGION])
     assert [(e.address, e.length, e.offset, e.share) for e in exports] == [(1 << 30, 1 << 20, 64, _SHARE)]
-    assert nixl_module._unpack_blob(b"raw agent metadata")[0] == b"raw agent metadata"
+    assert nixl_blob.unpack_blob(b"raw agent metadata")[0] == b"raw agent metadata"
     for bad in BLOB_REGRESSIONS:
         with pytest.raises(WireFormatError, match="NIXL backend blob"):
-            nixl_module._unpack_blob(bad)
+            nixl_blob.unpack_blob(bad)

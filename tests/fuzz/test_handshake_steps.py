@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvferry import wire
 from kvferry.errors import PeerIncompatible, WireFormatError
-from kvferry.transports import wire
+from kvferry.transports import messages
 from kvferry.transports._framing import FrameReader, frame
 from kvferry.transports.handshake import Handshake, Introduction
 
-CONVERTER = wire.make_converter()
 SMOKE, LONG = 40, 1500
 
 
@@ -47,27 +47,29 @@ class ScriptedStream:
         return default
 
 
-def _hello(address: int) -> wire.Hello:
-    return wire.Hello("local", "fuzz", "local://127.0.0.1:1", "elsewhere", 1, 1, 1 << 20, 0, (), b"", address)
+def _hello(address: int) -> messages.Hello:
+    return messages.Hello(
+        "local", "fuzz", "local://127.0.0.1:1", "elsewhere", 1, 1, 1 << 20, 0, (), b"", address
+    )
 
 
 def _handshake(secret: bytes | None) -> Handshake:
-    return Handshake(name="local", secret=secret, compat_hash=b"", converter=CONVERTER, max_bytes=1 << 20)
+    return Handshake(name="local", secret=secret, compat_hash=b"", max_bytes=1 << 20)
 
 
 def _step(body: bytes) -> bytes:
-    return frame(wire.FrameKind.HANDSHAKE, body)
+    return frame(messages.FrameKind.HANDSHAKE, body)
 
 
 VALID_ACCEPTOR_STEPS = [
-    _step(wire.encode(CONVERTER, wire.Greeting(wire.WIRE_VERSION, bytes(32), False))),
-    _step(wire.encode(CONVERTER, wire.Credentials(b"", b""))),
-    _step(wire.encode(CONVERTER, _hello(0))),
+    _step(wire.encode(messages.Greeting(wire.TRANSPORT_PROTOCOL_VERSION, bytes(32), False))),
+    _step(wire.encode(messages.Credentials(b"", b""))),
+    _step(wire.encode(_hello(0))),
 ]
 VALID_CONNECTOR_STEPS = [
-    _step(wire.encode(CONVERTER, wire.Challenge(wire.WIRE_VERSION, bytes(32), b""))),
-    _step(wire.encode(CONVERTER, wire.Welcome(b""))),
-    _step(wire.encode(CONVERTER, _hello(0))),
+    _step(wire.encode(messages.Challenge(wire.TRANSPORT_PROTOCOL_VERSION, bytes(32), b""))),
+    _step(wire.encode(messages.Welcome(b""))),
+    _step(wire.encode(_hello(0))),
 ]
 
 
@@ -118,8 +120,10 @@ BODIES = st.one_of(
 #: a frame of another kind, or a header announcing more than any step may be
 FRAMES = st.one_of(
     BODIES.map(_step),
-    st.tuples(st.integers(0, 255), BODIES).map(lambda kb: wire.FRAME_HEADER.pack(kb[0], len(kb[1])) + kb[1]),
-    st.integers(0, 2**64 - 1).map(lambda n: wire.FRAME_HEADER.pack(wire.FrameKind.HANDSHAKE, n)),
+    st.tuples(st.integers(0, 255), BODIES).map(
+        lambda kb: messages.FRAME_HEADER.pack(kb[0], len(kb[1])) + kb[1]
+    ),
+    st.integers(0, 2**64 - 1).map(lambda n: messages.FRAME_HEADER.pack(messages.FrameKind.HANDSHAKE, n)),
 )
 
 

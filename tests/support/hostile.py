@@ -23,18 +23,18 @@ import msgpack
 import numpy as np
 from anyio.abc import ByteStream
 
+from kvferry import wire
 from kvferry.errors import PeerIncompatible
-from kvferry.transports import get_transport, wire
-from kvferry.transports._channel import parse_address
+from kvferry.transports import get_transport, messages
 from kvferry.transports._framing import FrameReader, frame, read_frame
+from kvferry.transports.control import parse_address
 from kvferry.transports.handshake import SECRET_ENV, Handshake, pid_namespace
 
-HEADER = wire.FRAME_HEADER
-CONVERTER = wire.make_converter()
+HEADER = messages.FRAME_HEADER
 DEADLINE = 20.0
 
 
-def _hello(args: argparse.Namespace, proof_address: int, **fields: Any) -> wire.Hello:
+def _hello(args: argparse.Namespace, proof_address: int, **fields: Any) -> messages.Hello:
     base: dict[str, Any] = dict(
         transport=args.transport,
         instance_id="hostile",
@@ -49,7 +49,7 @@ def _hello(args: argparse.Namespace, proof_address: int, **fields: Any) -> wire.
         pid_proof_address=proof_address,
     )
     base.update(fields)
-    return wire.Hello(**base)
+    return messages.Hello(**base)
 
 
 async def _connect(address: str) -> ByteStream:
@@ -65,16 +65,14 @@ async def _outcome(stream: ByteStream, seconds: float = 5.0) -> str:
             kind, body = await read_frame(reader, 1 << 20)
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
             return "closed"
-        if kind == wire.FrameKind.REFUSAL:
-            return "refused: " + wire.decode(CONVERTER, body, wire.Refusal).reason
+        if kind == messages.FrameKind.REFUSAL:
+            return "refused: " + wire.decode(body, messages.Refusal).reason
         return f"frame {kind}"
     return "silent"
 
 
 def _handshake(args: argparse.Namespace, secret: bytes | None) -> Handshake:
-    return Handshake(
-        name=args.transport, secret=secret, compat_hash=b"", converter=CONVERTER, max_bytes=16 << 20
-    )
+    return Handshake(name=args.transport, secret=secret, compat_hash=b"", max_bytes=16 << 20)
 
 
 async def _raw(address: str, data: bytes) -> dict[str, Any]:
@@ -93,7 +91,7 @@ async def _handshaken(args: argparse.Namespace, **hello: Any) -> tuple[ByteStrea
         await _handshake(args, _secret(args)).connector(
             stream,
             FrameReader(stream),
-            lambda address: attrs.evolve(real._hello(address), **hello),  # type: ignore[attr-defined]
+            lambda address: attrs.evolve(real.control.hello(address), **hello),  # type: ignore[attr-defined]
         )
     except Exception as exc:
         return stream, f"refused: {type(exc).__name__}: {exc}"
@@ -106,7 +104,7 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     return os.environ[SECRET_ENV].encode() if args.secret_env else None
 
 
-async def _flood(args: argparse.Namespace, kind: wire.FrameKind, piece: int) -> dict[str, Any]:
+async def _flood(args: argparse.Namespace, kind: messages.FrameKind, piece: int) -> dict[str, Any]:
     """Send ``args.megabytes`` MiB of frames of ``kind`` for at most ``args.seconds``; how much went out."""
     stream, outcome = await _handshaken(args)
     if outcome != "accepted":
@@ -124,14 +122,14 @@ async def _flood(args: argparse.Namespace, kind: wire.FrameKind, piece: int) -> 
 async def attack(args: argparse.Namespace) -> dict[str, Any]:
     name = args.attack
     if name == "message-first":
-        return await _raw(args.address, HEADER.pack(wire.FrameKind.MESSAGE, 0))
+        return await _raw(args.address, HEADER.pack(messages.FrameKind.MESSAGE, 0))
     if name == "huge-handshake":
-        return await _raw(args.address, HEADER.pack(wire.FrameKind.HANDSHAKE, 1 << 40))
+        return await _raw(args.address, HEADER.pack(messages.FrameKind.HANDSHAKE, 1 << 40))
     if name == "garbage":
         return await _raw(args.address, np.random.default_rng(7).bytes(4096))
     if name == "old-version":  # a wire-2 envelope
         envelope = msgpack.packb({"wire_version": 2, "compat_hash": b"", "body": b""})
-        return await _raw(args.address, frame(wire.FrameKind.HANDSHAKE, envelope))
+        return await _raw(args.address, frame(messages.FrameKind.HANDSHAKE, envelope))
     if name == "no-secret":
         stream = await _connect(args.address)
         try:
@@ -144,26 +142,28 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
     if name == "wrong-secret":  # a proof under another key, sent without checking the target's
         stream = await _connect(args.address)
         reader = FrameReader(stream)
-        nonce = os.urandom(wire.NONCE_BYTES)
+        nonce = os.urandom(messages.NONCE_BYTES)
         await stream.send(
             frame(
-                wire.FrameKind.HANDSHAKE,
-                wire.encode(CONVERTER, wire.Greeting(wire.WIRE_VERSION, nonce, True)),
+                messages.FrameKind.HANDSHAKE,
+                wire.encode(messages.Greeting(wire.TRANSPORT_PROTOCOL_VERSION, nonce, True)),
             )
         )
         _kind, body = await read_frame(reader, 1 << 20)
-        challenge = wire.decode(CONVERTER, body, wire.Challenge)
+        challenge = wire.decode(body, messages.Challenge)
         proof = hmac.new(b"not the secret", nonce + challenge.nonce, hashlib.sha256).digest()
-        hello = wire.encode(CONVERTER, _hello(args, 0))
+        hello = wire.encode(_hello(args, 0))
         await stream.send(
-            frame(wire.FrameKind.HANDSHAKE, wire.encode(CONVERTER, wire.Credentials(proof, b"")))
-            + frame(wire.FrameKind.HANDSHAKE, hello)
+            frame(messages.FrameKind.HANDSHAKE, wire.encode(messages.Credentials(proof, b"")))
+            + frame(messages.FrameKind.HANDSHAKE, hello)
         )
         return {"outcome": await _outcome(stream)}
     if name == "replay":
         return await _replay(args)
     if name == "region-overflow":
-        region = wire.RegionInfo.__new__(wire.RegionInfo)  # past the validator, as a peer's bytes would be
+        region = messages.RegionInfo.__new__(
+            messages.RegionInfo
+        )  # past the validator, as a peer's bytes would be
         object.__setattr__(region, "address", (1 << 64) - 16)
         object.__setattr__(region, "length", 1 << 20)
         object.__setattr__(region, "device", "cpu")
@@ -179,14 +179,14 @@ async def attack(args: argparse.Namespace) -> dict[str, Any]:
         await anyio.sleep(args.seconds)  # connected while the target looks at us
         return {"outcome": outcome}
     if name == "flood-notify":
-        return await _flood(args, wire.FrameKind.NOTIFY, 1 << 20)
+        return await _flood(args, messages.FrameKind.NOTIFY, 1 << 20)
     if name == "flood-messages":
-        return await _flood(args, wire.FrameKind.MESSAGE, 8 << 20)
+        return await _flood(args, messages.FrameKind.MESSAGE, 8 << 20)
     if name == "many-refusals":
         outcomes: dict[str, int] = {}
         for _ in range(args.count):
             stream = await _connect(args.address)
-            await stream.send(frame(wire.FrameKind.HANDSHAKE, b"\xc1"))
+            await stream.send(frame(messages.FrameKind.HANDSHAKE, b"\xc1"))
             got = (await _outcome(stream)).split(":")[0]
             outcomes[got] = outcomes.get(got, 0) + 1
             await stream.aclose()

@@ -140,10 +140,10 @@ class PeerServer:
             return {"data": data.hex()}
         if op == "send_raw":
             # Bypasses the sender's own limit check: the receiver's check is what is under test.
-            from kvferry.transports import wire
+            from kvferry.transports import messages
 
             peer = await self.current_peer()
-            await self.transport.send_frame(peer, wire.FrameKind.MESSAGE, bytes(cmd["size"]))  # type: ignore[attr-defined]
+            await self.transport.control.send_frame(peer, messages.FrameKind.MESSAGE, bytes(cmd["size"]))  # type: ignore[attr-defined]
             return {"ok": True}
         if op == "stats":
             return {"stats": self.transport.statistics()._asdict(), "pid": os.getpid()}

@@ -242,7 +242,7 @@ async def test_cuda_indexed_writes_on_the_device(transport_name: str) -> None:
             assert isinstance(refused, RegionError), refused
             assert await untouched()
             # the same template again, other ids: no new check, one more launch
-            p_internal = transport._peer(peer)  # type: ignore[attr-defined]
+            p_internal = transport.control.peer(peer)  # type: ignore[attr-defined]
             checked = p_internal.indexed.templates_checked
             src.random_(0, 256)
             expected = await asha(swap_halves(src.cpu().numpy(), page))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import TRANSPORTS, LoopLag, PeerProcess, Remote, our_tasks, variant
 
+from kvferry import wire
 from kvferry.errors import (
     ClosedResourceError,
     MessageTooLarge,
@@ -32,9 +33,9 @@ from kvferry.transports import (
     TransportAttribute,
     get_transport,
     page_fragments,
-    wire,
 )
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
+from kvferry.transports.writes import WritePipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -312,13 +313,12 @@ async def test_handshake_refused_before_body(
             await transport.connect(remote.address)
     if transport_name == "local":
         return  # the in-process peer shares the wire module: a patched version would change both sides
-    monkeypatch.setattr(wire, "WIRE_VERSION", wire.WIRE_VERSION + 1)
+    monkeypatch.setattr(wire, "TRANSPORT_PROTOCOL_VERSION", wire.TRANSPORT_PROTOCOL_VERSION + 1)
+    encode = wire.encode
     async with get_transport(transport_name)() as transport:
         # a future peer's body would not decode; it must be refused by version before anyone tries
-        monkeypatch.setattr(transport, "_hello", lambda: b"not a hello at all")
-        monkeypatch.setattr(
-            wire, "encode", lambda converter, obj: obj if isinstance(obj, bytes) else converter.dumps(obj)
-        )
+        monkeypatch.setattr(transport.control, "hello", lambda: b"not a hello at all")  # type: ignore[attr-defined]
+        monkeypatch.setattr(wire, "encode", lambda obj: obj if isinstance(obj, bytes) else encode(obj))
         with pytest.raises(PeerIncompatible, match="wire version"):
             await transport.connect(remote.address)
     monkeypatch.undo()
@@ -379,7 +379,7 @@ async def test_receiver_refuses_what_it_did_not_register(transport_name: str, re
         src = random_tensor(4096)
         await transport.register(src)
         from kvferry.transports._memory import RegionTable
-        from kvferry.transports.wire import RegionInfo
+        from kvferry.transports.messages import RegionInfo
 
         peer.regions = RegionTable([RegionInfo(dst, 1 << 40, "cpu")])  # type: ignore[attr-defined]
         with pytest.raises(RegionError):
@@ -430,9 +430,11 @@ async def test_a_peer_that_cannot_show_its_pid_gets_no_same_host_copies(
     factory = get_transport(transport_name)
     decoy = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()  # b's memory, but not its proof
     async with factory(same_process="transport") as a, factory(same_process="transport") as b:
-        honest = b._hello  # type: ignore[attr-defined]
+        honest = b.control.hello  # type: ignore[attr-defined]
         monkeypatch.setattr(
-            b, "_hello", lambda address: attrs.evolve(honest(address), pid_proof_address=decoy.ctypes.data)
+            b.control,  # type: ignore[attr-defined]
+            "hello",
+            lambda address: attrs.evolve(honest(address), pid_proof_address=decoy.ctypes.data),
         )
         pa = await a.connect(b.address)
         pb = await b.accept()
@@ -464,7 +466,7 @@ async def test_nixl_refused_region_metadata(
         kept = await remote_buffer(transport, peer, remote, "kept", 4096)
         src = random_tensor(4096, seed=7)
         await transport.register(src)
-        agent = transport._agent  # type: ignore[attr-defined]
+        agent = transport.data_path._agent  # type: ignore[attr-defined]
 
         def refuse(metadata: bytes) -> str:
             raise nixl_bindings.nixlNotAllowedError("NIXL_ERR_NOT_ALLOWED")
@@ -601,13 +603,13 @@ async def test_write_many_checks_good_writes_as_one(monkeypatch: pytest.MonkeyPa
     that refuses something is each checked on its own, and then only the bad one is refused."""
     async with local_pair(4 * MiB) as (a, pa, _, src, dst):
         checks: list[int] = []
-        checked = type(a)._checked
+        checked = WritePipeline.checked
 
         def counting(self: Any, p: Any, rows: Any) -> Any:
             checks.append(len(rows.src))
             return checked(self, p, rows)
 
-        monkeypatch.setattr(type(a), "_checked", counting)
+        monkeypatch.setattr(WritePipeline, "checked", counting)
         quarter = MiB
         writes = [
             (
@@ -676,10 +678,10 @@ async def test_stall_deadline(transport_name: str, monkeypatch: pytest.MonkeyPat
             async def swallow(peer: object, kind: int, body: bytes) -> None:
                 pass  # the receiver never answers
 
-            monkeypatch.setattr(b, "_backend_frame", swallow)
+            monkeypatch.setattr(b.data_path, "frame", swallow)  # type: ignore[attr-defined]
         elif transport_name == "nixl":
-            monkeypatch.setattr(a._agent, "transfer", lambda handle, *args: "PROC")  # type: ignore[attr-defined]
-            monkeypatch.setattr(a._agent, "check_xfer_state", lambda handle: "PROC")  # type: ignore[attr-defined]
+            monkeypatch.setattr(a.data_path._agent, "transfer", lambda handle, *args: "PROC")  # type: ignore[attr-defined]
+            monkeypatch.setattr(a.data_path._agent, "check_xfer_state", lambda handle: "PROC")  # type: ignore[attr-defined]
         else:
             from kvferry.transports import _memory
 
@@ -752,10 +754,10 @@ async def test_cma_write_to_a_gone_process(
             raise AssertionError("the write went on through NIXL")
 
         monkeypatch.setattr(_cma, "write", gone)
-        monkeypatch.setattr(transport._agent, "transfer", through_nixl)  # type: ignore[attr-defined]
+        monkeypatch.setattr(transport.data_path._agent, "transfer", through_nixl)  # type: ignore[attr-defined]
         with anyio.fail_after(10), pytest.raises(PeerDisconnected, match="is gone"):
             await transport.write(peer, [[src.data_ptr(), MiB]], [[dst, MiB]], b"n")
-        assert not transport._cma_refused  # type: ignore[attr-defined]
+        assert not transport.data_path._cma_refused  # type: ignore[attr-defined]
         assert transport.statistics().writes_in_flight == 0
 
 

@@ -23,9 +23,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry import wire
 from kvferry.errors import PeerDisconnected, TransferTimeout, TransportError
-from kvferry.transports import Peer, Transport, _cma, get_transport, wire
-from kvferry.transports._channel import fragments_bytes
+from kvferry.transports import Peer, Transport, _cma, get_transport, messages
+from kvferry.transports.messages import fragments_bytes
 
 pytest.importorskip("ucxx")
 
@@ -172,7 +173,7 @@ async def test_an_offer_that_does_not_pair_is_ignored(offer: str, monkeypatch: p
             "lengths": wire_fragments([[base, MiB // 2], [base + MiB // 2, MiB // 2]]),
             "garbage": b"\x01\x02\x03",
         }[offer]
-        monkeypatch.setattr(a, "_pull_offer", lambda peer, rows: bad)
+        monkeypatch.setattr(a.data_path, "_pull_offer", lambda peer, rows: bad)  # type: ignore[attr-defined]
         await write_all(a, pa, src, dst)
         assert await b.receive_notification(pb) == b"n"
         assert torch.equal(src, dst)
@@ -193,7 +194,7 @@ async def test_a_connected_idle_transport_costs_no_cpu() -> None:
         cpu = time.thread_time()
         await anyio.sleep(1.0)
         assert time.thread_time() - cpu < 0.2
-        events = a._worker_events  # type: ignore[attr-defined]
+        events = a.data_path._worker_events  # type: ignore[attr-defined]
         assert events is not None and events.wakeups > 0, events
 
 
@@ -245,14 +246,14 @@ async def test_the_driver_replaces_ucxx_arming_task() -> None:
         mode = application.ProgressTasks[asyncio.get_running_loop()]
         await anyio.lowlevel.checkpoint()
         assert mode.arm_task.cancelled()
-        assert transport._worker_events is mode._kvferry_events  # type: ignore[attr-defined]
+        assert transport.data_path._worker_events is mode._kvferry_events  # type: ignore[attr-defined]
         async with get_transport("ucx")() as second:  # one driver per loop
-            assert second._worker_events is transport._worker_events  # type: ignore[attr-defined]
+            assert second.data_path._worker_events is transport.data_path._worker_events  # type: ignore[attr-defined]
 
 
 def test_write_status_values_are_wire_version_2() -> None:
-    assert wire.WIRE_VERSION >= 2
-    assert {s.value for s in wire.WriteStatus} >= {"pulling", "progress"}
+    assert wire.TRANSPORT_PROTOCOL_VERSION >= 2
+    assert {s.value for s in messages.WriteStatus} >= {"pulling", "progress"}
 
 
 # --- caps on a write request: refused from its length, split by the writer; the plan of its messages ---------
@@ -306,11 +307,11 @@ def test_the_plan_refuses_more_fragments_than_the_cap() -> None:
 
 
 async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Reported: a WriteRequest of 4M tiny fragments held the receiver's event loop for 1.7 s (parsed, located,
-    planned) before it was refused. Now a request over the fragment cap is answered FAILED from the length of
-    ``dst`` alone, nothing of it parsed, and the connection serves the next write; the 4M-fragment request itself
-    (64 MiB) is past the control-frame cap, so its sender is dropped before a byte of it is read, and the
-    receiver serves on."""
+    """A WriteRequest of millions of tiny fragments must not hold the receiver's event loop (parsed, located,
+    planned) before it is refused: a request over the fragment cap is answered FAILED from the length of ``dst``
+    alone, nothing of it parsed, and the connection serves the next write; the 4M-fragment request itself (64 MiB)
+    is past the control-frame cap, so its sender is dropped before a byte of it is read, and the receiver serves
+    on."""
     parsed: list[int] = []
     parse = ucx_module.fragments_from_bytes
 
@@ -322,29 +323,33 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
         monkeypatch.setattr(ucx_module, "fragments_from_bytes", spy)
         count = ucx_module.MAX_WRITE_FRAGMENTS + 1
         rows = np.stack([dst.data_ptr() + np.arange(count) % MiB, np.ones(count, dtype=np.int64)], axis=1)
-        channel = a._peer(pa)  # type: ignore[attr-defined]
-        replies_out, replies_in = anyio.create_memory_object_stream[wire.WriteReply](1)
-        write_id = a.new_write_id()  # type: ignore[attr-defined]
+        channel = a.control.peer(pa)  # type: ignore[attr-defined]
+        replies_out, replies_in = anyio.create_memory_object_stream[messages.WriteReply](1)
+        write_id = a.writes.new_write_id()  # type: ignore[attr-defined]
         channel.pending[write_id] = replies_out
-        request = wire.WriteRequest(write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x")
+        request = messages.WriteRequest(
+            write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x"
+        )
         try:
-            body = wire.encode(a._converter, request)  # type: ignore[attr-defined]
-            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
+            body = wire.encode(request)  # type: ignore[attr-defined]
+            await a.control.send_frame(channel, messages.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
             with anyio.fail_after(30):
                 reply = await replies_in.receive()
         finally:
             channel.pending.pop(write_id, None)
         assert reply.write_id == write_id
-        assert reply.status is wire.WriteStatus.FAILED
+        assert reply.status is messages.WriteStatus.FAILED
         assert f"{count} fragments (at most {ucx_module.MAX_WRITE_FRAGMENTS} per request)" in reply.detail
         assert parsed == []
         await write_all(a, pa, src, dst)
         assert await b.receive_notification(pb) == b"n"
         assert torch.equal(src, dst)
         huge = np.zeros((4 << 20, 2), dtype=np.uint64)
-        request = wire.WriteRequest(a.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x")  # type: ignore[attr-defined]
+        request = messages.WriteRequest(
+            a.writes.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x"
+        )  # type: ignore[attr-defined]
         with anyio.fail_after(30), pytest.raises(PeerDisconnected):
-            await a.send_frame(channel, wire.FrameKind.WRITE_REQUEST, wire.encode(a._converter, request))  # type: ignore[attr-defined]
+            await a.control.send_frame(channel, messages.FrameKind.WRITE_REQUEST, wire.encode(request))  # type: ignore[attr-defined]
             await pa.lost.wait()  # type: ignore[attr-defined]
             raise pa.error  # type: ignore[attr-defined]
         assert b.statistics().dropped_peers == 1
@@ -360,14 +365,14 @@ async def test_a_write_over_the_cap_goes_as_several_requests(
     page = 64 << 10
     async with pair(10 * page, host_cma=host_cma) as (a, b, pa, pb, src, dst):
         notifies: list[bytes | None] = []
-        write_request = a._write_request  # type: ignore[attr-defined]
+        write_request = a.data_path._write_request  # type: ignore[attr-defined]
 
         async def spy(peer: Any, rows: Any, notify: bytes | None, stall: float) -> None:
             notifies.append(notify)
             assert len(rows.src) <= 4
             await write_request(peer, rows, notify, stall)
 
-        monkeypatch.setattr(a, "_write_request", spy)
+        monkeypatch.setattr(a.data_path, "_write_request", spy)  # type: ignore[attr-defined]
         # rows that do not merge: page i goes to page 9 - i
         src_rows = [[src.data_ptr() + i * page, page] for i in range(10)]
         dst_rows = [[dst.data_ptr() + (9 - i) * page, page] for i in range(10)]
