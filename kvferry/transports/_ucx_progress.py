@@ -81,7 +81,7 @@ class WorkerEvents:
         arm_task.cancel()  # it may spin forever: the first turn below arms the worker instead
         loop.remove_reader(events._fd)
         events._read(True)
-        mode._kvferry_events = events  # type: ignore[attr-defined]
+        mode._kvferry_events = events
         events._schedule(now=True)
         return events
 

@@ -268,7 +268,7 @@ def _transport_target(cls: type, *, slow: bool) -> Callable[[], None]:
     samples = [unpack(wire.encode(m)) for m in TRANSPORT_SAMPLES[cls]]
 
     def decode(data: bytes) -> None:
-        message = wire.decode(data, cls)
+        message: object = wire.decode(data, cls)
         wire.encode(message)  # what decodes encodes again
         if isinstance(message, messages.Hello | messages.RegionsUpdate):
             RegionTable(message.regions)  # what the channel does with them at once

@@ -3,69 +3,22 @@ local), a loop-lag monitor, and a leak check."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import anyio
 import pytest
 
-from kvferry.tools import peer_process
-from kvferry.transports import Transport, available_transports, get_transport
-from tests.support import SUPPORT
+from kvferry.transports import available_transports, get_transport
 from tests.support.transport_peer import PeerServer, set_ucx_test_env
-
-TRANSPORTS = ["nixl", "ucx", "local"]
-#: variants some tests also run: (transport, options of the test's own transport)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    # ucx between processes of one host, through UCX messages instead of reading the writer's memory
-    "ucx-messages": ("ucx", {"host_cma": False}),
-}
-
-
-def variant(name: str) -> tuple[str, dict[str, Any]]:
-    """The transport a test parameter names, and the options its own side is started with."""
-    return VARIANTS.get(name, (name, {}))
-
-
-class PeerProcess(peer_process.PeerProcess):
-    """A transport in another process, driven over stdin/stdout (tests/support/transport_peer.py: the
-    library's peer protocol with the test operations); error replies come back as they are."""
-
-    def __init__(self, name: str, *args: str, device: str = "cpu") -> None:
-        program = [sys.executable, str(SUPPORT / "transport_peer.py"), name, "--device", device, *args]
-        super().__init__(name, device=device, argv=program, cwd=str(SUPPORT.parents[1]))
-        self.pid: int = self.info["pid"]
-
-    def _result(self, result: dict[str, Any]) -> dict[str, Any]:
-        return result  # the tests read {"error": ...} replies themselves
-
-    async def call(self, **cmd: Any) -> dict[str, Any]:
-        with anyio.fail_after(60):
-            return await super().call(**cmd)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
-class InProcessPeer:
-    """The same commands, served by a second transport in this process (for ``local``)."""
-
-    def __init__(self, transport: Transport, server: PeerServer) -> None:
-        self.transport = transport
-        self.server = server
-        self.address = transport.address
-
-    async def call(self, **cmd: Any) -> dict[str, Any]:
-        with anyio.fail_after(60):
-            return await self.server.handle(cmd)
-
-
-Remote = PeerProcess | InProcessPeer
+from tests.support.transports import (
+    TRANSPORTS,
+    InProcessPeer,
+    LoopLag,
+    PeerProcess,
+    Remote,
+    variant,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,33 +55,6 @@ async def remote(transport_name: str, peer_processes: dict[str, PeerProcess]) ->
     yield proc
 
 
-class LoopLag:
-    """Measures how long the event loop stays away from a task that sleeps ``interval`` seconds at a time.
-
-    Two figures: ``max_blocked`` counts the CPU time the loop's thread spent in one such gap (code running on
-    the loop instead of yielding), ``max_lag`` the wall time. On this 2-core VM the OS deschedules the whole
-    process for tens of ms whenever the peer process and worker threads are busy, which is not the loop being
-    blocked; so the 50 ms bound applies to ``max_blocked``, and wall time only has to stay under 0.5 s (which
-    catches a blocking wait on I/O, where the thread sleeps).
-    """
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self.max_lag = 0.0
-        self.max_blocked = 0.0
-
-    def reset(self) -> None:
-        """Start measuring now (setup, such as starting a transport and importing a library, is not counted)."""
-        self.max_lag = self.max_blocked = 0.0
-
-    async def run(self) -> None:
-        while True:
-            start, cpu = time.perf_counter(), time.thread_time()
-            await anyio.sleep(self.interval)
-            self.max_lag = max(self.max_lag, time.perf_counter() - start - self.interval)
-            self.max_blocked = max(self.max_blocked, time.thread_time() - cpu)
-
-
 @pytest.fixture
 async def loop_lag() -> AsyncIterator[LoopLag]:
     """Fails the test if the event loop was blocked for more than 50 ms after the test called ``reset()``."""
@@ -144,16 +70,6 @@ async def loop_lag() -> AsyncIterator[LoopLag]:
     gc.unfreeze()
     assert lag.max_blocked < 0.05, f"event loop blocked for {lag.max_blocked * 1e3:.1f} ms of CPU"
     assert lag.max_lag < 0.5, f"event loop away for {lag.max_lag * 1e3:.1f} ms"
-
-
-def our_tasks() -> set[asyncio.Task[Any]]:
-    """Tasks still alive that are not the test's own and not UCXX's per-loop progress tasks."""
-    current = asyncio.current_task()
-    return {
-        t
-        for t in asyncio.all_tasks()
-        if t is not current and not any(s in repr(t.get_coro()) for s in ("ucxx", "_progress", "TestRunner"))
-    }
 
 
 @pytest.fixture(autouse=True)

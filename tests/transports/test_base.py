@@ -57,8 +57,10 @@ def test_write_rows_is_as_fragments_pairing_and_coalesce(
     # a gap before a row on either side (or both) decides whether it merges with the one before
     s_gap = np.array([g for _, g, _ in rows], dtype=np.int64)
     d_gap = np.array([g for _, _, g in rows], dtype=np.int64)
-    src = np.stack([1000 + np.cumsum(lengths + s_gap) - lengths, lengths], axis=1).astype(dtype)
-    dst = np.stack([90000 + np.cumsum(lengths + 3 * d_gap) - lengths, lengths], axis=1).astype(dtype)
+    src: np.ndarray = np.stack([1000 + np.cumsum(lengths + s_gap) - lengths, lengths], axis=1).astype(dtype)
+    dst: np.ndarray = np.stack([90000 + np.cumsum(lengths + 3 * d_gap) - lengths, lengths], axis=1).astype(
+        dtype
+    )
     got = write_rows(src, dst)
     want_s, want_d = as_fragments(src), as_fragments(dst)
     check_pairing(want_s, want_d)

@@ -56,5 +56,5 @@ async def test_a_transport_closed_before_it_started_stays_closed() -> None:
 def test_a_move_outside_the_table_is_refused_and_changes_nothing() -> None:
     transport = LocalTransport()
     with pytest.raises(InvalidTransition, match="NEW -> OPEN"):
-        transport._move(TransportState.OPEN)  # type: ignore[attr-defined]
+        transport._move(TransportState.OPEN)
     assert state_of(transport) is TransportState.NEW

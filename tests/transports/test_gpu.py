@@ -8,12 +8,11 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import PeerProcess
-from test_transports import asha, remote_buffer, swap_halves, swapped_halves
 
 from kvferry.errors import MissingExtraError, RegionError
 from kvferry.transports import get_transport, page_fragments
 from kvferry.transports.indexed import IndexedWrite
+from tests.support.transports import PeerProcess, asha, remote_buffer, swap_halves, swapped_halves
 
 pytestmark = [
     pytest.mark.gpu,

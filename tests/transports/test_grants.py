@@ -13,8 +13,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from conftest import TRANSPORTS, Remote, variant
-from test_transports import connected, random_tensor, remote_buffer, sha
 
 from kvferry import wire
 from kvferry.errors import NotGranted, PeerDisconnected, RegionError, TransportError, WireFormatError
@@ -22,6 +20,7 @@ from kvferry.transports import PeerState, Transport, as_fragments, get_transport
 from kvferry.transports._memory import Grants, GrantTable, union_of
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 from kvferry.transports.writes import WritePipeline
+from tests.support.transports import TRANSPORTS, Remote, connected, random_tensor, remote_buffer, sha, variant
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -438,13 +437,17 @@ def test_every_transport_implements_grant() -> None:
             cls = get_transport(variant(name)[0])
         except Exception:
             continue
-        assert issubclass(cls, Transport) and "grant" not in getattr(cls, "__abstractmethods__", ())
+        assert (
+            isinstance(cls, type)
+            and issubclass(cls, Transport)
+            and "grant" not in getattr(cls, "__abstractmethods__", ())
+        )
 
 
 def test_an_indexed_writes_destinations_are_the_rows_it_expands_to() -> None:
     """What the device path of write_indexed checks against the grants (the rows the ids name) is what the
     write writes: the rows of :meth:`IndexedRows.expand` (merged there), byte for byte."""
-    from test_transports import swapped_halves
+    from tests.support.transports import swapped_halves
 
     rows = swapped_halves(1 << 30, 1 << 40, PAGE, 16, 64)
     ids, dst_ids = np.arange(16), np.random.default_rng(2).permutation(64)[:16]

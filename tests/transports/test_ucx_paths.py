@@ -231,7 +231,7 @@ async def test_a_busy_worker_is_polled_at_intervals() -> None:
         await anyio.lowlevel.checkpoint()
         await anyio.lowlevel.checkpoint()
         assert mode.worker.calls >= before + 1
-        mode.worker = None  # type: ignore[assignment]  (ucxx dropped its worker: the driver stops)
+        mode.worker = None  # type: ignore[assignment]  # ucxx dropped its worker: the driver stops
         await anyio.sleep(0.05)
         assert events.progress_calls <= before + BUSY_TURNS + 2
     finally:
@@ -313,7 +313,7 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
     is past the control-frame cap, so its sender is dropped before a byte of it is read, and the receiver serves
     on."""
     parsed: list[int] = []
-    parse = ucx_module.fragments_from_bytes
+    parse = messages.fragments_from_bytes  # what ucx imported
 
     def spy(data: bytes) -> Any:
         parsed.append(len(data))
@@ -331,7 +331,7 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
             write_id, fragments_bytes(rows.astype(np.uint64)), 1 << 20, 4 << 20, b"x"
         )
         try:
-            body = wire.encode(request)  # type: ignore[attr-defined]
+            body = wire.encode(request)
             await a.control.send_frame(channel, messages.FrameKind.WRITE_REQUEST, body)  # type: ignore[attr-defined]
             with anyio.fail_after(30):
                 reply = await replies_in.receive()
@@ -346,8 +346,12 @@ async def test_a_request_of_4m_fragments_is_refused_from_its_length(monkeypatch:
         assert torch.equal(src, dst)
         huge = np.zeros((4 << 20, 2), dtype=np.uint64)
         request = messages.WriteRequest(
-            a.writes.new_write_id(), fragments_bytes(huge), 1 << 20, 4 << 20, b"x"
-        )  # type: ignore[attr-defined]
+            a.writes.new_write_id(),  # type: ignore[attr-defined]
+            fragments_bytes(huge),
+            1 << 20,
+            4 << 20,
+            b"x",
+        )
         with anyio.fail_after(30), pytest.raises(PeerDisconnected):
             await a.control.send_frame(channel, messages.FrameKind.WRITE_REQUEST, wire.encode(request))  # type: ignore[attr-defined]
             await pa.lost.wait()  # type: ignore[attr-defined]
