@@ -34,6 +34,7 @@ from kvferry.disagg.session import Receiver, ReceiveSession, ReceiveState
 from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import KvferryError, WireFormatError
 from kvferry.transports import Peer, Transport, get_transport
+from tests.support.disagg_pair import counts, until
 from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, Result, aggregated
 from tests.support.disagg_session import state_of
 
@@ -226,26 +227,6 @@ async def expected() -> Result:
     if not _expected:
         _expected.append(await aggregated(PROMPTS))
     return _expected[0]
-
-
-def counts(built: BuiltEngine) -> tuple[int, ...]:
-    s = built.cache.statistics()
-    return (
-        s.pages_free,
-        s.draft_pages_free,
-        s.slots_free + s.slots_snapshot,
-        s.quarantines,
-        s.requests_active + s.requests_suspended,
-    )
-
-
-async def until(condition: Callable[[], bool], seconds: float, what: Callable[[], object]) -> None:
-    try:
-        with anyio.fail_after(seconds):
-            while not condition():  # noqa: ASYNC110 (polls state no event exposes)
-                await anyio.sleep(0.005)
-    except TimeoutError:
-        pytest.fail(f"not within {seconds}s: {what()}")
 
 
 async def cancel_when(routed: RoutedGeneration, condition: Callable[[], bool]) -> None:

@@ -5,9 +5,7 @@ alive, and a flood left both within their caps."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Any
 
 import anyio
@@ -15,13 +13,11 @@ import pytest
 
 from kvferry.disagg.serve import _options, disaggregated
 from kvferry.engine.runner import build_engine
-from kvferry.transports.handshake import SECRET_ENV, new_secret
 from kvferry.transports.limits import ChannelLimits
-from tests.support import SUPPORT
+from tests.support.attacks import SECRET, hostile, rss_bytes
 
 pytestmark = pytest.mark.anyio
 
-SECRET = new_secret()
 PROMPTS = [[5, 9, 14, 200, 3, 3, 77], [250, 1, 7], list(range(30, 70))]
 MAX_TOKENS, SPEC_K = 6, 2
 MiB = 1 << 20
@@ -39,31 +35,6 @@ ATTACKS: list[tuple[str, tuple[str, ...], bool]] = [
     ("flood-notify", ("--megabytes", "256", "--seconds", "2"), True),
     ("flood-messages", ("--megabytes", "256", "--seconds", "2"), True),
 ]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-async def hostile(attack: str, address: str, args: tuple[str, ...], secret: bool) -> dict[str, Any]:
-    argv = [
-        sys.executable,
-        str(SUPPORT / "hostile.py"),
-        attack,
-        address,
-        "--transport",
-        address.split(":")[0],
-    ]
-    argv += [*args, *(["--secret-env"] if secret else [])]
-    with anyio.fail_after(60):
-        done = await anyio.run_process(argv, env={**os.environ, SECRET_ENV: SECRET.decode()}, check=False)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    return result
 
 
 async def aggregated() -> list[list[int]]:
@@ -90,7 +61,7 @@ async def test_an_engine_pair_under_attack_serves_identical_tokens(transport: st
             for side, (where, pid) in targets.items():
                 address = where if isinstance(where, str) else where.address
                 rss = rss_bytes(pid)
-                seen = await hostile(attack, address, args, with_secret)
+                seen = await hostile(attack, address, *args, secret=with_secret)
                 if attack.startswith("flood"):
                     # a peer nobody accepts: held to its per-peer cap, slowed down instead
                     assert seen["outcome"] == "accepted", (side, seen)

@@ -5,7 +5,6 @@ make it hold stayed under its caps."""
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import subprocess
@@ -25,11 +24,11 @@ from kvferry.transports import PeerAttribute, Transport, get_transport
 from kvferry.transports.handshake import SECRET_ENV, load_secret, new_secret
 from kvferry.transports.limits import ChannelLimits
 from tests.support import SUPPORT
+from tests.support.attacks import SECRET, hostile, hostile_argv, hostile_env, rss_bytes, seen_by
 
 pytestmark = pytest.mark.anyio
 
 TRANSPORTS = ["nixl", "ucx", "local"]
-SECRET = new_secret()
 #: small caps, so that a flood shows them
 LIMITS = ChannelLimits(
     max_pending_handshakes=8,
@@ -57,45 +56,6 @@ async def read_all(stream: ByteReceiveStream | None, into: dict[str, bytes], key
     assert stream is not None
     chunks = [chunk async for chunk in stream]
     into[key] = b"".join(chunks)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def hostile_argv(attack: str, address: str, *args: str, secret: bool = False) -> list[str]:
-    argv = [
-        sys.executable,
-        str(SUPPORT / "hostile.py"),
-        attack,
-        address,
-        "--transport",
-        address.split(":")[0],
-    ]
-    return [*argv, *args, *(["--secret-env"] if secret else [])]
-
-
-def hostile_env() -> dict[str, str]:
-    return {**os.environ, SECRET_ENV: SECRET.decode()}
-
-
-def seen_by(returncode: int | None, stdout: bytes, stderr: bytes) -> dict[str, Any]:
-    assert returncode == 0, stderr.decode()[-2000:]
-    result: dict[str, Any] = json.loads(stdout.decode().strip().splitlines()[-1])
-    return result
-
-
-async def hostile(attack: str, address: str, *args: str, secret: bool = False) -> dict[str, Any]:
-    """Run one attack from its own process; what it saw."""
-    with anyio.fail_after(60):
-        done = await anyio.run_process(
-            hostile_argv(attack, address, *args, secret=secret), env=hostile_env(), check=False
-        )
-    return seen_by(done.returncode, done.stdout, done.stderr)
 
 
 @asynccontextmanager
