@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
-from kvferry.errors import ConfigError, KvferryError, MissingExtraError
+from kvferry.exits import EXIT_FAILURE as EXIT_FAILURE
+from kvferry.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
+from kvferry.exits import EXIT_USAGE as EXIT_USAGE
+from kvferry.exits import exit_status as exit_status
+from kvferry.exits import one_line as one_line
 
 #: subcommand -> (module under kvferry.commands, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,11 +30,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("info", "versions, loadable transports and the UCX transports they actually use"),
     "bench": ("bench", "benchmarks: bench transfer"),
 }
-
-#: exit statuses
-EXIT_USAGE = 2
-EXIT_FAILURE = 3
-EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,39 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)
     return parser
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; ``exc`` itself if it is none."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
-
-
-def one_line(exc: BaseException) -> str:
-    """``MESSAGE (ErrorType)`` on one line."""
-    text = " ".join(str(exc).split()) or "(no message)"
-    return f"{text} ({type(exc).__name__})"
-
-
-def exit_status(command: str, exc: BaseException) -> int:
-    """Report ``exc`` (raised by a command) the way the CLI does and return the exit status; re-raise what is
-    neither a typed error nor an interruption (a bug: its traceback is worth seeing)."""
-    leaves = _leaves(exc)
-    if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
-        print(f"kvferry {command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
-        # the reader (e.g. `| head`) went away: not an error of ours; silence the flush at exit too
-        sys.stderr.close()
-        return 0
-    typed = [leaf for leaf in leaves if isinstance(leaf, KvferryError)]
-    if not typed:
-        raise exc
-    # several typed failures (one per task): the first is the cause, the rest mostly its echoes
-    error = typed[0]
-    print(f"kvferry {command}: error: {one_line(error)}", file=sys.stderr)
-    return EXIT_USAGE if isinstance(error, (ConfigError, MissingExtraError)) else EXIT_FAILURE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     except BaseException as exc:
-        from kvferry.cli import exit_status
+        from kvferry.exits import exit_status
 
         # one line on stderr for a typed failure (the usual one: the generation side went away)
         return exit_status("context engine", exc)
