@@ -107,3 +107,19 @@ def test_one_rule_for_seeds(command: list[str], capsys: pytest.CaptureFixture[st
         main([*command, "--seed", "-1"])
     assert exit_info.value.code == 2
     assert "argument --seed: a seed is an int in [0, 2**62), got -1" in capsys.readouterr().err
+
+
+def test_an_empty_model_is_refused_not_read_as_the_current_directory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["generate", "--model", "", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "kvferry generate: error: --model is empty (give 'tiny' or a checkpoint directory) (ConfigError)\n"
+    )
+
+
+def test_a_negative_stop_id_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--ids", "1", "--max-tokens", "2", "--stop-ids", "-5"])
+    assert exit_.value.code == 2
+    assert "--stop-ids: must not be negative, got -5" in capsys.readouterr().err

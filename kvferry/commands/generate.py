@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sampling temperature (needs --seed; default 1.0)",
     )
     parser.add_argument(
-        "--stop-ids", nargs="+", type=int, default=[], metavar="N", help="stop after these ids"
+        "--stop-ids", nargs="+", type=non_negative_int, default=[], metavar="N", help="stop after these ids"
     )
     parser.add_argument(
         "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of the tiny model's weights"
@@ -144,6 +144,9 @@ class _TextStream:
 
 
 def _check_model(model: str) -> None:
+    if not model.strip():
+        # Path("") is the current directory: an empty value must not load whatever lies there
+        raise ConfigError("--model is empty (give 'tiny' or a checkpoint directory)")
     if model != "tiny" and not Path(model).exists():
         raise ConfigError(f"--model {model}: no such directory (give 'tiny' or a checkpoint directory)")
     if model != "tiny" and not Path(model).is_dir():
