@@ -40,7 +40,7 @@ JSON_KEYS = (
     "gen_tp",
     "requests",
     "spec_k",
-    "draft_transfer",  # False with --no-draft-transfer
+    "draft_transfer",  # False with --no-draft-transfer, and without speculation (there is no draft KV)
     "identical",  # see _judge: tokens in every pass; proposals too where the draft KV travels
     "mismatched_requests",  # indices of the requests that differ
     "bytes_transferred",  # of the reported pass (with draft KV unless --no-draft-transfer)
@@ -322,7 +322,7 @@ async def _run(
         "gen_tp": args.gen_tp,
         "requests": len(prompts),
         "spec_k": spec_k,
-        "draft_transfer": not args.no_draft_transfer,
+        "draft_transfer": bool(spec_k) and not args.no_draft_transfer,
         "identical": not mismatched,
         "mismatched_requests": mismatched,
         "bytes_transferred": main["bytes"],

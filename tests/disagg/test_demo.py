@@ -105,6 +105,7 @@ def test_no_speculation_has_no_acceptance_rate(capsys: pytest.CaptureFixture[str
     code, result, _ = demo_in_process(capsys, "--spec-k", "0")
     assert code == 0 and result["identical"] is True and result["spec_k"] == 0
     assert result["acceptance_rate"] is None and result["acceptance_rate_without_draft_transfer"] is None
+    assert result["draft_transfer"] is False  # no drafter runs, so no draft KV travels
 
 
 def test_a_typed_failure_is_one_line_and_exit_3(
