@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvferry.cli import main
-from kvferry.commands.layout import parse_bytes
+from kvferry.commands._common import parse_bytes
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT
 
 
@@ -99,6 +99,18 @@ def test_parse_bytes() -> None:
     assert parse_bytes("80 gib") == 80 << 30
     assert parse_bytes("1.5KiB") == 1536
     assert parse_bytes("2MB") == 2_000_000
+    assert parse_bytes("64K") == parse_bytes("64KiB") == 64 << 10  # the bare letter is the binary shorthand
+    assert parse_bytes("64KB") == 64_000
     for bad in ("", "-1", "1e3", "GiB", "5 parsecs"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
+
+
+def test_every_command_reads_sizes_by_one_rule() -> None:
+    """``layout --memory`` and ``bench transfer``'s sizes agree on what KB and KiB mean."""
+    from kvferry.cli import build_parser
+
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "transfer", "--total-bytes", "64KB", "--page-bytes", "4KiB"])
+    layout = parser.parse_args(["layout", "--memory", "64KB"])
+    assert bench.total_bytes == layout.memory == 64_000 and bench.page_bytes == 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -104,3 +105,41 @@ def progress(label: str, total: int) -> Iterator[Progress]:
         return
     with bar:
         yield Progress(label, total, bar=bar)
+
+
+#: byte-count units: SI (KB = 1000) and binary (KiB = 1024); a bare K/M/G/T is the binary shorthand
+BYTE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` -> 85899345920, the one rule of every command: plain bytes or ``B``; ``KiB``..``TiB`` and the
+    shorthand ``K``..``T`` in powers of 1024; ``KB``..``TB`` in powers of 1000 (case does not matter)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 4096, 64K, 512MB or 80GiB)")
+    number, unit = match.groups()
+    scale = BYTE_UNITS[unit.lower()]
+    return int(number) * scale if "." not in number else int(float(number) * scale)
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: :func:`parse_bytes` of at least 1 byte."""
+    value = parse_bytes(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value

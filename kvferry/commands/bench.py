@@ -5,32 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvferry.commands._common import positive_int, say
+from kvferry.commands._common import byte_count, positive_int, say
 from kvferry.errors import ConfigError, MissingExtraError
 
 __all__ = ["add_arguments", "run"]
 
 MiB = 1 << 20
-
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
-
-
-def _size(text: str) -> int:
-    """A byte count: ``4096``, ``64K``, ``1M``, ``1G``, ``1T`` (powers of 1024; ``KiB``/``KB``/``k`` alike)."""
-    match = _SIZE.fullmatch(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 4096, 64K, 1M, 1G)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
 
 
 def _bytes(n: int) -> str:
@@ -44,16 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     transfer = sub.add_parser("transfer", help="writes between two processes per transport and fragment size")
     transfer.add_argument("--transport", choices=["nixl", "ucx", "local", "all"], default="all")
-    transfer.add_argument("--total-bytes", type=_size, default=64 * MiB, help="bytes per write (default 64M)")
+    transfer.add_argument(
+        "--total-bytes", type=byte_count, default=64 * MiB, help="bytes per write (default 64M)"
+    )
     transfer.add_argument(
         "--fragment-bytes",
-        type=_size,
+        type=byte_count,
         nargs="+",
         default=[4 << 10, 64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB],
         help="contiguous run sizes to measure",
     )
     transfer.add_argument(
-        "--page-bytes", type=_size, default=64 << 10, help="one fragment per page passed to write"
+        "--page-bytes", type=byte_count, default=64 << 10, help="one fragment per page passed to write"
     )
     transfer.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory at both ends")
     transfer.add_argument(

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import TYPE_CHECKING, Any
+
+from kvferry.commands._common import byte_count
 
 if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not import torch
     from kvferry.pools.layout import Fit
@@ -20,37 +21,6 @@ if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not i
 PRESETS = ("tiny", "nemotron-h-8b")
 #: Full request length per preset when --max-tokens is not given (the model's max position).
 DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-8b": 8192}
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` -> 85899345920. Plain ints, B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (of 1024)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 80GiB, 512MB or 1000000)")
-    number, unit = match.groups()
-    scale = _UNITS[unit.lower()]
-    value = int(number) * scale if "." not in number else int(float(number) * scale)
-    return value
-
-
-def _memory(text: str) -> int:
-    value = parse_bytes(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
 
 
 def _positive_int(text: str) -> int:
@@ -77,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=PRESETS, default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument(
-        "--memory", type=_memory, default=None, help="cache memory per rank, e.g. 80GiB, 512MB, 1000000"
+        "--memory", type=byte_count, default=None, help="cache memory per rank, e.g. 80GiB, 512MB, 1000000"
     )
     parser.add_argument(
         "--max-tokens",
