@@ -122,20 +122,21 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
-def _structure_int(value: Any, _cls: type) -> int:
-    if type(value) is not int:
-        raise TypeError(f"expected an int, got {_type_name(value)}")
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"int {value} outside int64")
-    return value
+def _int_hook(low: int, high: int, kind: str) -> Callable[[Any, type], int]:
+    """A structure hook taking exactly an ``int`` in ``[low, high]`` (``kind`` names the range in errors)."""
+
+    def structure(value: Any, _cls: type) -> int:
+        if type(value) is not int:
+            raise TypeError(f"expected an int, got {_type_name(value)}")
+        if not low <= value <= high:
+            raise ValueError(f"int {value} outside {kind}")
+        return value
+
+    return structure
 
 
-def _structure_u64(value: Any, _cls: type) -> int:
-    if type(value) is not int:
-        raise TypeError(f"expected an int, got {_type_name(value)}")
-    if not 0 <= value <= UINT64_MAX:
-        raise ValueError(f"int {value} outside uint64")
-    return value
+_structure_int = _int_hook(INT64_MIN, INT64_MAX, "int64")
+_structure_u64 = _int_hook(0, UINT64_MAX, "uint64")
 
 
 def _check_ints(values: list[Any] | tuple[Any, ...]) -> None:

@@ -36,8 +36,6 @@ __all__ = [
     "fragments_tensor",
     "gather_blocks",
     "gather_fragments",
-    "granularity",
-    "row_indices",
     "scatter_blocks",
     "scatter_fragments",
     "zero_blocks",
