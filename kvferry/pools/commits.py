@@ -22,7 +22,8 @@ from kvferry.pools.draft_mirror import DraftMirror
 from kvferry.pools.lifecycle import CacheState, require_state
 from kvferry.pools.prefix import PrefixReuse
 from kvferry.pools.rank_pools import RankPools
-from kvferry.pools.record import INT64_MAX, INT64_MIN, RequestId, RequestRecord, find_record, token_list
+from kvferry.pools.record import RequestId, RequestRecord, find_record, token_list
+from kvferry.wire import INT64_MAX, INT64_MIN
 
 __all__ = ["Commit", "StagedCommit", "check_commits", "record_commits"]
 

@@ -24,12 +24,11 @@ from kvferry.errors import ConfigError, UnknownRequest
 from kvferry.pools.arena import HostPages, HostSlots
 from kvferry.pools.blocks import PageHash
 from kvferry.pools.lifecycle import CacheState, Offload, check_transition
+from kvferry.wire import INT64_MAX, INT64_MIN
 
-__all__ = ["INT64_MAX", "INT64_MIN", "HostCopy", "RequestId", "RequestRecord", "find_record", "token_list"]
+__all__ = ["HostCopy", "RequestId", "RequestRecord", "find_record", "token_list"]
 
 RequestId: TypeAlias = Hashable
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @define(eq=False)
