@@ -10,7 +10,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvferry.commands._common import byte_count
+from kvferry.commands._common import byte_count, positive_int
 
 if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not import torch
     from kvferry.pools.layout import Fit
@@ -21,16 +21,6 @@ if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not i
 PRESETS = ("tiny", "nemotron-h-8b")
 #: Full request length per preset when --max-tokens is not given (the model's max position).
 DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-8b": 8192}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -45,13 +35,13 @@ def _non_negative_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=PRESETS, default="tiny", help="model preset (default: tiny)")
-    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default: 1)")
     parser.add_argument(
         "--memory", type=byte_count, default=None, help="cache memory per rank, e.g. 80GiB, 512MB, 1000000"
     )
     parser.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="tokens of a full-length request (default: the preset's max position: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_MAX_TOKENS.items())
