@@ -17,6 +17,7 @@ from kvferry.disagg.protocol import ContextRequest
 from kvferry.disagg.roles import GenerationWorker
 from kvferry.disagg.session import TransferStatistics
 from kvferry.engine.engine import Generation
+from kvferry.errors import RequestTooLarge
 
 __all__ = ["RoutedGeneration", "Router"]
 
@@ -36,6 +37,8 @@ class RoutedGeneration:
     tokens: list[int] = attrs.field(factory=list)
     generation: Generation | None = None
     transfer: TransferStatistics | None = None
+    #: ``time.perf_counter()`` when the generation engine admitted it (None: not yet, or never: not held)
+    admitted_at: float | None = None
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self._stream()
@@ -57,7 +60,8 @@ class RoutedGeneration:
         yield handoff.first_token
         if not handoff.held:
             return
-        generation = worker.engine.generate(
+        engine = worker.engine
+        generation = engine.generate(
             self.prompt,
             max_tokens=self.max_tokens,
             stop_ids=self.stop_ids,
@@ -66,18 +70,24 @@ class RoutedGeneration:
             spec_k=self.spec_k,
         )
         self.generation = generation
-        rid = generation.request.request_id
+        request = generation.request
+        rid = request.request_id
         try:
+            worker.cache.expect_transfer(rid)
+            # a batch row, pages and a slot, in arrival order: the context side holds the cache until then
+            await engine.admit_transfer(generation)
+            self.admitted_at = request.admitted_at
             worker.install_drafter_state(rid, self.prompt, handoff, self.spec_k)
             self.transfer = await worker.receive(rid, self.prompt, self.key)
         except BaseException:
+            generation.cancel()  # the engine frees what the receiver left (nothing, once it owned the pages)
             worker.built.runner.release(rid)
             with anyio.CancelScope(shield=True):
                 await worker.release_remote(self.key)
             raise
-        generation.request.append_tokens([handoff.first_token])
-        # the request's output list is the truth (the engine's stream may or may not repeat the first token)
-        output = generation.request.output_ids
+        engine.transfer_landed(generation, handoff.first_token)
+        # the request's output list is the truth: its first token is the context side's
+        output = request.output_ids
         async for _ in generation:
             while len(self.tokens) < len(output):
                 self.tokens.append(output[len(self.tokens)])
@@ -97,6 +107,23 @@ class Router:
 
     worker: GenerationWorker
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+
+    def check_fits(self, num_prompt: int) -> None:
+        """Raise :class:`~kvferry.errors.RequestTooLarge` when the context engine's pages (from its handshake)
+        cannot hold a prompt of ``num_prompt`` tokens."""
+        remote = self.worker.remote
+        if remote is None:
+            return
+        table = remote.page_tables[0]
+        pages = table.pool_group("attention").num_slots - 1  # page 0 is reserved
+        per_block = table.layer_group("attention").tokens_per_block
+        needed = -(-num_prompt // per_block)
+        if needed > pages:
+            raise RequestTooLarge(
+                f"a prompt of {num_prompt} tokens needs {needed} pages of {per_block} tokens; the context "
+                f"engine has {pages}: shorten the prompt to {pages * per_block} tokens or less, or start the "
+                f"context engine with --num-pages {needed + 1} or more"
+            )
 
     def generate(
         self,

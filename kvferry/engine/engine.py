@@ -233,6 +233,7 @@ class Generation:
     _engine: Engine
     request: Request
     _started: bool = attrs.field(default=False, init=False)
+    _submitted: bool = attrs.field(default=False, init=False)
 
     def __aiter__(self) -> AsyncIterator[int]:
         if self._started:
@@ -240,9 +241,23 @@ class Generation:
         self._started = True
         return self._tokens()
 
+    def submit(self) -> None:
+        """Queue the request with the engine now (iterating does it otherwise); idempotent. Once submitted, the
+        request runs until it ends or :meth:`cancel` (or an iteration that stops early) ends it.
+
+        :raises ~kvferry.errors.EngineClosed: the engine is not running.
+        """
+        if not self._submitted:
+            self._engine._submit(self.request)
+            self._submitted = True
+
+    def cancel(self) -> None:
+        """End the request at the engine's next step boundary, freeing what it holds (no-op once it ended)."""
+        self._engine._cancel(self.request)
+
     async def _tokens(self) -> AsyncIterator[int]:
         engine, request = self._engine, self.request
-        engine._submit(request)
+        self.submit()
         read = 0
         try:
             while True:
@@ -306,6 +321,8 @@ class Engine:
     _step_done: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
+    #: transferred requests whose cache arrived, with their first tokens (they land at the next step boundary)
+    _landed: list[tuple[Request, int]] = attrs.field(factory=list, init=False)
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _task_group: TaskGroup | None = attrs.field(default=None, init=False)
@@ -447,6 +464,36 @@ class Engine:
         self._requests[request.request_id] = request
         self._busy()
 
+    # --- requests whose prompt another engine prefilled ----------------------------------------------------
+
+    async def admit_transfer(self, generation: Generation) -> None:
+        """Queue ``generation``'s request as one whose prompt is prefilled elsewhere and wait until the scheduler
+        admits it (in arrival order, with every other request): it then holds a batch row, a state slot and
+        pages for its whole prompt (the cache's block table), and waits in TRANSFERRING for its cache. Call
+        :meth:`transfer_landed` when the cache arrived, or ``generation.cancel()`` to give everything back.
+
+        A cancel while waiting leaves the request queued: the caller cancels the generation (its ``finally``).
+
+        :raises ~kvferry.errors.RequestAborted: the request ended before it was admitted (the engine closed).
+        :raises ~kvferry.errors.EngineClosed: the engine is not running.
+        """
+        request = generation.request
+        request.awaits_transfer = True
+        generation.submit()
+        while request.state is RequestState.WAITING:
+            await self._step_done.wait()
+        if request.state is not RequestState.TRANSFERRING:
+            raise RequestAborted(
+                f"request {request.request_id} ended {request.state.name} before its transfer"
+            )
+
+    def transfer_landed(self, generation: Generation, first_token: int) -> None:
+        """The cache of ``generation``'s TRANSFERRING request is written: at the next step boundary its prompt is
+        committed, ``first_token`` becomes its first output and it decodes (iterate the generation for its
+        tokens, the first one included). Nothing happens if the request ended meanwhile."""
+        self._landed.append((generation.request, int(first_token)))
+        self._busy()
+
     def _notify(self) -> None:
         self._step_done.set()
         self._step_done = anyio.Event()
@@ -479,7 +526,7 @@ class Engine:
         task_status.started()
         while True:
             self._reap()
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and not self._landed:
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
@@ -494,14 +541,23 @@ class Engine:
                 await anyio.lowlevel.checkpoint()
 
     def _reap(self) -> None:
+        """Between steps: end the cancelled requests, then land the transfers that arrived."""
         if self._to_cancel:
             while self._to_cancel:
                 self._end(self._to_cancel.pop(), RequestState.CANCELLED)
             self._notify()
+        if self._landed:
+            landed, self._landed = self._landed, []
+            for request, first_token in landed:
+                if request.request_id in self._requests and request.state is RequestState.TRANSFERRING:
+                    self.scheduler.landed(request, first_token)
+                    if request.finish_reason is not None:
+                        self._end(request, RequestState.FINISHED)
+            self._notify()
 
     async def wait_idle(self) -> None:
         """Wait until no request is waiting or running and every cancellation is processed."""
-        while self.scheduler.has_work or self._to_cancel:
+        while self.scheduler.has_work or self._to_cancel or self._landed:
             await self._idle.wait()
 
     async def _step(self) -> None:
@@ -509,11 +565,12 @@ class Engine:
         plan = self.scheduler.schedule()
         for request in plan.failed:
             self._end(request, RequestState.FAILED)
-        if plan.failed:
-            self._notify()
+        if plan.failed or plan.transfers:
+            self._notify()  # and wake the callers whose transfers may start
         if plan.is_empty:
             self._host_seconds += time.perf_counter() - t0
-            await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
+            if not plan.transfers:
+                await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
             return
         t1 = time.perf_counter()
         try:

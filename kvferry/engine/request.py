@@ -148,6 +148,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: BaseException | None = None
+    #: ``time.perf_counter()`` when the scheduler first admitted it (a batch row, pages and a slot reserved)
+    admitted_at: float | None = None
+    #: its prompt is prefilled elsewhere: admission reserves its pages and it waits in TRANSFERRING for its cache
+    awaits_transfer: bool = False
     generator: torch.Generator | None = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -24,11 +24,17 @@ The rules, in the order :meth:`~Scheduler.schedule` applies them:
 
 A request that cannot make progress even with everything newer preempted, while nothing else runs, can
 never fit: it fails with :class:`~kvferry.errors.PoolExhausted` instead of deadlocking the engine.
+
+**Transfers.** A request marked ``awaits_transfer`` (its prompt was prefilled by another engine) is admitted in
+the same FIFO: it gets its batch row, a state slot and pages for its whole prompt, then waits in TRANSFERRING
+(planned in no step, never preempted, counted in ``max_running``) until :meth:`Scheduler.landed` says its cache
+arrived; it then decodes as any request whose prompt is done.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
@@ -191,6 +197,8 @@ class StepPlan:
     num_tokens: int = attrs.field(
         default=attrs.Factory(lambda plan: sum(item.num_tokens for item in plan.items), takes_self=True)
     )
+    #: requests awaiting a transfer that this step admitted (now TRANSFERRING: their pages are ready)
+    transfers: tuple[Request, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -200,7 +208,7 @@ class StepPlan:
 class SchedulerStatistics(NamedTuple):
     #: requests waiting for admission (new or preempted)
     num_waiting: int
-    #: requests holding a live slot (prefilling or decoding)
+    #: requests holding a live slot (prefilling, decoding, or waiting for their transfer)
     num_running: int
     #: steps planned so far
     num_steps: int
@@ -227,6 +235,8 @@ class Scheduler:
     _commits: list[tuple[int, Sequence[int], int]] = attrs.field(factory=list, init=False)
     _num_steps: int = attrs.field(default=0, init=False)
     _num_preemptions: int = attrs.field(default=0, init=False)
+    #: requests in ``_running`` that wait for their transfer (TRANSFERRING)
+    _num_transferring: int = attrs.field(default=0, init=False)
     _last_step_tokens: int = attrs.field(default=0, init=False)
 
     # --- requests in and out --------------------------------------------------------------------------
@@ -251,6 +261,8 @@ class Scheduler:
         try:
             self.flush()
         finally:
+            if request.state is RequestState.TRANSFERRING:
+                self._num_transferring -= 1
             if not request.state.is_terminal:
                 request.transition(state)
             if request in self._running:
@@ -263,7 +275,20 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Whether a step may do something (requests that only wait for their transfer give it nothing)."""
+        return bool(self._waiting) or len(self._running) > self._num_transferring
+
+    def landed(self, request: Request, first_token: int) -> None:
+        """The cache of TRANSFERRING ``request`` arrived: its whole prompt is committed (handed to the cache with
+        the next commits) and ``first_token`` (sampled by the engine that prefilled it) is its first output;
+        it decodes from the next step on. The caller ends a request that this token finishes."""
+        if request.state is not RequestState.TRANSFERRING:
+            raise ConfigError(f"only a TRANSFERRING request can land, got {request!r}")
+        self._commits.append((request.request_id, request.prompt_ids, 0))
+        request.num_computed = request.num_prompt
+        request.append_tokens([first_token])
+        request.transition(RequestState.DECODING)
+        self._num_transferring -= 1
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -286,6 +311,7 @@ class Scheduler:
         planned: set[int] = set()
         preempted: list[Request] = []
         failed: list[Request] = []
+        transfers: list[Request] = []
         blocked: Request | None = None
 
         decoding, prefilling = RequestState.DECODING, RequestState.PREFILLING
@@ -324,10 +350,17 @@ class Scheduler:
             budget -= chunk.num_tokens
 
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running:
-            first = self._admit(self._waiting[0], budget)
+            head = self._waiting[0]
+            if head.awaits_transfer and head.state is RequestState.WAITING:
+                if not self._admit_transfer(head):
+                    break
+                self._running.append(self._waiting.popleft())
+                transfers.append(head)
+                continue
+            first = self._admit(head, budget)
             if first is None:
                 if not items and not self._running:
-                    blocked = blocked or self._waiting[0]  # alone and still refused: it can never fit
+                    blocked = blocked or head  # alone and still refused: it can never fit
                 break
             request = self._waiting.popleft()
             self._running.append(request)
@@ -335,7 +368,9 @@ class Scheduler:
             planned.add(request.request_id)
             budget -= first.num_tokens
 
-        if not items and blocked is not None and not preempted:
+        # a request that waits for its transfer will decode (and can be preempted) soon: nobody can be judged
+        # never to fit while one does
+        if not items and blocked is not None and not preempted and not self._num_transferring:
             # nothing runs, nothing newer can be preempted: this request can never fit
             self.finish(blocked, RequestState.FAILED)
             blocked.error = PoolExhausted(f"request {blocked.request_id} cannot fit in the cache pools")
@@ -343,7 +378,9 @@ class Scheduler:
 
         self._num_steps += 1
         self._last_step_tokens = self.config.token_budget - budget
-        return StepPlan(tuple(items), tuple(preempted), tuple(failed), self._last_step_tokens)
+        return StepPlan(
+            tuple(items), tuple(preempted), tuple(failed), self._last_step_tokens, tuple(transfers)
+        )
 
     def commit(self, request: Request, num_computed: int, *, num_pending_replay: int = 0) -> None:
         """Record that the cache of ``request`` now holds ``num_computed`` final tokens (the last
@@ -485,10 +522,29 @@ class Scheduler:
                 self.cache.suspend(rid)
             return None
         if request.state is RequestState.WAITING:
+            request.admitted_at = time.perf_counter()
             request.transition(RequestState.PREFILLING)
         else:
             request.transition(RequestState.DECODING if request.prefill_done else RequestState.PREFILLING)
         return item
+
+    def _admit_transfer(self, request: Request) -> bool:
+        """Create and resume the cache of a request that awaits its transfer (pages for its whole prompt, a slot,
+        a batch row) and move it to TRANSFERRING; all or nothing (False: it holds nothing and keeps its place)."""
+        rid = request.request_id
+        try:
+            self.cache.create(rid, request.prompt_ids)
+            self._created.add(rid)
+            self.cache.resume(rid)
+        except PoolExhausted:
+            self._created.discard(rid)
+            self.cache.close(rid)
+            return False
+        request.capacity = request.num_prompt
+        request.admitted_at = time.perf_counter()
+        request.transition(RequestState.TRANSFERRING)
+        self._num_transferring += 1
+        return True
 
     def _grow(self, request: Request, num_tokens: int, planned: set[int], preempted: list[Request]) -> bool:
         """Grow ``request`` to ``num_tokens``, preempting newer unplanned requests while pages run out."""
@@ -511,7 +567,7 @@ class Scheduler:
     def _victim(self, request: Request, planned: set[int]) -> Request | None:
         position = self._running.index(request)
         for candidate in reversed(self._running[position + 1 :]):
-            if candidate.request_id not in planned:
+            if candidate.request_id not in planned and candidate.state is not RequestState.TRANSFERRING:
                 return candidate
         return None
 

@@ -1,13 +1,14 @@
 """The generation role: a :class:`GenerationWorker` asks its context peer to prefill, receives the cache and
 leaves the request for its engine to decode.
 
-The transferred request is *adopted*: the engine's ``create``/``resume`` of it report the whole prompt
-committed (:class:`~.handoff_cache.HandoffCache`), and its :class:`~kvferry.engine.request.Request` already
-holds the first token, so the engine's first step for it is exactly the decode (or verify) step an aggregated
-engine would take. The generation side allocates (pages for the whole prompt, a state slot, draft pages),
-zero-fills the draft pages when draft KV is not transferred (stale bytes must never reach the drafter), and
-sends the receive request; it starts with ``num_accepted = 0`` and empty replay buffers (the manager's first
-resume).
+Admission: the generation engine's scheduler admits the transferred request in arrival order with every other
+request (:meth:`Engine.admit_transfer <kvferry.engine.engine.Engine.admit_transfer>`): pages for the whole prompt,
+a state slot, draft pages and a batch row, or it waits; only then is the receive request sent, so the context
+side keeps the prefilled cache until this side can take it. When the cache landed, the request's prompt is
+committed and the context side's first token becomes its first output, so the engine's first step for it is
+exactly the decode (or verify) step an aggregated engine would take. The draft pages are zero-filled when
+draft KV is not transferred (stale bytes must never reach the drafter); the request starts with
+``num_accepted = 0`` and empty replay buffers (the manager's first resume).
 
 Registered is not writable: the generation side grants its context peer, per transfer, only the bytes that
 transfer writes (:func:`~kvferry.disagg.transfer.destinations`, granted by the
@@ -25,7 +26,7 @@ import math
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import anyio
 import anyio.abc
@@ -71,7 +72,8 @@ class Handoff:
 class GenerationWorker(Worker):
     """Receives transferred caches from one context peer and decodes them on its engine.
 
-    Use :meth:`connect` (handshake + reader), then :meth:`prefill_remote` and :meth:`decode` per request.
+    Use :meth:`connect` (handshake + reader), then per request :meth:`prefill_remote`, the engine's admission and
+    :meth:`receive` (the :class:`~kvferry.disagg.router.Router` does it).
 
     Every wait on the context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
     (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
@@ -211,35 +213,28 @@ class GenerationWorker(Worker):
         )
 
     async def receive(self, rid: int, prompt: Sequence[int], key: str) -> TransferStatistics:
-        """Allocate ``rid``'s cache for the whole prompt, receive it, commit it and leave it suspended for the
-        engine to adopt. Writers whose bytes land fragmented are offered staging areas (see the module
-        docstring). On any failure or cancel the allocation and the staging areas are freed (or quarantined
-        until the writers report) and nothing is left behind.
+        """Receive ``rid``'s cache into the pages its engine admitted it with (:meth:`Engine.admit_transfer
+        <kvferry.engine.engine.Engine.admit_transfer>`: TRANSFERRING, the whole prompt's pages, a slot). Writers
+        whose bytes land fragmented are offered staging areas (see the module docstring).
+
+        On success the pages stay the request's (land it with ``Engine.transfer_landed``). On any failure or
+        cancel the receiver has freed them, or quarantined them until the writers report, before this raises;
+        the caller then cancels the request, whose close finds nothing left to free.
         """
         assert self.receiver is not None
         managers = self.cache.managers
-        created: list[Any] = []
-        try:
-            for m in managers:
-                m.create(rid, prompt, reuse=False)
-                created.append(m)
-                m.resume(rid)
-        except BaseException:
-            for m in created:
-                m.close(rid)
-            raise
         rx_staging: ReceiveStaging | None = None
+        primary = managers[0]
+        if primary.config.has_draft and not self.transfer_draft:
+            # stale bytes from recycled pages must never reach the drafter
+            for m, arena in zip(managers, self.built.arenas, strict=True):
+                arena.zero_pages("draft", list(m.draft_block_table(rid)))
+        blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
+        if primary.config.has_draft and self.transfer_draft:
+            blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
+        slot = primary.slot_id(rid)
+        request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
         try:
-            primary = managers[0]
-            if primary.config.has_draft and not self.transfer_draft:
-                # stale bytes from recycled pages must never reach the drafter
-                for m, arena in zip(managers, self.built.arenas, strict=True):
-                    arena.zero_pages("draft", list(m.draft_block_table(rid)))
-            blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
-            if primary.config.has_draft and self.transfer_draft:
-                blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
-            slot = primary.slot_id(rid)
-            request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
             if self.staging is not None and self.peer_map is not None:
                 # areas for the writers whose bytes land fragmented, while the pool has room
                 request, rx_staging = offer_staging(
@@ -249,16 +244,10 @@ class GenerationWorker(Worker):
         except BaseException:
             if rx_staging is not None:
                 rx_staging.release()
-            for m in managers:
-                m.close(rid)
             raise
         # from here the receiver owns the pages and the staging: freed or quarantined as the transfer ends
         request = attrs.evolve(request, session_id=session.session_id)
         stats = await self.receiver.receive(session, request)
-        for m in managers:
-            m.commit(rid, prompt)
-            m.suspend(rid)
-        self.cache.adopt(rid, len(prompt))
         self._transfers.append(stats)
         now = time.perf_counter()
         self._windows.append((now - stats.seconds, now))

@@ -1,5 +1,6 @@
 """The engine's cache, adapted for hand-off: a context engine *holds* a prefilled request for its push, and a
-generation engine *adopts* a transferred one.
+generation engine creates a request that *expects a transfer* without matching the prefix cache (the transfer
+writes every page of its prompt).
 
 :class:`HandoffCache` wraps the engine's :class:`~kvferry.engine.runner.LockstepCache` and changes nothing
 inside the engine: :func:`install` swaps it in before the engine starts.
@@ -24,15 +25,14 @@ class HandoffCache:
     """The engine's cache operations over a :class:`~kvferry.engine.runner.LockstepCache`, plus hand-off.
 
     ``hold(rid, callback)``: the engine's close of ``rid`` once its whole prompt is committed keeps the request
-    (suspended, never offloaded) and calls ``callback(rid)`` instead. ``release(rid)`` closes it for good (see
-    there: never under a step the engine may still run). ``adopt(rid, n)``: the request exists (transferred,
-    ``n`` tokens committed, suspended); the engine's ``create`` skips it and its first ``resume`` reports ``n``
-    tokens as reused.
+    (suspended; moved to the host when the engine needs the room) and calls ``callback(rid)`` instead.
+    ``release(rid)`` closes it for good (see there: never under a step the engine may still run).
+    ``expect_transfer(rid)``: the engine's ``create`` of ``rid`` does not match the prefix cache.
     """
 
     inner: LockstepCache
     _hold: dict[int, Callable[[int], None]] = attrs.field(factory=dict, init=False)
-    _adopted: dict[int, int] = attrs.field(factory=dict, init=False)
+    _transfers: set[int] = attrs.field(factory=set, init=False)
     #: requests the engine created and has not closed (it may still step them and commit their tokens), with
     #: their prompt lengths
     _engine_owned: dict[int, int] = attrs.field(factory=dict, init=False)
@@ -44,24 +44,21 @@ class HandoffCache:
     def hold(self, request_id: int, callback: Callable[[int], None]) -> None:
         self._hold[request_id] = callback
 
-    def adopt(self, request_id: int, num_tokens: int) -> None:
-        self._adopted[request_id] = num_tokens
+    def expect_transfer(self, request_id: int) -> None:
+        self._transfers.add(request_id)
 
     def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
-        if request_id not in self._adopted:
-            self.inner.create(request_id, prompt_token_ids)
+        reuse = request_id not in self._transfers
+        for m in self.inner.managers:
+            m.create(request_id, prompt_token_ids, reuse=reuse)
         self._engine_owned[request_id] = len(prompt_token_ids)
 
     def resume(self, request_id: int) -> Resumed:
-        info = self.inner.resume(request_id)
-        adopted = self._adopted.pop(request_id, None)
-        if adopted is not None:
-            return attrs.evolve(info, reused_tokens=adopted, num_committed_tokens=adopted, first=True)
-        return info
+        return self.inner.resume(request_id)
 
     def close(self, request_id: int) -> None:
         prompt = self._engine_owned.pop(request_id, None)
-        self._adopted.pop(request_id, None)
+        self._transfers.discard(request_id)
         manager = self.inner.primary
         if (
             request_id in self._hold
@@ -74,8 +71,9 @@ class HandoffCache:
             callback = self._hold.pop(request_id)
             if manager.state(request_id) is CacheState.ACTIVE:
                 for m in self.inner.managers:
-                    m.suspend(request_id, offload=Offload.NEVER)
-            callback(request_id)
+                    # the room may go to the engine's next prompts: the push brings it back (ContextWorker)
+                    m.suspend(request_id, offload=Offload.ON_PRESSURE)
+            callback(request_id)  # synchronous: nothing moves the pages before it returns
             return
         self.inner.close(request_id)
 

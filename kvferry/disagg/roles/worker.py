@@ -41,8 +41,7 @@ DEFAULT_STAGING_BYTES = 64 << 20
 #: ContextDone: queueing behind other prefills on the context engine included). Generous for any prompt a
 #: context engine takes (a long prompt under load prefills in seconds), finite so that a context engine that
 #: stopped answering (stopped, wedged, partitioned with the connection up) fails its requests with
-#: :class:`~kvferry.errors.PrefillTimeout` instead of holding them for ever. The same as the context side's
-#: ``hold_timeout``.
+#: :class:`~kvferry.errors.PrefillTimeout` instead of holding them for ever.
 DEFAULT_PREFILL_TIMEOUT = 60.0
 #: Seconds the handshake may take (both sides send their PeerInfo right after connecting).
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
