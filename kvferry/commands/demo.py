@@ -29,9 +29,8 @@ from kvferry.commands._common import non_negative_int, positive_int, progress, s
 from kvferry.errors import ConfigError
 
 MAX_TOKENS = 12
-#: requests in flight at once: the generation engine holds a batch row (of 16) for every request whose cache
-#: is arriving besides those it runs, so more in flight exhaust its rows; more would also only queue
-CONCURRENCY = 8
+#: requests in flight at once (every one of them: the engines queue what they cannot run yet)
+CONCURRENCY = 1 << 16
 
 #: the keys of ``--json``, in order
 JSON_KEYS = (

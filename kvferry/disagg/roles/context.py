@@ -2,9 +2,11 @@
 first token, holds the prefilled cache and pushes it when the receive request comes.
 
 The prompt runs as ``generate(prompt, max_tokens=1)``; when the engine then closes the request, the
-:class:`~.handoff_cache.HandoffCache` *holds* it instead (suspended with ``Offload.NEVER``: a transfer reads its
-pages) until the push is done or the generation side releases it. A held cache is held at most
-``hold_timeout`` seconds for its receive request.
+:class:`~.handoff_cache.HandoffCache` *holds* it instead until the push is done or the generation side releases
+it. A held cache waits while the generation side has no room for it (its receive request comes when its engine
+admitted the request), at most ``hold_timeout`` seconds; meanwhile the engine may move it to the host to make room
+for the next prompts. When its receive request comes it is brought back to the device if needed and pinned
+there (``Offload.NEVER``: the transfer reads its pages) for the push.
 
 Cancelling a prefill at any point (before its first step, during a step, between a step and its commit, during
 the push) ends the request's stream first; :meth:`~.handoff_cache.HandoffCache.release` then frees the cache
@@ -50,12 +52,21 @@ from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
 from kvferry.engine.engine import Generation
 from kvferry.engine.runner import PagedRunner
-from kvferry.errors import KvferryError, PeerDisconnected, TransportError
+from kvferry.errors import KvferryError, PeerDisconnected, PoolExhausted, TransportError
+from kvferry.pools.manager import CacheState, Offload
 from kvferry.transports import Peer, Transport
 
 __all__ = ["ContextWorker"]
 
 log = logging.getLogger("kvferry.disagg")
+
+#: Seconds a prefilled cache is held for its receive request. The generation side sends it once its engine
+#: admitted the request, which under load waits for earlier requests to finish decoding: generous, finite so that
+#: a peer that stays connected but never pulls does not hold caches for ever (a peer that goes away frees them).
+DEFAULT_HOLD_TIMEOUT = 600.0
+
+#: Seconds between attempts to bring a held cache back to the device for its push while the room is taken.
+PIN_RETRY_SECONDS = 0.005
 
 
 class _HoldEnd(enum.Enum):
@@ -167,7 +178,7 @@ class ContextWorker(Worker):
     ROLE: ClassVar[PeerRole] = PeerRole.CONTEXT
 
     #: seconds a prefilled cache is held for its receive request
-    hold_timeout: float = attrs.field(default=60.0, validator=positive)
+    hold_timeout: float = attrs.field(default=DEFAULT_HOLD_TIMEOUT, validator=positive)
     #: bytes per chunk (None: one write per direct writer, default_chunk_bytes(memory) per bounced chunk)
     max_chunk_bytes: int | None = None
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
@@ -315,6 +326,7 @@ class ContextWorker(Worker):
         ``hold_timeout`` seconds), then push it if it is still wanted."""
         # the sender's side of the transfer, worked out while the receive request is on its way
         source = self._source(served.peer_map, rid, len(req.prompt))
+        ahead = self._placement(rid)
         with anyio.move_on_after(self.hold_timeout):
             await held.ready.wait()
         end = held.end()
@@ -324,9 +336,47 @@ class ContextWorker(Worker):
         if end is _HoldEnd.RELEASED or held.request is None:
             self._counts["released"] += 1
             return
+        if not await self._pin(rid, held):
+            self._counts["failed"] += 1
+            await self._fail_request(
+                served, held.request, f"request {req.key}: no room to bring its cache back"
+            )
+            return
+        if held.end() is not _HoldEnd.PUSH:  # cancelled or released while its cache came back
+            self._counts["cancelled" if held.cancelled else "released"] += 1
+            return
+        if self._placement(rid) != ahead:  # it was moved to the host and back: other pages, another slot
+            source = self._source(served.peer_map, rid, len(req.prompt))
         # no await from the check above until _push registers the session in _sending: a CancelTransfer finds
         # the session either here (cancelled before the push) or sending (cancelled during it)
         await self._push(served, rid, held.request, source)
+
+    def _placement(self, rid: int) -> tuple[object, ...]:
+        manager = self.cache.inner.primary
+        if manager.state(rid) is not CacheState.SUSPENDED or manager.is_offloaded(rid):
+            return ()
+        return (
+            tuple(manager.block_table(rid)),
+            tuple(self._blocks(rid).get("draft", ())),
+            manager.slot_id(rid),
+        )
+
+    async def _pin(self, rid: int, held: _Held) -> bool:
+        """Keep the held cache of ``rid`` on the device for its push (brought back first if the engine moved it
+        to the host for room): False when no room came within ``hold_timeout`` seconds."""
+        lockstep = self.cache.inner
+        with anyio.move_on_after(self.hold_timeout):
+            while True:
+                try:
+                    lockstep.resume(rid)  # restores from the host if it was moved there
+                except PoolExhausted:
+                    # the engine's running prefills hold the room: they end (and are held, movable) soon
+                    await anyio.sleep(PIN_RETRY_SECONDS)
+                    continue
+                for m in lockstep.managers:
+                    m.suspend(rid, offload=Offload.NEVER)
+                return True
+        return False
 
     def _forget(self, key: str, held: _Held) -> None:
         if self._held.get(key) is held:  # not a later request that reuses the key
