@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from kvferry.pools.spec import ModelSpec as ModelSpec
     from kvferry.pools.spec import RankSpec as RankSpec
     from kvferry.pools.spec import preset as preset
+    from kvferry.serving import CompletionResult as CompletionResult
+    from kvferry.serving import DisaggOptions as DisaggOptions
+    from kvferry.serving import FinishReason as FinishReason
+    from kvferry.serving import RequestHandle as RequestHandle
+    from kvferry.serving import Service as Service
+    from kvferry.serving import ServiceStatistics as ServiceStatistics
+    from kvferry.serving import open_service as open_service
     from kvferry.transports.base import Transport as Transport
     from kvferry.transports.registry import get_transport as get_transport
 
@@ -56,6 +63,13 @@ _LAZY: dict[str, str] = {
     "EngineOptions": "kvferry.engine.runner",
     "BuiltEngine": "kvferry.engine.runner",
     "build_engine": "kvferry.engine.runner",
+    "open_service": "kvferry.serving",
+    "Service": "kvferry.serving",
+    "ServiceStatistics": "kvferry.serving",
+    "RequestHandle": "kvferry.serving",
+    "CompletionResult": "kvferry.serving",
+    "FinishReason": "kvferry.serving",
+    "DisaggOptions": "kvferry.serving",
 }
 
 __all__ = ["__version__", *_errors_all, *_LAZY]

@@ -25,6 +25,8 @@ __all__ = [
     "RebalanceRefused",
     "RegionError",
     "RequestAborted",
+    "RequestTooLarge",
+    "ServiceOverloaded",
     "StaleGeneration",
     "TransferCancelled",
     "TransferError",
@@ -156,3 +158,15 @@ class EngineClosed(KvferryError):
 
 class RequestAborted(KvferryError):
     """A request ended before it finished: the engine closed, or a model step failed; its cache was freed."""
+
+
+# --- serving -------------------------------------------------------------------------------------------
+
+
+class RequestTooLarge(ConfigError):
+    """A request that can never fit the engines' pools, refused at submission: the message names its sizes and
+    the option that would make it fit."""
+
+
+class ServiceOverloaded(KvferryError):
+    """The service's queue of requests not yet admitted is full: retry later (HTTP 503)."""

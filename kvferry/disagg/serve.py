@@ -25,6 +25,7 @@ from functools import partial
 from typing import IO, Any
 
 import anyio
+import attrs
 from attrs import define
 
 from kvferry._stdio import reserve_stdout
@@ -52,9 +53,18 @@ _MARKER = "kvferry-context "
 DEFAULT_START_TIMEOUT = 120.0
 
 
-def _options(tp: int, spec_k: int, seed: int, dtype: str) -> EngineOptions:
+def _options(
+    tp: int, spec_k: int, seed: int, dtype: str, *, num_pages: int = 512, max_running: int = 16
+) -> EngineOptions:
+    # the steps run on the event loop: the receiver and the hold touch the managers between them
     return EngineOptions(
-        tp=tp, dtype=dtype, seed=seed, max_spec_k=spec_k, step_in_thread=False, num_pages=512
+        tp=tp,
+        dtype=dtype,
+        seed=seed,
+        max_spec_k=spec_k,
+        step_in_thread=False,
+        num_pages=num_pages,
+        max_running=max_running,
     )
 
 
@@ -63,13 +73,14 @@ async def _serve_context(
     options: EngineOptions,
     out: IO[str],
     *,
+    model: str = "tiny",
     write_delay: float = 0.0,
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
     secret: bytes | None = None,
 ) -> None:
-    built = build_engine("tiny", options)
+    built = build_engine(model, options)
     async with get_transport(transport_name)(secret=secret) as transport, built.engine:
         worker = ContextWorker(
             built,
@@ -98,6 +109,9 @@ async def _serve_context(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.disagg.serve")
     parser.add_argument("--transport", default="auto")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--num-pages", type=int, default=512)
+    parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument(
         "--secret-file",
         default=None,
@@ -131,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     # address line goes to the original stdout, everything the libraries print to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = reserve_stdout()
-    options = _options(args.tp, args.spec_k, args.seed, args.dtype)
+    options = _options(
+        args.tp, args.spec_k, args.seed, args.dtype, num_pages=args.num_pages, max_running=args.max_running
+    )
     try:
         anyio.run(
             partial(
@@ -139,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.transport,
                 options,
                 out,
+                model=args.model,
                 write_delay=args.write_delay,
                 chunk_bytes=args.chunk_bytes or None,
                 staging_bytes=args.staging_bytes,
@@ -185,6 +202,9 @@ def start_context_process(
     seed: int,
     dtype: str = "float64",
     *,
+    model: str = "tiny",
+    num_pages: int = 512,
+    max_running: int = 16,
     write_delay: float = 0.0,
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -210,6 +230,12 @@ def start_context_process(
             "kvferry.disagg.serve",
             "--transport",
             transport,
+            "--model",
+            model,
+            "--num-pages",
+            str(num_pages),
+            "--max-running",
+            str(max_running),
             "--tp",
             str(tp),
             "--spec-k",
@@ -287,6 +313,9 @@ def _await_address(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any
 @asynccontextmanager
 async def disaggregated(
     *,
+    model: str = "tiny",
+    options: EngineOptions | None = None,
+    ctx_num_pages: int = 0,
     transport: str = "auto",
     ctx_tp: int = 1,
     gen_tp: int = 1,
@@ -320,11 +349,21 @@ async def disaggregated(
 
     Deadlines (seconds; see :class:`~.roles.GenerationWorker`): ``prefill_timeout`` (a prefill's answer),
     ``handshake_timeout`` (each side's handshake), ``control_timeout`` (best-effort control messages, each
-    side), ``stall_timeout`` (a transfer's reports), ``start_timeout`` (the context process's start)."""
+    side), ``stall_timeout`` (a transfer's reports), ``start_timeout`` (the context process's start).
+
+    ``model``: ``"tiny"`` or a checkpoint directory, for both engines. ``options`` sizes the generation engine
+    (its ``tp``, ``max_spec_k``, ``seed`` and ``dtype`` then replace ``gen_tp``, ``spec_k``, ``seed`` and
+    ``dtype``; its steps always run on the event loop); the context engine gets the same with ``ctx_tp`` ranks
+    and ``ctx_num_pages`` pages (0: the same number)."""
     policy = BouncePolicy() if bounce is None else bounce
     if secret is None and authenticate:
         secret = new_secret()
-    gen = build_engine("tiny", _options(gen_tp, spec_k, seed, dtype))
+    if options is None:
+        options = _options(gen_tp, spec_k, seed, dtype)
+    options = attrs.evolve(options, step_in_thread=False)
+    spec_k, seed, dtype = options.max_spec_k, options.seed, options.dtype
+    ctx_options = attrs.evolve(options, tp=ctx_tp, num_pages=ctx_num_pages or options.num_pages)
+    gen = build_engine(model, options)
     factory = get_transport(transport)
     context_process: ContextProcess | None = None
     try:
@@ -350,6 +389,9 @@ async def disaggregated(
                         spec_k,
                         seed,
                         dtype,
+                        model=model,
+                        num_pages=ctx_options.num_pages,
+                        max_running=ctx_options.max_running,
                         write_delay=write_delay,
                         chunk_bytes=chunk_bytes,
                         staging_bytes=staging_bytes,
@@ -364,7 +406,7 @@ async def disaggregated(
                 yield Router(worker), parts
                 await peer.aclose()
             else:
-                ctx = build_engine("tiny", _options(ctx_tp, spec_k, seed, dtype))
+                ctx = build_engine(model, ctx_options)
                 async with factory(secret=secret) as ctx_transport, ctx.engine:
                     context = ContextWorker(
                         ctx,
