@@ -13,11 +13,12 @@ import anyio
 import attrs
 from attrs import define
 
-from kvferry.disagg.protocol import ContextRequest
+from kvferry.disagg.protocol import ContextRequest, PeerInfo
 from kvferry.disagg.roles import GenerationWorker
+from kvferry.disagg.roles.generation import ContextLink
 from kvferry.disagg.session import TransferStatistics
 from kvferry.engine.engine import Generation
-from kvferry.errors import RequestTooLarge
+from kvferry.errors import RequestTooLarge, TransferError
 
 __all__ = ["RoutedGeneration", "Router"]
 
@@ -44,6 +45,15 @@ class RoutedGeneration:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[int]:
+        link = self.router.pick()
+        link.in_flight += 1
+        try:
+            async for token in self._routed(link):
+                yield token
+        finally:
+            link.in_flight -= 1
+
+    async def _routed(self, link: ContextLink) -> AsyncIterator[int]:
         worker = self.router.worker
         handoff = await worker.prefill_remote(
             ContextRequest(
@@ -54,7 +64,8 @@ class RoutedGeneration:
                 self.temperature,
                 self.spec_k,
                 self.stop_ids,
-            )
+            ),
+            link,
         )
         self.tokens.append(handoff.first_token)
         yield handoff.first_token
@@ -78,12 +89,12 @@ class RoutedGeneration:
             await engine.admit_transfer(generation)
             self.admitted_at = request.admitted_at
             worker.install_drafter_state(rid, self.prompt, handoff, self.spec_k)
-            self.transfer = await worker.receive(rid, self.prompt, self.key)
+            self.transfer = await worker.receive(rid, self.prompt, self.key, link)
         except BaseException:
             generation.cancel()  # the engine frees what the receiver left (nothing, once it owned the pages)
             worker.built.runner.release(rid)
             with anyio.CancelScope(shield=True):
-                await worker.release_remote(self.key)
+                await worker.release_remote(self.key, link)
             raise
         engine.transfer_landed(generation, handoff.first_token)
         # the request's output list is the truth: its first token is the context side's
@@ -108,12 +119,27 @@ class Router:
     worker: GenerationWorker
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
 
+    def pick(self) -> ContextLink:
+        """The context peer for the next request: of those still connected, the one with the fewest requests in
+        flight (the first of them on a tie).
+
+        :raises ~kvferry.errors.TransferError: no context peer is connected.
+        """
+        live = [link for link in self.worker.links if not link.gone]
+        if not live:
+            if self.worker.links:
+                raise TransferError("every context engine went away: nobody can prefill the request")
+            raise TransferError("not connected to a context engine")
+        return min(live, key=lambda link: link.in_flight)
+
     def check_fits(self, num_prompt: int) -> None:
-        """Raise :class:`~kvferry.errors.RequestTooLarge` when the context engine's pages (from its handshake)
-        cannot hold a prompt of ``num_prompt`` tokens."""
-        remote = self.worker.remote
-        if remote is None:
-            return
+        """Raise :class:`~kvferry.errors.RequestTooLarge` when no connected context engine's pages (from its
+        handshake) can hold a prompt of ``num_prompt`` tokens (all of them are judged alike: the smallest)."""
+        for link in self.worker.links:
+            self._check_context(link.remote, num_prompt)
+
+    @staticmethod
+    def _check_context(remote: PeerInfo, num_prompt: int) -> None:
         table = remote.page_tables[0]
         pages = table.pool_group("attention").num_slots - 1  # page 0 is reserved
         per_block = table.layer_group("attention").tokens_per_block

@@ -13,13 +13,15 @@ process has ``start_timeout`` seconds to say where it listens, and :func:`disagg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import IO, Any
@@ -41,11 +43,20 @@ from kvferry.disagg.roles import (
 from kvferry.disagg.router import Router
 from kvferry.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
-from kvferry.errors import ConfigError, PeerDisconnected, PeerTimeout
+from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, PeerTimeout
 from kvferry.transports import get_transport
 from kvferry.transports.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret, new_secret
 
-__all__ = ["DEFAULT_START_TIMEOUT", "ContextProcess", "disaggregated", "main", "start_context_process"]
+__all__ = [
+    "DEFAULT_START_TIMEOUT",
+    "ContextProcess",
+    "disaggregated",
+    "main",
+    "serve_context",
+    "start_context_process",
+]
+
+log = logging.getLogger("kvferry.disagg")
 
 _MARKER = "kvferry-context "
 
@@ -68,48 +79,123 @@ def _options(
     )
 
 
-async def _serve_context(
-    transport_name: str,
+async def serve_context(
+    model: str,
     options: EngineOptions,
-    out: IO[str],
     *,
-    model: str = "tiny",
+    transport: str = "auto",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    secret: bytes | None = None,
+    on_listening: Callable[[str], None] | None = None,
+    once: bool = False,
     write_delay: float = 0.0,
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     bounce: BouncePolicy | None = None,
-    secret: bytes | None = None,
 ) -> None:
+    """Run a context engine for ``model``: listen on ``host:port`` over ``transport`` and serve every generation
+    engine that connects, each in its own task, until cancelled (``once``: serve the first one, return when it
+    goes away). ``on_listening(address)`` is called once the memory is registered and the transport listens.
+
+    A peer that fails its handshake (another model, a wrong secret) or goes away costs the others nothing: its
+    prefills and pushes are cancelled and what it held is freed; the failure is logged in one line. A cancel
+    stops every peer's work, the engine and the transport.
+
+    :raises ~kvferry.errors.ConfigError: a bad model, option or listening address (nothing was started).
+    """
     built = build_engine(model, options)
-    async with get_transport(transport_name)(secret=secret) as transport, built.engine:
+    factory = get_transport(transport)
+    listen = {"host": host, "port": port, "advertise_host": advertise_host} if transport != "local" else {}
+    async with factory(secret=secret, **listen) as tx, built.engine:
         worker = ContextWorker(
             built,
-            transport,
+            tx,
             max_chunk_bytes=chunk_bytes,
             write_delay=write_delay,
             staging_bytes=staging_bytes,
             bounce=BouncePolicy() if bounce is None else bounce,
         )
         await worker.register()  # once, before anyone connects
-        out.write(_MARKER + json.dumps({"address": transport.address, "pid": os.getpid()}) + "\n")
+        if on_listening is not None:
+            on_listening(tx.address)
+        if once:
+            await worker.serve(await tx.accept())
+            return
+        async with anyio.create_task_group() as peers:
+            while True:
+                peers.start_soon(_serve_peer, worker, await tx.accept())
+
+
+async def _serve_peer(worker: ContextWorker, peer: Any) -> None:
+    try:
+        await worker.serve(peer)
+    except KvferryError as exc:
+        log.warning("generation peer %s: %s: %s", getattr(peer, "address", peer), type(exc).__name__, exc)
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(KvferryError):
+            await peer.aclose()
+
+
+async def _serve_context(
+    transport_name: str,
+    options: EngineOptions,
+    out: IO[str],
+    *,
+    model: str = "tiny",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    forever: bool = False,
+    write_delay: float = 0.0,
+    chunk_bytes: int | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    bounce: BouncePolicy | None = None,
+    secret: bytes | None = None,
+) -> None:
+    def listening(address: str) -> None:
+        out.write(_MARKER + json.dumps({"address": address, "pid": os.getpid()}) + "\n")
         out.flush()
-        async with anyio.create_task_group() as tg:
 
-            async def stdin_closed() -> None:
-                await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
-                tg.cancel_scope.cancel()
+    async with anyio.create_task_group() as tg:
 
-            # the parent closing stdin ends the wait for its connection too (it may never come)
-            tg.start_soon(stdin_closed)
-            peer = await transport.accept()
-            await worker.serve(peer)
+        async def stdin_closed() -> None:
+            await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
             tg.cancel_scope.cancel()
+
+        # the parent closing stdin ends the wait for its connection too (it may never come)
+        tg.start_soon(stdin_closed)
+        await serve_context(
+            model,
+            options,
+            transport=transport_name,
+            host=host,
+            port=port,
+            advertise_host=advertise_host,
+            secret=secret,
+            on_listening=listening,
+            once=not forever,
+            write_delay=write_delay,
+            chunk_bytes=chunk_bytes,
+            staging_bytes=staging_bytes,
+            bounce=bounce,
+        )
+        tg.cancel_scope.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.disagg.serve")
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
+    parser.add_argument("--advertise-host", default=None, help="the host put in the address peers connect to")
+    parser.add_argument(
+        "--forever",
+        action="store_true",
+        help="serve every generation peer until stdin closes, not only the first",
+    )
     parser.add_argument("--num-pages", type=int, default=512)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument(
@@ -156,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                 options,
                 out,
                 model=args.model,
+                host=args.host,
+                port=args.port,
+                advertise_host=args.advertise_host,
+                forever=args.forever,
                 write_delay=args.write_delay,
                 chunk_bytes=args.chunk_bytes or None,
                 staging_bytes=args.staging_bytes,
@@ -316,6 +406,7 @@ async def disaggregated(
     model: str = "tiny",
     options: EngineOptions | None = None,
     ctx_num_pages: int = 0,
+    contexts: Sequence[str] = (),
     transport: str = "auto",
     ctx_tp: int = 1,
     gen_tp: int = 1,
@@ -354,8 +445,20 @@ async def disaggregated(
     ``model``: ``"tiny"`` or a checkpoint directory, for both engines. ``options`` sizes the generation engine
     (its ``tp``, ``max_spec_k``, ``seed`` and ``dtype`` then replace ``gen_tp``, ``spec_k``, ``seed`` and
     ``dtype``; its steps always run on the event loop); the context engine gets the same with ``ctx_tp`` ranks
-    and ``ctx_num_pages`` pages (0: the same number)."""
+    and ``ctx_num_pages`` pages (0: the same number).
+
+    ``contexts``: the transport addresses of running context engines (:func:`serve_context`, ``kvferry serve
+    --role context``) to connect to instead of starting one; requests are spread over them
+    (:meth:`~.router.Router.pick`). They need the secret they were started with (``secret``, else the one
+    :func:`~kvferry.transports.handshake.load_secret` finds)."""
     policy = BouncePolicy() if bounce is None else bounce
+    if secret is None and contexts:
+        secret = load_secret(None)
+        if secret is None and authenticate:
+            raise ConfigError(
+                f"connecting to running context engines needs their secret (--secret-file, ${SECRET_FILE_ENV} "
+                f"or ${SECRET_ENV})"
+            )
     if secret is None and authenticate:
         secret = new_secret()
     if options is None:
@@ -380,7 +483,15 @@ async def disaggregated(
             )
             await worker.register()
             parts: dict[str, Any] = {"worker": worker, "gen": gen, "transport": gen_transport}
-            if separate_process:
+            if contexts:
+                peers = []
+                for address in contexts:
+                    peers.append(await gen_transport.connect(address))
+                    await worker.connect(peers[-1], tg)
+                yield Router(worker), parts
+                for peer in peers:
+                    await peer.aclose()
+            elif separate_process:
                 context_process = await anyio.to_thread.run_sync(
                     partial(
                         start_context_process,

@@ -314,6 +314,7 @@ async def open_backend(
         options=options,
         transport=disagg.transport,
         ctx_tp=disagg.ctx_tp,
+        contexts=disagg.contexts,
         separate_process=disagg.separate_process,
         secret=disagg.secret,
         ctx_num_pages=disagg.ctx_num_pages,

@@ -31,6 +31,7 @@ import anyio.abc
 import attrs
 from attrs import define
 
+from kvferry.engine.request import SamplingParams
 from kvferry.errors import ConfigError, KvferryError, RequestAborted, ServiceOverloaded
 from kvferry.serving.backends import Backend, DisaggOptions, open_backend
 from kvferry.serving.handle import CompletionResult, FinishReason, RequestHandle, RequestTiming
@@ -154,6 +155,7 @@ class Service:
         k = self.backend.max_spec_k if spec_k is None else spec_k
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.backend.max_spec_k:
             raise ConfigError(f"spec_k must be an int in [0, {self.backend.max_spec_k}], got {spec_k!r}")
+        SamplingParams(seed=seed, temperature=temperature)  # raises ConfigError on a bad one
         vocab = self.backend.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")

@@ -3,6 +3,8 @@ incompatible peer, poisoned receiver pages change nothing, and accounting return
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import attrs
 import pytest
@@ -105,8 +107,8 @@ async def test_a_malformed_hand_off_is_a_typed_error_and_leaves_nothing_behind(
         free = gen.cache.statistics()
         real = GenerationWorker.prefill_remote
 
-        async def tampered(self: GenerationWorker, request: ContextRequest) -> Handoff:
-            handoff = await real(self, request)
+        async def tampered(self: GenerationWorker, request: ContextRequest, link: Any = None) -> Handoff:
+            handoff = await real(self, request, link)
             handoff.host_state = handoff.host_state[:-8]
             return handoff
 
@@ -117,6 +119,7 @@ async def test_a_malformed_hand_off_is_a_typed_error_and_leaves_nothing_behind(
         with anyio.fail_after(5):
             while parts["context"].statistics()["held"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
+        await gen.engine.wait_idle()  # the failed request is freed at the engine's next step boundary
         now = gen.cache.statistics()
         assert (now.pages_free, now.draft_pages_free, now.requests_suspended) == (
             free.pages_free,

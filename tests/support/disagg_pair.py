@@ -44,6 +44,7 @@ class Pair:
 @asynccontextmanager
 async def pair(
     *,
+    gen_options: EngineOptions | None = None,
     ctx_options: EngineOptions | None = None,
     worker: dict[str, Any] | None = None,
     context: dict[str, Any] | None = None,
@@ -52,7 +53,7 @@ async def pair(
 ) -> AsyncIterator[Pair]:
     """A connected pair; ``worker`` / ``context``: keyword arguments of the two workers; ``wrap_gen`` /
     ``wrap_ctx``: what each worker gets as its transport (a test wrapper around it)."""
-    gen = build_engine("tiny", options())
+    gen = build_engine("tiny", gen_options or options())
     ctx = build_engine("tiny", ctx_options or options())
     factory = get_transport("local")
     async with factory() as gen_transport, gen.engine, anyio.create_task_group() as tg:

@@ -183,8 +183,10 @@ class ContextWorker(Worker):
     max_chunk_bytes: int | None = None
     #: seconds to wait before posting each chunk (0: none). Only for tests that need a transfer to last.
     write_delay: float = 0.0
-    _held: dict[str, _Held] = attrs.field(factory=dict, init=False)
-    _sending: dict[int, SendSession] = attrs.field(factory=dict, init=False)
+    #: by (peer, request key) and (peer, session id): each generation peer names its own requests and sessions,
+    #: and may touch only those
+    _held: dict[tuple[Peer, str], _Held] = attrs.field(factory=dict, init=False)
+    _sending: dict[tuple[Peer, int], SendSession] = attrs.field(factory=dict, init=False)
     _counts: dict[str, int] = attrs.field(
         factory=lambda: dict.fromkeys(
             ("prefilled", "pushed", "released", "cancelled", "failed", "bytes", "fragments", "bounced"), 0
@@ -211,10 +213,10 @@ class ContextWorker(Worker):
         """One control message from the peer (in the order they came; reports never come here)."""
         if isinstance(message, ContextRequest):
             # known from now on: a ReleaseContext read before the task below first runs finds it
-            entry = self._held[message.key] = _Held()
+            entry = self._held[served.peer, message.key] = _Held()
             served.tasks.start_soon(self._prefill_and_push, served, message, entry)
         elif isinstance(message, ReceiveRequest):
-            held = self._held.get(message.key)
+            held = self._held.get((served.peer, message.key))
             if held is None:
                 # nothing is held for it (released, or its hold ran out): every writer fails it at once, so the
                 # receiver frees its pages instead of waiting into doubt
@@ -225,7 +227,7 @@ class ContextWorker(Worker):
             else:
                 held.requested(message)
         elif isinstance(message, ReleaseContext):
-            held = self._held.get(message.key)
+            held = self._held.get((served.peer, message.key))
             if held is not None:
                 held.release()
         elif isinstance(message, CancelTransfer):
@@ -233,12 +235,12 @@ class ContextWorker(Worker):
 
     async def _cancel(self, peer: Peer, message: CancelTransfer) -> None:
         """The receiver cancelled session ``message.session_id``: stop its push, or say none can write."""
-        session = self._sending.get(message.session_id)
+        session = self._sending.get((peer, message.session_id))
         if session is not None:
             session.cancel()  # its writers report every chunk: the receiver releases its pages on the last one
             return
-        for held in self._held.values():
-            if held.request is not None and held.request.session_id == message.session_id:
+        for (owner, _), held in self._held.items():
+            if owner is peer and held.request is not None and held.request.session_id == message.session_id:
                 # received, push not started: _hold_and_push checks this and, with no await between the check
                 # and the session's registration in _sending, never pushes once it is set
                 held.call_off()
@@ -259,7 +261,7 @@ class ContextWorker(Worker):
         and :meth:`~.handoff_cache.HandoffCache.release` frees the cache only once the engine is done with it.
         """
         if held.released:  # released before this task first ran: nobody waits for its answer
-            self._forget(req.key, held)
+            self._forget(served.peer, req.key, held)
             self._counts["released"] += 1
             return
         try:
@@ -268,7 +270,7 @@ class ContextWorker(Worker):
                 req.prompt, max_tokens=1, seed=req.seed, temperature=req.temperature, spec_k=req.spec_k
             )
         except KvferryError as exc:  # a prompt the engine refuses (a token outside its vocabulary, say)
-            self._forget(req.key, held)
+            self._forget(served.peer, req.key, held)
             self._counts["failed"] += 1
             await self._answer(
                 served.peer, ContextDone(req.key, 0, False, 0, error=f"{type(exc).__name__}: {exc}")
@@ -279,7 +281,7 @@ class ContextWorker(Worker):
             if await self._prefill(served, req, held, generation):
                 await self._hold_and_push(served, req, held, rid)
         finally:
-            self._forget(req.key, held)
+            self._forget(served.peer, req.key, held)
             # synchronous: no cancel can interrupt it. The stream has ended (collect returned or raised), so the
             # engine has closed the request or will at its next step boundary: release frees it accordingly
             self.cache.release(rid)
@@ -378,9 +380,9 @@ class ContextWorker(Worker):
                 return True
         return False
 
-    def _forget(self, key: str, held: _Held) -> None:
-        if self._held.get(key) is held:  # not a later request that reuses the key
-            del self._held[key]
+    def _forget(self, peer: Peer, key: str, held: _Held) -> None:
+        if self._held.get((peer, key)) is held:  # not a later request that reuses the key
+            del self._held[peer, key]
 
     async def _fail_request(self, served: _Served, request: ReceiveRequest, why: str) -> None:
         """A receive request we cannot serve: every writer reports a failure (nothing is written), so the
@@ -444,12 +446,12 @@ class ContextWorker(Worker):
             await self._fail_request(served, request, str(exc))
             return
         session = SendSession(request.session_id, plan)
-        self._sending[request.session_id] = session
+        self._sending[served.peer, request.session_id] = session
         transport = self.transport if self.write_delay <= 0 else _Paced(self.transport, self.write_delay)
         try:
             await send(cast(Transport, transport), served.peer, session)
         finally:
-            self._sending.pop(request.session_id, None)
+            self._sending.pop((served.peer, request.session_id), None)
             session.release_staging()  # send() did (idempotent); here too if it never started
         stats = session.statistics()
         self._counts["bounced"] += sum(

@@ -55,7 +55,7 @@ from kvferry.disagg.transfer import ManagerHold, destinations, expected_writers,
 from kvferry.errors import KvferryError, PeerDisconnected, PrefillTimeout, TransferError
 from kvferry.transports import Peer
 
-__all__ = ["GenerationWorker", "Handoff"]
+__all__ = ["ContextLink", "GenerationWorker", "Handoff"]
 
 
 @define(eq=False)
@@ -69,13 +69,36 @@ class Handoff:
 
 
 @define(eq=False)
+class ContextLink:
+    """One context peer of a :class:`GenerationWorker`: its connection, its handshake, the rank mapping to it, the
+    receiver of its transfers and the prefills waiting for its answers."""
+
+    peer: Peer
+    remote: PeerInfo
+    peer_map: PeerMap
+    receiver: Receiver
+    #: the pairing allows transferring the draft KV
+    draft: bool
+    waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict)
+    #: the reader ended: the peer is gone
+    gone: bool = False
+    #: requests routed to it and not ended (the router spreads requests by it)
+    in_flight: int = 0
+
+    def __repr__(self) -> str:
+        state = "gone" if self.gone else "up"
+        return f"<ContextLink {self.remote.transport_address} {state} in_flight={self.in_flight}>"
+
+
+@define(eq=False)
 class GenerationWorker(Worker):
-    """Receives transferred caches from one context peer and decodes them on its engine.
+    """Receives transferred caches from its context peers and decodes them on its engine.
 
-    Use :meth:`connect` (handshake + reader), then per request :meth:`prefill_remote`, the engine's admission and
-    :meth:`receive` (the :class:`~kvferry.disagg.router.Router` does it).
+    Use :meth:`connect` once per context peer (handshake + reader), then per request :meth:`prefill_remote`, the
+    engine's admission and :meth:`receive` on one of its :attr:`links` (the :class:`~kvferry.disagg.router.Router`
+    does it).
 
-    Every wait on the context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
+    Every wait on a context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
     (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
     :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``); control
     messages and writes are bounded by the transport's own stall deadline.
@@ -85,32 +108,53 @@ class GenerationWorker(Worker):
 
     #: seconds without a report while a transfer's writers are still out (then in doubt, pages quarantined)
     stall_timeout: float = attrs.field(default=30.0, validator=positive)
+    #: transfer the draft KV (where the pairing allows it; False: the drafter starts from zeros)
     transfer_draft: bool = True
     #: seconds from sending a prefill to its answer (see :data:`~.worker.DEFAULT_PREFILL_TIMEOUT`)
     prefill_timeout: float = attrs.field(default=DEFAULT_PREFILL_TIMEOUT, validator=positive)
-    peer: Peer | None = attrs.field(default=None, init=False)
-    remote: PeerInfo | None = attrs.field(default=None, init=False)
-    peer_map: PeerMap | None = attrs.field(default=None, init=False)
-    receiver: Receiver | None = attrs.field(default=None, init=False)
-    _waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict, init=False)
-    #: the reader ended: the peer is gone
-    _gone: bool = attrs.field(default=False, init=False)
+    links: list[ContextLink] = attrs.field(factory=list, init=False)
     _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
     _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
 
+    # the first peer's parts (one context peer is the common case)
+    @property
+    def peer(self) -> Peer | None:
+        return self.links[0].peer if self.links else None
+
+    @property
+    def remote(self) -> PeerInfo | None:
+        return self.links[0].remote if self.links else None
+
+    @property
+    def peer_map(self) -> PeerMap | None:
+        return self.links[0].peer_map if self.links else None
+
+    @property
+    def receiver(self) -> Receiver | None:
+        return self.links[0].receiver if self.links else None
+
+    @property
+    def _waiting(self) -> dict[str, tuple[anyio.Event, list[ContextDone]]]:
+        return {k: v for link in self.links for k, v in link.waiting.items()}
+
+    def link(self, link: ContextLink | None = None) -> ContextLink:
+        """``link``, or the first one; :class:`~kvferry.errors.TransferError` when not connected."""
+        if link is not None:
+            return link
+        if not self.links:
+            raise TransferError("not connected to a context peer")
+        return self.links[0]
+
     async def connect(self, peer: Peer, task_group: anyio.abc.TaskGroup) -> PeerInfo:
-        """Handshake with the context peer and start reading from it in ``task_group``.
+        """Handshake with a context peer (one more of them) and start reading from it in ``task_group``.
 
         :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
         """
         await self.register()
         remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
         pairing = check_pairing(remote, self.info())
-        if not pairing.draft:
-            self.transfer_draft = False
         peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
-        self.peer, self.remote, self.peer_map = peer, remote, peer_map
-        self.receiver = Receiver(
+        receiver = Receiver(
             self.transport,
             peer,
             expected_writers(peer_map),
@@ -118,18 +162,17 @@ class GenerationWorker(Worker):
             control_timeout=self.control_timeout,
             destinations=partial(destinations, peer_map),
         )
-        self._gone = False
-        task_group.start_soon(self._read)
+        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft)
+        self.links.append(link)
+        task_group.start_soon(self._read, link)
         return remote
 
-    async def _read(self) -> None:
-        assert self.peer is not None and self.receiver is not None
-
-        receiver = self.receiver
+    async def _read(self, link: ContextLink) -> None:
+        receiver = link.receiver
 
         async def on_message(message: ControlBody) -> None:
             if isinstance(message, ContextDone):
-                waiting = self._waiting.get(message.key)
+                waiting = link.waiting.get(message.key)
                 if waiting is not None:
                     waiting[1].append(message)
                     waiting[0].set()
@@ -137,14 +180,15 @@ class GenerationWorker(Worker):
                 receiver.on_cancel_ack(message)  # no write of that session can land: release its pages
 
         try:
-            await pump(self.transport, self.peer, self.receiver, on_message=on_message)
+            await pump(self.transport, link.peer, receiver, on_message=on_message)
         finally:
-            self._gone = True
-            for event, _ in self._waiting.values():
+            link.gone = True
+            for event, _ in link.waiting.values():
                 event.set()  # the peer is gone (or we stopped reading): wake every waiter
 
-    async def prefill_remote(self, request: ContextRequest) -> Handoff:
-        """Ask the context peer to prefill; returns its first token (and whether it holds the cache).
+    async def prefill_remote(self, request: ContextRequest, link: ContextLink | None = None) -> Handoff:
+        """Ask a context peer (``link``, default the first) to prefill; returns its first token (and whether it
+        holds the cache).
 
         Waits at most ``prefill_timeout`` seconds for the answer. Whenever this ends without an answer (the
         deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
@@ -154,27 +198,28 @@ class GenerationWorker(Worker):
         :raises ~kvferry.errors.PrefillTimeout: no answer within ``prefill_timeout`` seconds.
         :raises ~kvferry.errors.TransferError: the context side failed or went away.
         """
-        if self.peer is None:
+        if not self.links:
             raise TransferError(f"request {request.key}: not connected to a context peer")
-        if self._gone:
+        link = self.link(link)
+        if link.gone:
             raise TransferError(f"request {request.key}: the context peer went away before prefilling it")
         event = anyio.Event()
         answers: list[ContextDone] = []
-        self._waiting[request.key] = (event, answers)
+        link.waiting[request.key] = (event, answers)
         try:
             with anyio.move_on_after(self.prefill_timeout):
-                await self.transport.send_message(self.peer, encode_control(request))
+                await self.transport.send_message(link.peer, encode_control(request))
                 await event.wait()
         except BaseException:
-            self._waiting.pop(request.key, None)
+            link.waiting.pop(request.key, None)
             if not answers or answers[0].held:  # nobody will take the cache it prefills or holds
                 with anyio.CancelScope(shield=True):
-                    await self.release_remote(request.key)
+                    await self.release_remote(request.key, link)
             raise
-        self._waiting.pop(request.key, None)
+        link.waiting.pop(request.key, None)
         if not event.is_set():
             with anyio.CancelScope(shield=True):
-                await self.release_remote(request.key)
+                await self.release_remote(request.key, link)
             raise PrefillTimeout(
                 f"request {request.key}: no answer from the context peer within {self.prefill_timeout} s"
             )
@@ -185,15 +230,18 @@ class GenerationWorker(Worker):
             raise TransferError(f"request {request.key}: the context side failed: {done.error}")
         return Handoff(done.key, done.first_token, done.held, done.host_state)
 
-    async def release_remote(self, key: str) -> None:
+    async def release_remote(self, key: str, link: ContextLink | None = None) -> None:
         """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort,
         at most ``control_timeout`` seconds)."""
-        if self.peer is not None and not self._gone:
+        if not self.links:
+            return
+        link = self.link(link)
+        if not link.gone:
             with (
                 anyio.move_on_after(self.control_timeout),
                 contextlib.suppress(PeerDisconnected, KvferryError),
             ):
-                await self.transport.send_message(self.peer, encode_control(ReleaseContext(key)))
+                await self.transport.send_message(link.peer, encode_control(ReleaseContext(key)))
 
     def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:
         """Give the local drafter the context side's hand-off of ``rid`` (the prompt's last hidden state); call
@@ -212,7 +260,9 @@ class GenerationWorker(Worker):
             rid, handoff.host_state, prompt=prompt, pending_token=handoff.first_token
         )
 
-    async def receive(self, rid: int, prompt: Sequence[int], key: str) -> TransferStatistics:
+    async def receive(
+        self, rid: int, prompt: Sequence[int], key: str, link: ContextLink | None = None
+    ) -> TransferStatistics:
         """Receive ``rid``'s cache into the pages its engine admitted it with (:meth:`Engine.admit_transfer
         <kvferry.engine.engine.Engine.admit_transfer>`: TRANSFERRING, the whole prompt's pages, a slot). Writers
         whose bytes land fragmented are offered staging areas (see the module docstring).
@@ -221,33 +271,34 @@ class GenerationWorker(Worker):
         cancel the receiver has freed them, or quarantined them until the writers report, before this raises;
         the caller then cancels the request, whose close finds nothing left to free.
         """
-        assert self.receiver is not None
+        link = self.link(link)
         managers = self.cache.managers
         rx_staging: ReceiveStaging | None = None
         primary = managers[0]
-        if primary.config.has_draft and not self.transfer_draft:
+        draft = self.transfer_draft and link.draft
+        if primary.config.has_draft and not draft:
             # stale bytes from recycled pages must never reach the drafter
             for m, arena in zip(managers, self.built.arenas, strict=True):
                 arena.zero_pages("draft", list(m.draft_block_table(rid)))
         blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
-        if primary.config.has_draft and self.transfer_draft:
+        if primary.config.has_draft and draft:
             blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
         slot = primary.slot_id(rid)
         request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
         try:
-            if self.staging is not None and self.peer_map is not None:
+            if self.staging is not None:
                 # areas for the writers whose bytes land fragmented, while the pool has room
                 request, rx_staging = offer_staging(
-                    self.peer_map, request, self.pool_tensors(), self.staging, policy=self.bounce
+                    link.peer_map, request, self.pool_tensors(), self.staging, policy=self.bounce
                 )
-            session = self.receiver.new_session(key, ManagerHold(managers, rid), rx_staging)
+            session = link.receiver.new_session(key, ManagerHold(managers, rid), rx_staging)
         except BaseException:
             if rx_staging is not None:
                 rx_staging.release()
             raise
         # from here the receiver owns the pages and the staging: freed or quarantined as the transfer ends
         request = attrs.evolve(request, session_id=session.session_id)
-        stats = await self.receiver.receive(session, request)
+        stats = await link.receiver.receive(session, request)
         self._transfers.append(stats)
         now = time.perf_counter()
         self._windows.append((now - stats.seconds, now))
@@ -258,7 +309,10 @@ class GenerationWorker(Worker):
 
     def statistics(self) -> dict[str, int]:
         """Completed transfers, writers that bounced over them, staging bytes in use, and the receiver's counts."""
-        receiver = {} if self.receiver is None else self.receiver.statistics()
+        receiver: dict[str, int] = {}
+        for link in self.links:
+            for name, value in link.receiver.statistics().items():
+                receiver[name] = receiver.get(name, 0) + value
         return {
             **receiver,
             "transfers": len(self._transfers),
@@ -276,4 +330,4 @@ class GenerationWorker(Worker):
         return busy
 
     def __repr__(self) -> str:
-        return f"<GenerationWorker receiver={self.receiver!r} transfers={len(self._transfers)}>"
+        return f"<GenerationWorker links={self.links!r} transfers={len(self._transfers)}>"
