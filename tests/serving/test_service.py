@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import pytest
 
 import kvferry
@@ -24,6 +23,7 @@ from kvferry import (
 )
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import EngineOptions, build_engine
+from tests.support.disagg_pair import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,16 +98,14 @@ async def test_cancel_frees_everything_and_it_serves_on(mode: str) -> None:
         before = occupancy(s)
         handles = [await s.submit(p, max_tokens=200) for p in prompts(8, seed=4)]
         # wait until some tokens flow, then cancel everything: running, queued and in transfer alike
-        with anyio.fail_after(60):
-            while not any(h.tokens for h in handles):
-                await anyio.sleep(0.005)
+        await until(lambda: any(h.tokens for h in handles), 60, lambda: handles)
         for h in handles:
             h.cancel()
         results = [await h.result() for h in handles]
         assert all(r.finish_reason is FinishReason.CANCELLED and r.error is None for r in results)
-        with anyio.fail_after(10):
-            while occupancy(s) != before or s.statistics().backend["running"]:
-                await anyio.sleep(0.01)
+        await until(
+            lambda: occupancy(s) == before and not s.statistics().backend["running"], 10, s.statistics
+        )
         assert s.statistics().finished["cancelled"] == 8
         assert (await s.generate([4, 5, 6], max_tokens=3)).finish_reason is FinishReason.LENGTH
 
@@ -120,7 +118,7 @@ async def test_impossible_requests_are_refused_at_submission(mode: str) -> None:
             await s.submit([1, 2, 3], max_tokens=10_000)
         with pytest.raises(RequestTooLarge, match="--num-pages"):
             await s.submit([7] * 1000, max_tokens=1)
-        for bad, match in [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"prompt_ids": []}, "at least one"),
             ({"prompt_ids": [1, 100_000]}, r"in \[0, "),
             ({"prompt_ids": "text"}, "not text"),
@@ -129,10 +127,11 @@ async def test_impossible_requests_are_refused_at_submission(mode: str) -> None:
             ({"prompt_ids": [1], "spec_k": 9}, "spec_k"),
             ({"prompt_ids": [1], "temperature": -1.0, "seed": 3}, "temperature"),
             ({"prompt_ids": [1], "seed": -4}, "seed"),
-        ]:
+        ]
+        for bad, match in cases:
             kwargs = {"max_tokens": 4, **bad}
             with pytest.raises(ConfigError, match=match):
-                await s.submit(**kwargs)  # type: ignore[arg-type]
+                await s.submit(**kwargs)
         stats = s.statistics()
         assert stats.submitted == 0 and stats.active == 0
         assert (await s.generate([1, 2], max_tokens=2)).ok
@@ -161,9 +160,7 @@ async def test_an_overfull_queue_refuses_and_a_closed_service_too() -> None:
 async def test_leaving_the_service_cancels_running_requests() -> None:
     async with service("disaggregated") as s:
         handles = [await s.submit(p, max_tokens=200) for p in prompts(5, seed=8)]
-        with anyio.fail_after(30):
-            while not all(h.tokens for h in handles):
-                await anyio.sleep(0.005)
+        await until(lambda: all(h.tokens for h in handles), 30, lambda: handles)
     results = [await h.result() for h in handles]
     assert all(r.finish_reason is FinishReason.CANCELLED for r in results)
 
