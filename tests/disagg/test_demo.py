@@ -79,6 +79,37 @@ def test_demo_two_processes(transport: str, ctx_tp: int, gen_tp: int) -> None:
     assert result["transport"] == transport
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("transport", "ctx_tp", "gen_tp"),
+    [
+        ("local", 2, 1),
+        pytest.param("nixl", 1, 2, marks=pytest.mark.slow),
+        pytest.param("ucx", 2, 1, marks=pytest.mark.slow),
+    ],
+)
+def test_demo_serves_200_requests_at_once(transport: str, ctx_tp: int, gen_tp: int) -> None:
+    """Every request in flight at once, far above the generation engine's 16 batch rows: the engines queue what
+    they cannot run yet (admission on both sides), nothing fails, and every request is identical."""
+    if (
+        transport != "local"
+        and importlib.util.find_spec("nixl_cu13" if transport == "nixl" else "ucxx") is None
+    ):
+        pytest.skip(f"the {transport} extra is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvferry", "demo", "--json", "--requests", "200", "--transport", transport]
+        + ["--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp)],
+        capture_output=True,
+        text=True,
+        timeout=390,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["requests"] == 200 and result["identical"] is True and result["mismatched_requests"] == []
+    assert result["tokens_identical_without_draft_transfer"] is True
+
+
 # --- what the demo judges and reports ----------------------------------------------------------------------
 
 
