@@ -105,7 +105,8 @@ async def serve_context(
 
     :raises ~kvferry.errors.ConfigError: a bad model, option or listening address (nothing was started).
     """
-    built = build_engine(model, options)
+    # its steps run on the event loop: the worker touches the managers between them
+    built = build_engine(model, attrs.evolve(options, step_in_thread=False))
     factory = get_transport(transport)
     listen = {"host": host, "port": port, "advertise_host": advertise_host} if transport != "local" else {}
     async with factory(secret=secret, **listen) as tx, built.engine:
