@@ -96,6 +96,8 @@ def parse_completion(body: Any, *, model_name: str, tokenizer: Tokenizer | None)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"model must be a string, got {model!r}", "model")
     if model is not None and model != model_name:
         raise ModelNotFound(
             f"The model `{model}` does not exist (this server serves `{model_name}`)", "model"
@@ -188,7 +190,7 @@ def _prompt(value: object, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     if isinstance(value, str):
         if tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
-        ids = tokenizer.encode(value)
+        ids = _encode(tokenizer, value, "prompt")
     elif isinstance(value, list) and all(_is_int(v) for v in value):
         ids = value
     else:
@@ -211,8 +213,21 @@ def _stop_ids(value: object, tokenizer: Tokenizer | None) -> frozenset[int]:
     return frozenset(_single_token(tokenizer, s) for s in stops)
 
 
+def _encode(tokenizer: Tokenizer, text: str, param: str, *, special_tokens: bool = True) -> list[int]:
+    """``text``'s tokens; ``special_tokens=False`` leaves out those a checkpoint's tokenizer may add (BOS)."""
+    try:
+        text.encode("utf-8")  # JSON may carry lone surrogates, which no tokenizer takes
+        backend = getattr(tokenizer, "backend", None)
+        if special_tokens or backend is None:
+            return tokenizer.encode(text)
+        encoded = backend.encode(text, add_special_tokens=False)
+        return [int(t) for t in (encoded.ids if hasattr(encoded, "ids") else encoded)]
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} is not valid Unicode text (a lone surrogate)", param) from None
+
+
 def _single_token(tokenizer: Tokenizer, text: str) -> int:
-    ids = _plain_encode(tokenizer, text)
+    ids = _encode(tokenizer, text, "stop", special_tokens=False)
     if len(ids) != 1:
         what = "a single ASCII character" if isinstance(tokenizer, ByteTokenizer) else "exactly one token"
         raise InvalidRequest(
@@ -220,15 +235,6 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int:
             "stop",
         )
     return ids[0]
-
-
-def _plain_encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    """The tokens of ``text`` alone, without the special tokens (BOS) a checkpoint's tokenizer may add."""
-    backend = getattr(tokenizer, "backend", None)
-    if backend is not None:
-        encoded = backend.encode(text, add_special_tokens=False)
-        return [int(t) for t in (encoded.ids if hasattr(encoded, "ids") else encoded)]
-    return tokenizer.encode(text)
 
 
 def _stop_token_ids(value: object) -> frozenset[int]:
