@@ -32,7 +32,13 @@ async def test_text_and_token_id_prompts_give_the_engines_greedy_tokens() -> Non
     async with serving() as served, served.client() as client:
         by_text = await client.post(
             "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True},
+            json={
+                "model": "tiny",
+                "prompt": PROMPT,
+                "max_tokens": 12,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
         )
         by_ids = await client.post(
             "/v1/completions",
@@ -171,13 +177,24 @@ async def test_the_official_openai_client_works_unchanged() -> None:
     async with serving() as served:
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=60)
         try:
-            create = partial(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
-            completion = await anyio.to_thread.run_sync(partial(create, extra_body={"return_token_ids": True}))
+            completion = await anyio.to_thread.run_sync(
+                partial(
+                    client.completions.create,
+                    model="tiny",
+                    prompt=PROMPT,
+                    max_tokens=8,
+                    temperature=0,
+                    extra_body={"return_token_ids": True},
+                )
+            )
 
             def streamed() -> tuple[list[str], list[str | None]]:
                 texts: list[str] = []
                 reasons: list[str | None] = []
-                for chunk in create(stream=True):
+                stream = client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+                )
+                for chunk in stream:
                     texts.extend(choice.text for choice in chunk.choices)
                     reasons.extend(choice.finish_reason for choice in chunk.choices)
                 return texts, reasons

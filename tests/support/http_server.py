@@ -4,7 +4,7 @@ port of this host, in a task of the test; and the server-sent events of a stream
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,9 +46,7 @@ async def serving(
         server = HttpServer(app)
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.serve)
-            with anyio.fail_after(START_DEADLINE):
-                while not server.started:
-                    await anyio.sleep(0.01)
+            await until(lambda: server.started, START_DEADLINE)
             try:
                 yield Served(service, app, server.url)
             finally:
@@ -78,8 +76,18 @@ async def first_event(lines: AsyncIterator[str]) -> Any:
     raise AssertionError("the stream ended before its first event")
 
 
+async def until(condition: Callable[[], bool], deadline: float = 30.0) -> None:
+    """Wait until ``condition()`` holds (TimeoutError after ``deadline`` seconds)."""
+    with anyio.fail_after(deadline):
+        while not condition():  # noqa: ASYNC110 (polls state no event exposes)
+            await anyio.sleep(0.01)
+
+
 async def wait_until_idle(service: Service, deadline: float = 30.0) -> None:
     """Until no request of ``service`` runs (a cancel frees a request's cache at the engine's next step)."""
-    with anyio.fail_after(deadline):
-        while service.statistics().active or service.statistics().backend["running"]:
-            await anyio.sleep(0.02)
+
+    def idle() -> bool:
+        stats = service.statistics()
+        return stats.active == 0 and stats.backend["running"] == 0
+
+    await until(idle, deadline)
