@@ -3,6 +3,7 @@ stop strings, tokens equal to the engine's own offline, and the official ``opena
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -11,7 +12,11 @@ import openai
 import pytest
 
 from kvferry.engine.runner import EngineOptions, build_engine
+from kvferry.errors import RequestAborted
 from kvferry.model.tokenizer import ByteTokenizer
+from kvferry.serving import RequestHandle
+from kvferry.serving.http import _Api, _Completion
+from kvferry.serving.protocol import parse_completion
 from tests.support.http_server import DTYPE, event_payloads, serving
 
 PROMPT = "The cache moves"
@@ -227,3 +232,29 @@ async def test_the_openai_client_sees_a_typed_error() -> None:
         finally:
             client.close()
     assert "n must be 1" in bad.value.message
+
+
+@pytest.mark.anyio
+async def test_a_request_that_fails_ends_its_stream_with_an_error_event_or_is_a_500() -> None:
+    """A failure after the request was accepted (a model step, a lost context engine): made here on a handle
+    of the app's own kind, since the tiny model does not fail on its own."""
+    async with serving() as served:
+        api: _Api = served.app.state.api
+        params = parse_completion(
+            {"prompt": "x", "max_tokens": 4, "stream": True, "return_token_ids": True},
+            model_name="tiny",
+            tokenizer=ByteTokenizer(),
+        )
+        handle = RequestHandle("req-failing", (120,), 4, frozenset())
+        handle.push(ord("o"))
+        handle.finish(error=RequestAborted("a model step failed"))
+        completion = _Completion(api, handle, params)
+        events = b"".join([event async for event in completion.events()]).decode()
+        unstreamed = completion.response(await handle.result())
+    payloads = event_payloads(events)
+    assert payloads[0]["choices"][0]["text"] == "o" and payloads[0]["choices"][0]["token_ids"] == [ord("o")]
+    assert payloads[1]["error"]["code"] == "request_failed"
+    assert "a model step failed (RequestAborted)" in payloads[1]["error"]["message"]
+    assert len(payloads) == 3
+    assert unstreamed.status_code == 500
+    assert json.loads(bytes(unstreamed.body))["error"]["type"] == "server_error"

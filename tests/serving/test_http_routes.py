@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import anyio
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kvferry.serving.http import shut_down
-from tests.support.http_server import event_payloads, first_event, serving
+from tests.support.http_server import event_payloads, first_event, serving, until
 
 PROMPT = "metrics"
 
@@ -81,13 +83,21 @@ async def test_metrics_count_requests_tokens_latencies_and_show_the_pools() -> N
 
 @pytest.mark.anyio
 async def test_a_shutdown_ends_open_streams_with_an_error_event_and_done() -> None:
-    long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
-    async with serving() as served, served.client() as client:
-        async with client.stream("POST", "/v1/completions", json=long) as stream:
+    long = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0}
+    answers: list[httpx.Response] = []
+    async with serving() as served, served.client() as client, anyio.create_task_group() as tg:
+
+        async def unstreamed() -> None:
+            answers.append(await client.post("/v1/completions", json=long))
+
+        tg.start_soon(unstreamed)
+        async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as stream:
             lines = stream.aiter_lines()
             await first_event(lines)
+            await until(lambda: served.service.statistics().active == 2)
             shut_down(served.app)
             rest = "".join([line + "\n" async for line in lines])
+        await until(lambda: bool(answers))
         health = await client.get("/health")
         refused = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         stats = served.service.statistics()
@@ -98,4 +108,7 @@ async def test_a_shutdown_ends_open_streams_with_an_error_event_and_done() -> No
     assert all("choices" in chunk for chunk in payloads[:-2])  # tokens that came before the shutdown
     assert health.status_code == 503 and health.json() == {"status": "shutting down"}
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-    assert stats.finished["cancelled"] == 1 and stats.active == 0
+    (unstreamed_answer,) = answers
+    assert unstreamed_answer.status_code == 503
+    assert unstreamed_answer.json()["error"]["code"] == "shutting_down"
+    assert stats.finished["cancelled"] == 2 and stats.active == 0
