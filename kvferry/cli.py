@@ -1,4 +1,4 @@
-"""The ``kvferry`` command line: demo | generate | layout | info | bench.
+"""The ``kvferry`` command line: demo | generate | layout | info | bench | serve.
 
 Each subcommand lives in its own module under :mod:`kvferry.commands` with two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; its heavy imports (torch, nixl, ucxx) happen only when it
@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("layout", "show each rank's pool groups and layer groups for a model and TP size"),
     "info": ("info", "versions, loadable transports and the UCX transports they actually use"),
     "bench": ("bench", "benchmarks: bench transfer"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server (/v1/completions) over one engine or disaggregated"),
 }
 
 
