@@ -96,9 +96,20 @@ def test_demo_serves_200_requests_at_once(transport: str, ctx_tp: int, gen_tp: i
         and importlib.util.find_spec("nixl_cu13" if transport == "nixl" else "ucxx") is None
     ):
         pytest.skip(f"the {transport} extra is not installed")
+    tp = ["--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp)]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvferry", "demo", "--json", "--requests", "200", "--transport", transport]
-        + ["--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp)],
+        [
+            sys.executable,
+            "-m",
+            "kvferry",
+            "demo",
+            "--json",
+            "--requests",
+            "200",
+            "--transport",
+            transport,
+            *tp,
+        ],
         capture_output=True,
         text=True,
         timeout=390,
