@@ -1,4 +1,5 @@
-"""``kvferry bench transfer``: transfer throughput between two processes against same-run ceilings."""
+"""``kvferry bench transfer``: transfer throughput between two processes against same-run ceilings;
+``kvferry bench serve``: load on the serving API or a running server (:mod:`kvferry.commands.bench_serve`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     transfer.add_argument("--json", action="store_true", help="print the result as JSON")
     transfer.add_argument("--output", help="also write the JSON result to this file")
     transfer.add_argument("--plot", help="draw GB/s against fragment size into this PNG")
+    from kvferry.commands import bench_serve
+
+    serve = sub.add_parser(
+        "serve",
+        help="load on the serving API (in-process, aggregated or disaggregated) or on a running server",
+        description=bench_serve.__doc__.split("\n\n")[0] if bench_serve.__doc__ else None,
+    )
+    bench_serve.add_arguments(serve)
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -76,7 +85,8 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check_output(flag: str, path: str | None) -> None:
+def check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path whose directory is missing or not writable, or that is a directory."""
     if path is None:
         return
     directory = os.path.dirname(os.path.abspath(path))
@@ -119,6 +129,27 @@ def _check_memory(total: int, device: str) -> None:
         )
 
 
+def check_plot(path: str | None) -> None:
+    """Refuse a ``--plot`` path that cannot be written, or without matplotlib, or of a format it cannot write.
+
+    :raises ~kvferry.errors.ConfigError: the path or its format
+    :raises ~kvferry.errors.MissingExtraError: matplotlib is not installed
+    """
+    if path is None:
+        return
+    check_output("--plot", path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingExtraError("matplotlib (for --plot)", "bench") from None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix and suffix not in formats:
+        raise ConfigError(f"--plot {path}: matplotlib cannot write .{suffix} files (try .png, .svg or .pdf)")
+
+
 def validate(args: argparse.Namespace) -> list[str]:
     """Check everything that can be checked before the benchmark runs; return the transports to run.
 
@@ -154,21 +185,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: CUDA is not available here (torch sees no GPU)")
     _check_memory(total, args.device)
-    _check_output("--output", args.output)
-    _check_output("--plot", args.plot)
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise MissingExtraError("matplotlib (for --plot)", "bench") from None
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        formats = FigureCanvasBase.get_supported_filetypes()
-        suffix = os.path.splitext(args.plot)[1][1:].lower()
-        if suffix and suffix not in formats:
-            raise ConfigError(
-                f"--plot {args.plot}: matplotlib cannot write .{suffix} files (try .png, .svg or .pdf)"
-            )
+    check_output("--output", args.output)
+    check_plot(args.plot)
     from kvferry.transports.registry import available_transports, get_transport
 
     if args.transport != "all":
@@ -178,6 +196,10 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.benchmark == "serve":
+        from kvferry.commands import bench_serve
+
+        return bench_serve.run(args)
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
 
     quiet_library_env()  # before nixl or ucxx loads; the peer processes inherit it
