@@ -403,6 +403,8 @@ def judge_handoff(aggregated: PassRun, disaggregated: PassRun) -> dict[str, Any]
             f"{'met' if met else 'not met'}: median handoff {median:.2f} ms "
             f"{'<=' if met else '>'} one model step {step_ms:.2f} ms + 2 ms = {goal_ms:.2f} ms"
         )
+        if median is not None and median < 0:
+            verdict += " (below 0: the passes' queueing differs by more than the handoff; --concurrency 1 isolates it)"
     return {
         "definition": "per request TTFT(disaggregated) - TTFT(aggregated), same requests, same run",
         "median_ms": median,
