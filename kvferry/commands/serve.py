@@ -17,12 +17,21 @@ import signal
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
-from kvferry.commands._common import non_negative_int, positive_int, say, seed_int
+from kvferry.commands import serve_roles
+from kvferry.commands._common import (
+    check_model,
+    non_negative_int,
+    positive_int,
+    resolve_transport,
+    say,
+    seed_int,
+)
 from kvferry.errors import ConfigError, MissingExtraError
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from kvferry.engine.runner import EngineOptions
     from kvferry.serving import Service
     from kvferry.serving.http import HttpServer
 
@@ -82,12 +91,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     disagg.add_argument(
         "--ctx-tp", type=positive_int, default=None, metavar="N", help="context engine TP ranks (default 1)"
     )
+    serve_roles.add_arguments(parser)
     disagg.add_argument(
         "--gen-tp",
         type=positive_int,
         default=None,
         metavar="M",
         help="generation engine TP ranks (default 1)",
+    )
+
+
+def engine_options(args: argparse.Namespace, tp: int) -> EngineOptions:
+    """The engine the flags size (``tp`` ranks)."""
+    from kvferry.engine.runner import EngineOptions
+
+    return EngineOptions(
+        tp=tp,
+        dtype=args.dtype,
+        seed=args.weights_seed,
+        num_pages=args.num_pages,
+        max_running=args.max_running,
+        max_spec_k=args.spec_k,
     )
 
 
@@ -98,10 +122,10 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
 
     :raises ~kvferry.errors.ConfigError: contradictory flags.
     """
-    from kvferry.engine.runner import EngineOptions
     from kvferry.serving import DisaggOptions, open_service
 
-    _check_model(args.model)
+    check_model(args.model)
+    serve_roles.check(args)
     disagg_only = [
         flag
         for flag, value in (
@@ -111,36 +135,28 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
         )
         if value is not None
     ]
+    if args.role == "generation":
+        disagg_only = [flag for flag in disagg_only if flag != "--transport"]
     if not args.disagg and disagg_only:
         raise ConfigError(f"{', '.join(disagg_only)} only apply with --disagg")
     if args.disagg and args.tp is not None:
         raise ConfigError("with --disagg give --gen-tp (and --ctx-tp) instead of --tp")
     tp = (args.gen_tp if args.disagg else args.tp) or 1
-    engine = EngineOptions(
-        tp=tp,
-        dtype=args.dtype,
-        seed=args.weights_seed,
-        num_pages=args.num_pages,
-        max_running=args.max_running,
-        max_spec_k=args.spec_k,
-    )
+    engine = engine_options(args, tp)
     options = None
-    if args.disagg:
-        transport, separate = _resolve_transport(args.transport or "auto")
+    if args.role == "generation":
+        from kvferry.transports.handshake import load_secret
+
+        transport, separate = resolve_transport(args.transport or "auto")
+        if not separate:
+            raise ConfigError("--role generation needs a cross-process transport (nixl or ucx)")
+        options = DisaggOptions(
+            transport=transport, contexts=tuple(args.context), secret=load_secret(args.secret_file)
+        )
+    elif args.disagg:
+        transport, separate = resolve_transport(args.transport or "auto")
         options = DisaggOptions(transport=transport, ctx_tp=args.ctx_tp or 1, separate_process=separate)
     return open_service(args.model, engine=engine, disagg=options, max_queued=args.max_queued)
-
-
-def _check_model(model: str) -> None:
-    from kvferry.commands.generate import _check_model as check
-
-    check(model)
-
-
-def _resolve_transport(name: str) -> tuple[str, bool]:
-    from kvferry.commands.demo import _resolve_transport as resolve
-
-    return resolve(name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,6 +168,16 @@ def run(args: argparse.Namespace) -> int:
         raise MissingExtraError(exc.name or "starlette", "serve") from None
     import anyio
 
+    from kvferry._stdio import quiet_library_env
+
+    quiet_library_env()  # before nixl or ucxx loads, and inherited by a context process it starts
+    if args.role == "context":
+        check_model(args.model)
+        serve_roles.check(args)
+        if args.gen_tp is not None or args.ctx_tp is not None:
+            raise ConfigError("--role context: give its TP size with --tp")
+        anyio.run(serve_roles.run_context, args, engine_options(args, args.tp or 1))
+        return 0
     anyio.run(_serve, args)
     return 0
 
