@@ -23,7 +23,15 @@ import json
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvferry.commands._common import non_negative_int, positive_int, progress, say, seed_int
+from kvferry.commands._common import (
+    check_model,
+    non_negative_int,
+    positive_int,
+    progress,
+    resolve_transport,
+    say,
+    seed_int,
+)
 from kvferry.errors import ConfigError, MissingExtraError
 
 if TYPE_CHECKING:
@@ -187,12 +195,11 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 
     :raises ~kvferry.errors.ConfigError: contradictory or impossible flags.
     """
-    from kvferry.commands.generate import _check_model
     from kvferry.engine.runner import EngineOptions
     from kvferry.serving import DisaggOptions
     from kvferry.tools.serve_bench import ServeBenchConfig
 
-    _check_model(args.model)
+    check_model(args.model)
     engine_given = [flag for attr, flag, _ in _ENGINE_FLAGS if getattr(args, attr) is not None]
     disagg_given = [flag for attr, flag in _DISAGG_FLAGS if getattr(args, attr) is not None]
     if args.url is not None:
@@ -212,12 +219,9 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         for attr, _, default in _ENGINE_FLAGS
     }
     tp = (args.gen_tp or 1) if args.disagg else value["tp"]
-    if args.model == "tiny":
-        from kvferry.commands.demo import _check_tp
-
-        _check_tp("--gen-tp" if args.disagg else "--tp", tp)
-        if args.disagg:
-            _check_tp("--ctx-tp", args.ctx_tp or 1)
+    _check_tp(args.model, "--gen-tp" if args.disagg else "--tp", tp)
+    if args.disagg:
+        _check_tp(args.model, "--ctx-tp", args.ctx_tp or 1)
     engine = EngineOptions(
         tp=tp,
         dtype=args.dtype,
@@ -228,9 +232,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     )
     disagg = None
     if args.disagg:
-        from kvferry.commands.demo import _resolve_transport
-
-        transport, separate = _resolve_transport(args.transport or "auto")
+        transport, separate = resolve_transport(args.transport or "auto")
         disagg = DisaggOptions(transport=transport, ctx_tp=args.ctx_tp or 1, separate_process=separate)
     concurrency = args.concurrency
     if concurrency is None and args.rate is None:
@@ -251,6 +253,21 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         check=args.check,
         warmup=args.warmup,
     )
+
+
+def _check_tp(model: str, flag: str, tp: int) -> None:
+    """Refuse a TP size the tiny model's heads do not split over before anything runs (a checkpoint's is
+    checked when its engine is built)."""
+    if model != "tiny":
+        return
+    from kvferry.pools.spec import preset
+
+    spec = preset("tiny")
+    try:
+        for rank in range(tp):
+            spec.shard(tp, rank)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {tp}: {exc}") from None
 
 
 def _check_extras(args: argparse.Namespace) -> None:

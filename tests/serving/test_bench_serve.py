@@ -194,6 +194,7 @@ def test_an_unreachable_url_is_a_one_line_usage_error(capsys: pytest.CaptureFixt
         (["--url", "localhost:8000"], "give http://HOST:PORT"),
         (["--transport", "local"], "--transport only apply with --disagg"),
         (["--disagg", "--tp", "2"], "instead of --tp"),
+        (["--disagg", "--transport", "local", "--ctx-tp", "3"], "--ctx-tp 3: 8 heads do not split"),
         (["--num-pages", "4", "--prompt-len", "64"], "RequestTooLarge"),
         (["--plot", "/nonexistent-dir/x.png"], "does not exist"),
     ],
