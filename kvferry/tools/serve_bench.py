@@ -404,7 +404,10 @@ def judge_handoff(aggregated: PassRun, disaggregated: PassRun) -> dict[str, Any]
             f"{'<=' if met else '>'} one model step {step_ms:.2f} ms + 2 ms = {goal_ms:.2f} ms"
         )
         if median is not None and median < 0:
-            verdict += " (below 0: the passes' queueing differs by more than the handoff; --concurrency 1 isolates it)"
+            verdict += (
+                " (below 0: the passes' TTFTs differ by more than the handoff, through queueing or a noisy "
+                "machine; --concurrency 1 leaves queueing out)"
+            )
     return {
         "definition": "per request TTFT(disaggregated) - TTFT(aggregated), same requests, same run",
         "median_ms": median,
