@@ -123,7 +123,7 @@ def _throughput(run: PassRun) -> tuple[list[float], list[float]]:
 
 def plot(runs: Sequence[PassRun], result: dict[str, Any], path: str) -> None:
     """TTFT and inter-token latency distributions (CDF) per pass, output tokens/s over time per pass, and
-    either the per-request handoff (disaggregated) or each request's TTFT against when it was sent."""
+    either the per-request handoff (disaggregated) or each request's life over time (the last pass)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,17 +153,7 @@ def plot(runs: Sequence[PassRun], result: dict[str, Any], path: str) -> None:
     if result["handoff"] is not None and len(runs) == 2:
         _handoff(fourth_ax, runs[0], runs[1], result["handoff"])
     else:
-        for run in runs:
-            ok = [o for o in run.outcomes if o.ok and o.ttft is not None]
-            fourth_ax.scatter(
-                [o.sent_at - run.started for o in ok],
-                [(o.ttft or 0.0) * 1e3 for o in ok],
-                s=8,
-                label=run.name,
-            )
-        fourth_ax.set_title("TTFT of each request by when it was sent")
-        fourth_ax.set_xlabel("seconds since the pass started")
-        fourth_ax.set_ylabel("TTFT ms")
+        _timeline(fourth_ax, runs[-1])
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -172,6 +162,40 @@ def plot(runs: Sequence[PassRun], result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _timeline(ax: Any, run: PassRun) -> None:
+    """Each request as a line: waiting for its first token (grey), then generating (blue); failed ones red."""
+    waiting: tuple[list[int], list[float], list[float]] = ([], [], [])
+    generating: tuple[list[int], list[float], list[float]] = ([], [], [])
+    failed: tuple[list[int], list[float], list[float]] = ([], [], [])
+    for row, outcome in enumerate(sorted(run.outcomes, key=lambda o: o.sent_at)):
+        sent, end = outcome.sent_at - run.started, outcome.ended_at - run.started
+        if not outcome.ok:
+            target = failed
+        elif outcome.token_times:
+            first = outcome.token_times[0] - run.started
+            for series, start, stop in ((waiting, sent, first), (generating, first, end)):
+                series[0].append(row)
+                series[1].append(start)
+                series[2].append(stop)
+            continue
+        else:
+            target = waiting
+        target[0].append(row)
+        target[1].append(sent)
+        target[2].append(end)
+    for (rows, starts, stops), color, label in (
+        (waiting, "0.75", "waiting for the first token"),
+        (generating, "tab:blue", "generating"),
+        (failed, "tab:red", "failed"),
+    ):
+        if rows:
+            ax.hlines(rows, starts, stops, colors=color, linewidth=1.2, label=label)
+    ax.set_title(f"each request over time ({run.name}, in the order sent)")
+    ax.set_xlabel("seconds since the pass started")
+    ax.set_ylabel("request")
+    ax.set_ylim(len(run.outcomes), -1)
 
 
 def _handoff(ax: Any, aggregated: PassRun, disaggregated: PassRun, handoff: dict[str, Any]) -> None:
