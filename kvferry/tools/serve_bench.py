@@ -245,6 +245,8 @@ class PassRun:
 
 
 class ProgressCounter(Protocol):
+    """Counts finished requests (:class:`kvferry.commands._common.Progress` is one)."""
+
     def advance(self, n: int = 1) -> None: ...
 
 
