@@ -20,11 +20,15 @@ Every figure is the median over ``--repeat`` repetitions, ``_spread`` their ``[m
     python benchmarks/serve.py [--requests 200] [--concurrency 200] [--prompt-len 16:128] [--output-len 16:64]
         [--handoff-requests 20] [--transport auto|nixl|ucx|local] [--repeat 3] [--threads 1]
         [--json benchmarks/results/<machine>/serve.json]
+
+``--threads`` sets torch's intra-op threads in this process and (``OMP_NUM_THREADS``) in the context process the
+handoff case starts: on a machine shared with other work, pools of several threads per process stall steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -195,9 +199,17 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, here and in a context process (default 1)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
+    # the context process of the handoff case reads it when it starts: an oversubscribed intra-op pool (two
+    # processes' threads on shared cores) stalls a step by orders of magnitude
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     transport, separate = resolve_transport(args.transport)
     aggregated: list[dict[str, Any]] = []

@@ -179,6 +179,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     disagg.add_argument(
         "--gen-tp", type=positive_int, default=None, metavar="M", help="generation TP (default 1)"
     )
+    engine.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads in this process and a context process it starts (default: torch's choice)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--check", action="store_true", help="compare every request's tokens with offline greedy"
@@ -289,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     _check_extras(args)
     quiet_library_env()  # before nixl or ucxx loads; a context process inherits it
+    if args.threads is not None:
+        _set_threads(args.threads)
     # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
     with stdout_to_stderr():
         config = config_from_args(args)
@@ -299,6 +308,16 @@ def run(args: argparse.Namespace) -> int:
     _write(args, bench)
     check = result["check"]
     return 1 if check is not None and not check["passed"] else 0
+
+
+def _set_threads(threads: int) -> None:
+    import os
+
+    import torch
+
+    # a context process reads it when it starts
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -532,6 +532,8 @@ class ServeBenchConfig:
 
     def describe(self) -> dict[str, Any]:
         """The configuration as JSON."""
+        import torch
+
         engine = self.engine
         return {
             "model": self.model,
@@ -555,6 +557,7 @@ class ServeBenchConfig:
             "transport": None if self.disagg is None else self.disagg.transport,
             "ctx_tp": None if self.disagg is None else self.disagg.ctx_tp,
             "check": self.check,
+            "torch_threads": torch.get_num_threads(),
         }
 
 
