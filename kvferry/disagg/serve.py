@@ -132,11 +132,18 @@ async def serve_context(
 async def _serve_peer(worker: ContextWorker, peer: Any) -> None:
     try:
         await worker.serve(peer)
-    except KvferryError as exc:
+    except* KvferryError as failures:  # a push task's failure comes grouped: it must not end the others
+        exc = _first_leaf(failures)
         log.warning("generation peer %s: %s: %s", getattr(peer, "address", peer), type(exc).__name__, exc)
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(KvferryError):
             await peer.aclose()
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _serve_context(
