@@ -8,7 +8,10 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+from kvferry.errors import ConfigError
 
 __all__ = ["Progress", "positive_int", "progress", "say", "seed_int"]
 
@@ -143,3 +146,37 @@ def byte_count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
+
+
+def check_model(model: str) -> None:
+    """Refuse an empty ``--model`` or one that is neither ``tiny`` nor a directory, in one line."""
+    if not model.strip():
+        # Path("") is the current directory: an empty value must not load whatever lies there
+        raise ConfigError("--model is empty (give 'tiny' or a checkpoint directory)")
+    if model != "tiny" and not Path(model).exists():
+        raise ConfigError(f"--model {model}: no such directory (give 'tiny' or a checkpoint directory)")
+    if model != "tiny" and not Path(model).is_dir():
+        raise ConfigError(f"--model {model}: not a directory (give 'tiny' or a checkpoint directory)")
+
+
+def resolve_transport(name: str) -> tuple[str, bool]:
+    """(transport, whether the context engine runs in another process). Missing extras fail here, in one line."""
+    from kvferry.errors import MissingExtraError
+    from kvferry.transports.registry import get_transport
+
+    if name == "local":
+        return "local", False
+    if name != "auto":
+        get_transport(name)  # MissingExtraError names the extra
+        return name, True
+    for candidate in ("nixl", "ucx"):
+        try:
+            get_transport(candidate)
+        except MissingExtraError:
+            continue
+        return candidate, True
+    say(
+        "no cross-process transport is installed (pip install 'kvferry[nixl]' or 'kvferry[ucx]'): "
+        "the context engine runs in this process, over local"
+    )
+    return "local", False

@@ -25,7 +25,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvferry.commands._common import non_negative_int, positive_int, progress, say, seed_int
+from kvferry.commands._common import (
+    non_negative_int,
+    positive_int,
+    progress,
+    resolve_transport,
+    say,
+    seed_int,
+)
 from kvferry.errors import ConfigError
 
 MAX_TOKENS = 12
@@ -127,29 +134,6 @@ def _check_fits(args: argparse.Namespace) -> None:
             f"--max-tokens {args.max_tokens}: the longest prompt ({longest} tokens) leaves room for at most "
             f"{most} generated tokens in the engines' {pages} pages of {tokens_per_block} tokens"
         )
-
-
-def _resolve_transport(name: str) -> tuple[str, bool]:
-    """(transport, whether the context engine runs in another process). Missing extras fail here, in one line."""
-    from kvferry.errors import MissingExtraError
-    from kvferry.transports.registry import get_transport
-
-    if name == "local":
-        return "local", False
-    if name != "auto":
-        get_transport(name)  # MissingExtraError names the extra
-        return name, True
-    for candidate in ("nixl", "ucx"):
-        try:
-            get_transport(candidate)
-        except MissingExtraError:
-            continue
-        return candidate, True
-    say(
-        "no cross-process transport is installed (pip install 'kvferry[nixl]' or 'kvferry[ucx]'): "
-        "the context engine runs in this process, over local"
-    )
-    return "local", False
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -400,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
         with stdout_to_stderr():
-            transport, separate_process = _resolve_transport(args.transport)
+            transport, separate_process = resolve_transport(args.transport)
             result = anyio.run(_run, args, spec_k, transport, separate_process, children)
     finally:
         for proc in children:  # normally gone already; on Ctrl-C or a failure make sure

@@ -16,10 +16,9 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvferry.commands._common import non_negative_int, positive_int, seed_int
+from kvferry.commands._common import check_model, non_negative_int, positive_int, seed_int
 from kvferry.errors import ConfigError, PoolExhausted
 
 if TYPE_CHECKING:
@@ -143,16 +142,6 @@ class _TextStream:
         self.out.flush()
 
 
-def _check_model(model: str) -> None:
-    if not model.strip():
-        # Path("") is the current directory: an empty value must not load whatever lies there
-        raise ConfigError("--model is empty (give 'tiny' or a checkpoint directory)")
-    if model != "tiny" and not Path(model).exists():
-        raise ConfigError(f"--model {model}: no such directory (give 'tiny' or a checkpoint directory)")
-    if model != "tiny" and not Path(model).is_dir():
-        raise ConfigError(f"--model {model}: not a directory (give 'tiny' or a checkpoint directory)")
-
-
 def _pages_needed(prompt: list[int], args: argparse.Namespace, tokens_per_block: int) -> int:
     max_tokens: int = args.max_tokens
     return math.ceil((len(prompt) + max_tokens - 1) / tokens_per_block)
@@ -181,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             "generation is greedy"
         )
     temperature = 1.0 if args.temperature is None else args.temperature
-    _check_model(args.model)
+    check_model(args.model)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:

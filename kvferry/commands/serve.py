@@ -18,7 +18,14 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 from kvferry.commands import serve_roles
-from kvferry.commands._common import non_negative_int, positive_int, say, seed_int
+from kvferry.commands._common import (
+    check_model,
+    non_negative_int,
+    positive_int,
+    resolve_transport,
+    say,
+    seed_int,
+)
 from kvferry.errors import ConfigError, MissingExtraError
 
 if TYPE_CHECKING:
@@ -117,7 +124,7 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
     """
     from kvferry.serving import DisaggOptions, open_service
 
-    _check_model(args.model)
+    check_model(args.model)
     serve_roles.check(args)
     disagg_only = [
         flag
@@ -140,28 +147,16 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
     if args.role == "generation":
         from kvferry.transports.handshake import load_secret
 
-        transport, separate = _resolve_transport(args.transport or "auto")
+        transport, separate = resolve_transport(args.transport or "auto")
         if not separate:
             raise ConfigError("--role generation needs a cross-process transport (nixl or ucx)")
         options = DisaggOptions(
             transport=transport, contexts=tuple(args.context), secret=load_secret(args.secret_file)
         )
     elif args.disagg:
-        transport, separate = _resolve_transport(args.transport or "auto")
+        transport, separate = resolve_transport(args.transport or "auto")
         options = DisaggOptions(transport=transport, ctx_tp=args.ctx_tp or 1, separate_process=separate)
     return open_service(args.model, engine=engine, disagg=options, max_queued=args.max_queued)
-
-
-def _check_model(model: str) -> None:
-    from kvferry.commands.generate import _check_model as check
-
-    check(model)
-
-
-def _resolve_transport(name: str) -> tuple[str, bool]:
-    from kvferry.commands.demo import _resolve_transport as resolve
-
-    return resolve(name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_library_env()  # before nixl or ucxx loads, and inherited by a context process it starts
     if args.role == "context":
-        _check_model(args.model)
+        check_model(args.model)
         serve_roles.check(args)
         if args.gen_tp is not None or args.ctx_tp is not None:
             raise ConfigError("--role context: give its TP size with --tp")

@@ -15,7 +15,7 @@ import argparse
 import signal
 from typing import TYPE_CHECKING
 
-from kvferry.commands._common import say
+from kvferry.commands._common import resolve_transport, say
 from kvferry.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -95,9 +95,7 @@ async def run_context(args: argparse.Namespace, engine_options: EngineOptions) -
     secret = load_secret(args.secret_file)
     transport = args.transport or "auto"
     if transport == "auto":
-        from kvferry.commands.demo import _resolve_transport
-
-        transport, separate = _resolve_transport("auto")
+        transport, separate = resolve_transport("auto")
         if not separate:
             raise ConfigError(
                 "--role context needs a cross-process transport: install kvferry[nixl] or [ucx]"

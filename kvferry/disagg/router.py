@@ -7,6 +7,7 @@ end of the prompt), then the generation engine's tokens. Between the two, the re
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 
 import anyio
@@ -18,7 +19,7 @@ from kvferry.disagg.roles import GenerationWorker
 from kvferry.disagg.roles.generation import ContextLink
 from kvferry.disagg.session import TransferStatistics
 from kvferry.engine.engine import Generation
-from kvferry.errors import RequestTooLarge, TransferError
+from kvferry.errors import ConfigError, RequestTooLarge, TransferError
 
 __all__ = ["RoutedGeneration", "Router"]
 
@@ -45,15 +46,15 @@ class RoutedGeneration:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[int]:
-        link = self.router.pick()
-        link.in_flight += 1
+        link = await self.router.acquire()
+        lease = _Lease(self.router, link)
         try:
-            async for token in self._routed(link):
+            async for token in self._routed(link, lease):
                 yield token
         finally:
-            link.in_flight -= 1
+            lease.release()
 
-    async def _routed(self, link: ContextLink) -> AsyncIterator[int]:
+    async def _routed(self, link: ContextLink, lease: _Lease) -> AsyncIterator[int]:
         worker = self.router.worker
         handoff = await worker.prefill_remote(
             ContextRequest(
@@ -68,9 +69,11 @@ class RoutedGeneration:
             link,
         )
         self.tokens.append(handoff.first_token)
-        yield handoff.first_token
         if not handoff.held:
+            lease.release()  # the context side is done with it
+            yield handoff.first_token
             return
+        yield handoff.first_token
         engine = worker.engine
         generation = engine.generate(
             self.prompt,
@@ -96,6 +99,7 @@ class RoutedGeneration:
             with anyio.CancelScope(shield=True):
                 await worker.release_remote(self.key, link)
             raise
+        lease.release()  # the context side is done with it: room for the next prefill
         engine.transfer_landed(generation, handoff.first_token)
         # the request's output list is the truth: its first token is the context side's
         output = request.output_ids
@@ -113,11 +117,79 @@ class RoutedGeneration:
 
 
 @define(eq=False)
+class _Lease:
+    """A request's place in its context engine's window, given back once (when the context side is done with it)."""
+
+    router: Router
+    link: ContextLink
+    _held: bool = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.router.give_back(self.link)
+
+
+#: Requests each context engine is asked to work on at once (prefilling, answered and held, or being pushed); the
+#: rest wait here in arrival order. Bounds what a context engine queues and holds, so that a prefill's answer comes
+#: within ``prefill_timeout`` under any load the engines can serve.
+DEFAULT_CONTEXT_WINDOW = 32
+#: Seconds between a queued request's checks for a context engine that went away (its wake-up otherwise comes
+#: when a place frees).
+_RECHECK_SECONDS = 0.5
+
+
+@define(eq=False)
 class Router:
-    """Routes ``generate()`` calls: context peer first, then the local generation worker."""
+    """Routes ``generate()`` calls: context peer first, then the local generation worker.
+
+    Backpressure towards the context engines: each is asked to work on at most ``context_window`` requests at once
+    (from the prefill until its cache landed here, or it was released); further requests wait in one queue, in
+    arrival order, for a place on any live context engine.
+    """
 
     worker: GenerationWorker
+    context_window: int = DEFAULT_CONTEXT_WINDOW
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+    _queue: deque[object] = attrs.field(factory=deque, init=False)
+    _room: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.context_window < 1:
+            raise ConfigError(f"context_window must be at least 1, got {self.context_window}")
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a place on a context engine."""
+        return len(self._queue)
+
+    async def acquire(self) -> ContextLink:
+        """A place for one request on the live context engine with the fewest requests in flight, in arrival
+        order (waits while every one is full). A cancel while waiting leaves nothing behind.
+
+        :raises ~kvferry.errors.TransferError: no context engine is connected (or every one went away).
+        """
+        me = object()
+        self._queue.append(me)
+        try:
+            while True:
+                link = self.pick()  # raises when none is live
+                if self._queue[0] is me and link.in_flight < self.context_window:
+                    link.in_flight += 1
+                    return link
+                with anyio.move_on_after(_RECHECK_SECONDS):
+                    await self._room.wait()
+        finally:
+            self._queue.remove(me)
+            self._wake()  # the next one in line looks again
+
+    def give_back(self, link: ContextLink) -> None:
+        link.in_flight -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        self._room.set()
+        self._room = anyio.Event()
 
     def pick(self) -> ContextLink:
         """The context peer for the next request: of those still connected, the one with the fewest requests in

@@ -40,7 +40,7 @@ from kvferry.disagg.roles import (
     ContextWorker,
     GenerationWorker,
 )
-from kvferry.disagg.router import Router
+from kvferry.disagg.router import DEFAULT_CONTEXT_WINDOW, Router
 from kvferry.disagg.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_DEVICE_CHUNK_BYTES
 from kvferry.engine.runner import EngineOptions, build_engine
 from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, PeerTimeout
@@ -415,6 +415,7 @@ async def disaggregated(
     options: EngineOptions | None = None,
     ctx_num_pages: int = 0,
     contexts: Sequence[str] = (),
+    context_window: int = DEFAULT_CONTEXT_WINDOW,
     transport: str = "auto",
     ctx_tp: int = 1,
     gen_tp: int = 1,
@@ -458,7 +459,8 @@ async def disaggregated(
     ``contexts``: the transport addresses of running context engines (:func:`serve_context`, ``kvferry serve
     --role context``) to connect to instead of starting one; requests are spread over them
     (:meth:`~.router.Router.pick`). They need the secret they were started with (``secret``, else the one
-    :func:`~kvferry.transports.handshake.load_secret` finds)."""
+    :func:`~kvferry.transports.handshake.load_secret` finds). ``context_window``: requests each context engine is
+    asked to work on at once (:class:`~.router.Router`)."""
     policy = BouncePolicy() if bounce is None else bounce
     if secret is None and contexts:
         secret = load_secret(None)
@@ -496,7 +498,7 @@ async def disaggregated(
                 for address in contexts:
                     peers.append(await gen_transport.connect(address))
                     await worker.connect(peers[-1], tg)
-                yield Router(worker), parts
+                yield Router(worker, context_window), parts
                 for peer in peers:
                     await peer.aclose()
             elif separate_process:
@@ -522,7 +524,7 @@ async def disaggregated(
                 parts["context"] = context_process
                 peer = await gen_transport.connect(context_process.address)
                 await worker.connect(peer, tg)
-                yield Router(worker), parts
+                yield Router(worker, context_window), parts
                 await peer.aclose()
             else:
                 ctx = build_engine(model, ctx_options)
@@ -544,7 +546,7 @@ async def disaggregated(
                     ctx_peer = await ctx_transport.accept()
                     tg.start_soon(context.serve, ctx_peer)
                     await worker.connect(peer, tg)
-                    yield Router(worker), parts
+                    yield Router(worker, context_window), parts
                     await peer.aclose()
             tg.cancel_scope.cancel()
     finally:

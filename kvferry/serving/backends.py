@@ -69,6 +69,8 @@ class DisaggOptions:
     secret: bytes | None = None
     #: context engine attention pages per rank (0: as many as the generation engine)
     ctx_num_pages: int = 0
+    #: requests each context engine is asked to work on at once; the rest wait in arrival order
+    context_window: int = 32
 
     def __attrs_post_init__(self) -> None:
         if self.ctx_tp < 1:
@@ -285,6 +287,7 @@ class DisaggregatedBackend(Backend):
             "bytes": worker.get("bytes", 0),
             "in_doubt": worker.get("in_doubt", 0),
             "quarantined": worker.get("quarantined", 0),
+            "context_queue": self.router.queued,
         }
 
     def describe(self) -> str:
@@ -315,6 +318,7 @@ async def open_backend(
         transport=disagg.transport,
         ctx_tp=disagg.ctx_tp,
         contexts=disagg.contexts,
+        context_window=disagg.context_window,
         separate_process=disagg.separate_process,
         secret=disagg.secret,
         ctx_num_pages=disagg.ctx_num_pages,

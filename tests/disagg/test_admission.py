@@ -110,3 +110,37 @@ async def test_cancel_while_queued_for_admission_frees_both_sides() -> None:
         assert p.gen.engine.statistics().num_running == 0 and p.gen.engine.statistics().num_waiting == 0
         # and the pair still serves
         assert len(await p.router.generate(batch[0], max_tokens=4, spec_k=SPEC_K).collect()) == 4
+
+
+@pytest.mark.anyio
+async def test_each_context_engine_gets_at_most_its_window_and_the_rest_wait_in_order() -> None:
+    batch = prompts(12, seed=7)
+    expected = await aggregated(batch)
+    async with pair() as p:
+        p.router.context_window = 2
+        most = 0
+        started: list[int] = []
+        routed = [p.router.generate(prompt, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for prompt in batch]
+        got: list[list[int]] = [[] for _ in batch]
+
+        async def one(i: int) -> None:
+            async for token in routed[i]:
+                if not got[i]:
+                    started.append(i)
+                got[i].append(token)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(batch)):
+                tg.start_soon(one, i)
+                await anyio.lowlevel.checkpoint()  # arrival order = index order
+            with anyio.fail_after(120):
+                while any(len(g) < MAX_TOKENS for g in got):
+                    most = max(
+                        most, p.worker.links[0].in_flight, len(p.context.statistics() and p.context._held)
+                    )
+                    await anyio.sleep(0.001)
+        assert got == expected
+        assert most <= 2
+        # prompts this short prefill in one step: first tokens come in arrival order when the queue is fair
+        assert started == sorted(started)
+        assert p.router.queued == 0 and p.worker.links[0].in_flight == 0

@@ -10,8 +10,8 @@ change nothing inside it: each swaps the engine's cache for a :class:`HandoffCac
 - :mod:`.context`: :class:`ContextWorker`, which prefills, answers and pushes;
 - :mod:`.generation`: :class:`GenerationWorker`, which asks for prefills, receives and adopts.
 
-Deadlines: every wait on the peer is bounded and ends in a typed error. The generation side waits at most
-``prefill_timeout`` for a prefill's answer (:class:`~kvferry.errors.PrefillTimeout`; the context side is then
+Deadlines: every wait on the peer is bounded and ends in a typed error. The generation side waits for a prefill's
+answer until its context engine answered nothing for ``prefill_timeout`` (:class:`~kvferry.errors.PrefillTimeout`; the context side is then
 told to drop the request, which stops its prefill or frees its held cache), ``stall_timeout`` between a
 transfer's reports, ``handshake_timeout`` for the handshake (both sides, :class:`~kvferry.errors.PeerTimeout`),
 ``control_timeout`` for a best-effort control message; the context side holds a prefilled cache at most

@@ -82,8 +82,10 @@ class ContextLink:
     waiting: dict[str, tuple[anyio.Event, list[ContextDone]]] = attrs.field(factory=dict)
     #: the reader ended: the peer is gone
     gone: bool = False
-    #: requests routed to it and not ended (the router spreads requests by it)
+    #: requests the router gave it and it is not done with (the router spreads requests by it)
     in_flight: int = 0
+    #: ``time.perf_counter()`` of its last answer to a prefill (of the connection, before the first)
+    last_answer: float = attrs.field(factory=time.perf_counter)
 
     def __repr__(self) -> str:
         state = "gone" if self.gone else "up"
@@ -172,6 +174,7 @@ class GenerationWorker(Worker):
 
         async def on_message(message: ControlBody) -> None:
             if isinstance(message, ContextDone):
+                link.last_answer = time.perf_counter()
                 waiting = link.waiting.get(message.key)
                 if waiting is not None:
                     waiting[1].append(message)
@@ -190,12 +193,14 @@ class GenerationWorker(Worker):
         """Ask a context peer (``link``, default the first) to prefill; returns its first token (and whether it
         holds the cache).
 
-        Waits at most ``prefill_timeout`` seconds for the answer. Whenever this ends without an answer (the
+        Waits for the answer while the context peer makes progress: it fails when ``prefill_timeout`` seconds pass
+        with no answer to this prefill nor to any other (a long queue on a working engine is waited for; a
+        stopped one is not). Whenever this ends without an answer (the
         deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
         ``control_timeout`` seconds): it stops the prefill, or frees the cache it holds for it; nothing stays
         allocated here.
 
-        :raises ~kvferry.errors.PrefillTimeout: no answer within ``prefill_timeout`` seconds.
+        :raises ~kvferry.errors.PrefillTimeout: no answer from the peer to any prefill for ``prefill_timeout`` s.
         :raises ~kvferry.errors.TransferError: the context side failed or went away.
         """
         if not self.links:
@@ -206,10 +211,18 @@ class GenerationWorker(Worker):
         event = anyio.Event()
         answers: list[ContextDone] = []
         link.waiting[request.key] = (event, answers)
+        sent = time.perf_counter()
         try:
             with anyio.move_on_after(self.prefill_timeout):
                 await self.transport.send_message(link.peer, encode_control(request))
-                await event.wait()
+            while not event.is_set():
+                # a deadline without progress: the engine answering other prefills is alive and working through
+                # its queue; one that answers nobody for prefill_timeout seconds has stopped
+                left = max(sent, link.last_answer) + self.prefill_timeout - time.perf_counter()
+                if left <= 0:
+                    break
+                with anyio.move_on_after(left):
+                    await event.wait()
         except BaseException:
             link.waiting.pop(request.key, None)
             if not answers or answers[0].held:  # nobody will take the cache it prefills or holds
@@ -221,7 +234,8 @@ class GenerationWorker(Worker):
             with anyio.CancelScope(shield=True):
                 await self.release_remote(request.key, link)
             raise PrefillTimeout(
-                f"request {request.key}: no answer from the context peer within {self.prefill_timeout} s"
+                f"request {request.key}: no answer from the context peer, and no answer to any other prefill, "
+                f"within {self.prefill_timeout} s"
             )
         if not answers:
             raise TransferError(f"request {request.key}: the context peer went away before prefilling it")

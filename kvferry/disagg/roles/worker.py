@@ -37,10 +37,9 @@ __all__ = [
 #: Bytes of each worker's staging pool (bounced transfers), on the arenas' device; 0 turns bouncing off.
 DEFAULT_STAGING_BYTES = 64 << 20
 
-#: Seconds the generation side waits for the context side's answer to a prefill (ContextRequest to
-#: ContextDone: queueing behind other prefills on the context engine included). Generous for any prompt a
-#: context engine takes (a long prompt under load prefills in seconds), finite so that a context engine that
-#: stopped answering (stopped, wedged, partitioned with the connection up) fails its requests with
+#: Seconds the generation side waits for a prefill's answer without any answer from that context engine (to this
+#: prefill or another): a queue on a working engine is waited for however long, and a context engine that stopped
+#: answering (stopped, wedged, partitioned with the connection up) fails its requests with
 #: :class:`~kvferry.errors.PrefillTimeout` instead of holding them for ever.
 DEFAULT_PREFILL_TIMEOUT = 60.0
 #: Seconds the handshake may take (both sides send their PeerInfo right after connecting).
