@@ -175,7 +175,7 @@ def stop(process: HostProcess) -> None:
     assert "Traceback" not in process.output(), process.output()
 
 
-def test_serve_roles_on_two_hosts(pair: HostPair, transport: str) -> None:
+def test_serve_roles_on_two_hosts(transport: str, pair: HostPair) -> None:
     context, address = start_context_role(pair.a, transport)
     generation, url = start_generation_role(pair.b, transport, address)
     # two hosts as far as the engines can tell: other network and PID namespaces than each other's and ours
@@ -222,7 +222,7 @@ class Driver:
         return reply
 
 
-def test_context_killed_mid_transfer(pair: HostPair, transport: str) -> None:
+def test_context_killed_mid_transfer(transport: str, pair: HostPair) -> None:
     context = start_context_process(pair.a, transport, *PACED)
     driver = Driver(pair.b, transport)
     (expected_routed,) = aggregated([ROUTED], OPTIONS, SPEC_K)  # while they start
@@ -257,7 +257,7 @@ def test_context_killed_mid_transfer(pair: HostPair, transport: str) -> None:
     assert driver.process.wait(DEADLINE) == 0, driver.process.output()
 
 
-def test_generation_killed_mid_transfer(pair: HostPair, transport: str) -> None:
+def test_generation_killed_mid_transfer(transport: str, pair: HostPair) -> None:
     context = start_context_process(pair.a, transport, *PACED)
     driver = Driver(pair.b, transport)
     expected = aggregated(PROMPTS[:1], OPTIONS, SPEC_K)  # while they start
