@@ -65,6 +65,7 @@ TRANSITIONS: dict[CacheState, frozenset[CacheState]] = {
 REQUIRED_STATE: dict[str, CacheState] = {
     "resume": CacheState.SUSPENDED,
     "offload": CacheState.SUSPENDED,
+    "pin": CacheState.SUSPENDED,
     "grow": CacheState.ACTIVE,
     "commit": CacheState.ACTIVE,
     "suspend": CacheState.ACTIVE,

@@ -349,6 +349,39 @@ class CacheManager:
         self._replay.flush()
         self._host.offload(record)
 
+    def pin(self, request_id: RequestId) -> bool:
+        """Keep a SUSPENDED request's memory on the device (``Offload.NEVER``) until its next resume or close,
+        bringing it back from the host first if it was moved there (into new pages and a new slot: read the block
+        tables again). Takes no batch row: a transfer reads a suspended request's pages. Returns whether it was
+        brought back. Suspended requests may be moved to the host to make room.
+
+        :raises ~kvferry.errors.PoolExhausted: the pages or the slot do not suffice even after moving every
+            movable suspended request; nothing changed.
+        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED.
+        """
+        record = self._get(request_id)
+        require_state(request_id, record.state, "pin")
+        if record.host is None:
+            record.offload = Offload.NEVER
+            return False
+        pools = self._pools
+        need_pages = pools.blocks(record.capacity) - len(record.pages)
+        need_draft = pools.draft_blocks(record.capacity) - len(record.draft_pages)
+        need_slot = 1 if pools.slots is not None and record.slot is None else 0
+        victims = self._host.plan(self._requests.values(), need_pages, need_draft, need_slot, exclude=record)
+        self._replay.flush()
+        for victim in victims:
+            self._host.offload(victim)
+        # NOTE: nothing below may fail: the plan guaranteed every allocation.
+        record.pages.extend(pools.pages.allocate(need_pages))
+        if pools.draft is not None:
+            record.draft_pages.extend(pools.draft.allocate(need_draft))
+        if pools.slots is not None and need_slot:
+            record.slot = pools.slots.allocate(need_slot)[0]
+        self._restore(record)
+        record.offload = Offload.NEVER
+        return True
+
     def close(self, request_id: RequestId, *, quarantine: bool = False) -> Quarantine | None:
         """Any state -> CLOSED: every page, slot, pin, batch row and host copy of the request is released.
 

@@ -55,6 +55,7 @@ def operate(m: CacheManager, operation: str) -> None:
     calls: dict[str, Callable[[], object]] = {
         "resume": lambda: m.resume("a"),
         "offload": lambda: m.offload("a"),
+        "pin": lambda: m.pin("a"),
         "grow": lambda: m.grow("a", 8),
         "commit": lambda: m.commit("a", [1]),
         "suspend": lambda: m.suspend("a"),

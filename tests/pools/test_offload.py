@@ -74,3 +74,56 @@ def test_pressure_never_moves_anything_when_it_cannot_help() -> None:
         m.resume("b")
     assert m.debug_state() == before
     assert not m.is_offloaded("a")
+
+
+def test_pin_brings_a_request_back_without_a_batch_row_and_keeps_it_there() -> None:
+    """A held cache the engine moved to the host comes back for its push (every byte, new pages and slot) while
+    every batch row is taken, and stays on the device under pressure until it is resumed or closed."""
+    m = make_manager(num_pages=8, num_slots=4, num_draft_pages=6, max_batch_size=1)
+    arena = m.arena
+    assert arena is not None
+    run_prompt(m, "a", list(range(10)))
+    pages, draft, slot = list(m.block_table("a")), list(m.draft_block_table("a")), m.slot_id("a")
+    assert slot is not None
+    arena.fill_garbage("attention", pages, seed=3)
+    arena.fill_garbage(STATE, [slot], seed=4)
+    expected = (page_bytes(m, "attention", pages), page_bytes(m, "draft", draft), slot_bytes(m, slot))
+    m.suspend("a")
+    m.create("b", list(range(100, 120)))
+    m.resume("b")  # takes the only batch row and pushes a to the host
+    assert m.is_offloaded("a")
+    m.suspend("b")
+    m.create("c", [1, 2, 3])
+    m.resume("c")  # the row is taken again
+    assert m.pin("a") is True
+    assert not m.is_offloaded("a")
+    new_pages, new_slot = list(m.block_table("a")), m.slot_id("a")
+    assert new_slot is not None
+    assert same(page_bytes(m, "attention", new_pages), expected[0])
+    assert same(page_bytes(m, "draft", list(m.draft_block_table("a"))), expected[1])
+    assert same(slot_bytes(m, new_slot)[0], expected[2][0])
+    # pinned: pressure moves b, never a
+    m.create("d", list(range(200, 216)))
+    with pytest.raises(PoolExhausted):
+        m.resume("d")  # the row is still c's
+    m.suspend("c")
+    m.resume("d")
+    assert not m.is_offloaded("a") and m.is_offloaded("b")
+    assert m.pin("a") is False  # already on the device: nothing moves
+    m.close("a")
+    m.close("b")
+    m.close("c")
+    m.close("d")
+    s = m.statistics()
+    assert s.pages_free == s.pages_total and s.requests_active + s.requests_suspended == 0
+
+
+def test_pin_refuses_what_cannot_fit_and_changes_nothing() -> None:
+    m = make_manager(num_pages=8, num_slots=4, num_draft_pages=8)
+    run_prompt(m, "a", list(range(8)))
+    m.suspend("a", offload=Offload.NOW)
+    run_prompt(m, "b", list(range(100, 128)))  # every page, active: cannot move
+    before = m.debug_state()
+    with pytest.raises(PoolExhausted):
+        m.pin("a")
+    assert m.debug_state() == before and m.is_offloaded("a")

@@ -5,8 +5,8 @@ The prompt runs as ``generate(prompt, max_tokens=1)``; when the engine then clos
 :class:`~.handoff_cache.HandoffCache` *holds* it instead until the push is done or the generation side releases
 it. A held cache waits while the generation side has no room for it (its receive request comes when its engine
 admitted the request), at most ``hold_timeout`` seconds; meanwhile the engine may move it to the host to make room
-for the next prompts. When its receive request comes it is brought back to the device if needed and pinned
-there (``Offload.NEVER``: the transfer reads its pages) for the push.
+for the next prompts. When its receive request comes it is pinned (``CacheManager.pin``: brought back to
+the device if needed, then ``Offload.NEVER``, the transfer reads its pages; no batch row) for the push.
 
 Cancelling a prefill at any point (before its first step, during a step, between a step and its commit, during
 the push) ends the request's stream first; :meth:`~.handoff_cache.HandoffCache.release` then frees the cache
@@ -53,7 +53,7 @@ from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_sou
 from kvferry.engine.engine import Generation
 from kvferry.engine.runner import PagedRunner
 from kvferry.errors import KvferryError, PeerDisconnected, PoolExhausted, TransportError
-from kvferry.pools.manager import CacheState, Offload
+from kvferry.pools.manager import CacheState
 from kvferry.transports import Peer, Transport
 
 __all__ = ["ContextWorker"]
@@ -366,17 +366,17 @@ class ContextWorker(Worker):
     async def _pin(self, rid: int, held: _Held) -> bool:
         """Keep the held cache of ``rid`` on the device for its push (brought back first if the engine moved it
         to the host for room): False when no room came within ``hold_timeout`` seconds."""
-        lockstep = self.cache.inner
+        primary, *others = self.cache.inner.managers
         with anyio.move_on_after(self.hold_timeout):
             while True:
                 try:
-                    lockstep.resume(rid)  # restores from the host if it was moved there
+                    primary.pin(rid)  # restores from the host if it was moved there
                 except PoolExhausted:
                     # the engine's running prefills hold the room: they end (and are held, movable) soon
                     await anyio.sleep(PIN_RETRY_SECONDS)
                     continue
-                for m in lockstep.managers:
-                    m.suspend(rid, offload=Offload.NEVER)
+                for m in others:  # the same bookkeeping on every rank: the same outcome
+                    m.pin(rid)
                 return True
         return False
 
