@@ -441,7 +441,7 @@ async def offline_reference(
     weights seed, one rank, no speculation), one request at a time."""
     from kvferry.engine.runner import build_engine
 
-    tokens_per_block = _tokens_per_block(model, options)
+    tokens_per_block = _tokens_per_block(model)
     longest = max((len(r.prompt_ids) + r.max_tokens for r in requests), default=1)
     pages = max(options.num_pages, -(-longest // tokens_per_block) + 2)
     reference_options = attrs.evolve(
@@ -469,7 +469,7 @@ async def offline_reference(
     return out
 
 
-def _tokens_per_block(model: str, options: EngineOptions) -> int:
+def _tokens_per_block(model: str) -> int:
     from kvferry.pools.spec import preset
 
     if model == "tiny":
