@@ -198,9 +198,11 @@ class Router:
 
         :raises ~kvferry.errors.TransferError: no context peer is connected.
         """
+        had = bool(self.worker.links)
+        self.worker.prune()
         live = [link for link in self.worker.links if not link.gone]
         if not live:
-            if self.worker.links:
+            if had:
                 raise TransferError("every context engine went away: nobody can prefill the request")
             raise TransferError("not connected to a context engine")
         return min(live, key=lambda link: link.in_flight)
@@ -209,7 +211,8 @@ class Router:
         """Raise :class:`~kvferry.errors.RequestTooLarge` when no connected context engine's pages (from its
         handshake) can hold a prompt of ``num_prompt`` tokens (all of them are judged alike: the smallest)."""
         for link in self.worker.links:
-            self._check_context(link.remote, num_prompt)
+            if not link.gone:
+                self._check_context(link.remote, num_prompt)
 
     @staticmethod
     def _check_context(remote: PeerInfo, num_prompt: int) -> None:

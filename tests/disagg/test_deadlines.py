@@ -207,6 +207,7 @@ async def test_a_prefill_asked_of_a_peer_that_is_gone_fails_at_once() -> None:
         await until(lambda: p.worker.receiver is not None and p.worker.receiver.lost, 5, lambda: p.worker)
         with anyio.fail_after(5), pytest.raises(TransferError, match="went away"):
             await p.router.generate(PROMPTS[0], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
+        assert p.worker.links == []  # the gone peer, with nothing left in flight, is forgotten
 
 
 @pytest.mark.anyio

@@ -147,6 +147,15 @@ class GenerationWorker(Worker):
             raise TransferError("not connected to a context peer")
         return self.links[0]
 
+    def prune(self) -> None:
+        """Forget the context peers that went away and have nothing left here (no request in flight, no transfer
+        session): a restarted context engine is a new link, the old one's receiver goes with it."""
+        self.links = [
+            link
+            for link in self.links
+            if not link.gone or link.in_flight or link.receiver.statistics()["sessions"]
+        ]
+
     async def connect(self, peer: Peer, task_group: anyio.abc.TaskGroup) -> PeerInfo:
         """Handshake with a context peer (one more of them) and start reading from it in ``task_group``.
 
