@@ -180,3 +180,18 @@ def resolve_transport(name: str) -> tuple[str, bool]:
         "the context engine runs in this process, over local"
     )
     return "local", False
+
+
+def check_tp(model: str, flag: str, tp: int) -> None:
+    """Refuse a TP size the tiny model's heads do not split over before anything runs (a checkpoint's is
+    checked when its engine is built)."""
+    if model != "tiny":
+        return
+    from kvferry.pools.spec import preset
+
+    spec = preset("tiny")
+    try:
+        for rank in range(tp):
+            spec.shard(tp, rank)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {tp}: {exc}") from None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvferry.commands._common import (
     check_model,
+    check_tp,
     non_negative_int,
     positive_int,
     progress,
@@ -226,9 +227,9 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         for attr, _, default in _ENGINE_FLAGS
     }
     tp = (args.gen_tp or 1) if args.disagg else value["tp"]
-    _check_tp(args.model, "--gen-tp" if args.disagg else "--tp", tp)
+    check_tp(args.model, "--gen-tp" if args.disagg else "--tp", tp)
     if args.disagg:
-        _check_tp(args.model, "--ctx-tp", args.ctx_tp or 1)
+        check_tp(args.model, "--ctx-tp", args.ctx_tp or 1)
     engine = EngineOptions(
         tp=tp,
         dtype=args.dtype,
@@ -260,21 +261,6 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         check=args.check,
         warmup=args.warmup,
     )
-
-
-def _check_tp(model: str, flag: str, tp: int) -> None:
-    """Refuse a TP size the tiny model's heads do not split over before anything runs (a checkpoint's is
-    checked when its engine is built)."""
-    if model != "tiny":
-        return
-    from kvferry.pools.spec import preset
-
-    spec = preset("tiny")
-    try:
-        for rank in range(tp):
-            spec.shard(tp, rank)
-    except ConfigError as exc:
-        raise ConfigError(f"{flag} {tp}: {exc}") from None
 
 
 def _check_extras(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvferry.commands._common import (
+    check_tp,
     non_negative_int,
     positive_int,
     progress,
@@ -105,18 +106,6 @@ def _drafter_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _check_tp(flag: str, tp: int) -> None:
-    """Refuse a TP size the tiny model's heads do not split over, before anything runs."""
-    from kvferry.pools.spec import preset
-
-    spec = preset("tiny")
-    try:
-        for rank in range(tp):
-            spec.shard(tp, rank)
-    except ConfigError as exc:
-        raise ConfigError(f"{flag} {tp}: {exc}") from None
 
 
 def _check_fits(args: argparse.Namespace) -> None:
@@ -370,8 +359,8 @@ def run(args: argparse.Namespace) -> int:
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
     from kvferry.transports.handshake import load_secret
 
-    _check_tp("--ctx-tp", args.ctx_tp)
-    _check_tp("--gen-tp", args.gen_tp)
+    check_tp("tiny", "--ctx-tp", args.ctx_tp)
+    check_tp("tiny", "--gen-tp", args.gen_tp)
     _check_fits(args)
     args.secret = load_secret(args.secret_file)  # before anything runs: a bad secret is a usage error
     spec_k = args.spec_k

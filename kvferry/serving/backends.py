@@ -78,22 +78,29 @@ class DisaggOptions:
 
 
 class Backend(abc.ABC):
-    """One way of running requests (see the module docstring)."""
+    """One way of running requests (see the module docstring), over the engine that decodes them."""
 
+    #: the served model's name
+    name: str
     #: seconds it took to start (engines built, peers connected)
     started_seconds: float = 0.0
 
     @property
     @abc.abstractmethod
-    def model_name(self) -> str: ...
+    def built(self) -> BuiltEngine:
+        """The engine that decodes (its pools are the ones reported)."""
 
     @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int: ...
+    def model_name(self) -> str:
+        return self.name
 
     @property
-    @abc.abstractmethod
-    def max_spec_k(self) -> int: ...
+    def vocab_size(self) -> int:
+        return self.built.runner.vocab_size
+
+    @property
+    def max_spec_k(self) -> int:
+        return self.built.engine.config.scheduler.max_spec_k
 
     @abc.abstractmethod
     def check_fits(self, num_prompt: int, max_tokens: int, spec_k: int) -> None:
@@ -112,11 +119,11 @@ class Backend(abc.ABC):
         """Queue the request now (raising what refuses it) and return the iterator of its tokens; closing the
         iterator early cancels the request and frees what it held."""
 
-    @abc.abstractmethod
-    def pools(self) -> PoolOccupancy: ...
+    def pools(self) -> PoolOccupancy:
+        return _occupancy(self.built)
 
-    @abc.abstractmethod
-    def counts(self) -> dict[str, int]: ...
+    def counts(self) -> dict[str, int]:
+        return _engine_counts(self.built.engine, self.built)
 
     @abc.abstractmethod
     def describe(self) -> str: ...
@@ -159,18 +166,6 @@ class AggregatedBackend(Backend):
     built: BuiltEngine
     name: str
 
-    @property
-    def model_name(self) -> str:
-        return self.name
-
-    @property
-    def vocab_size(self) -> int:
-        return self.built.runner.vocab_size
-
-    @property
-    def max_spec_k(self) -> int:
-        return self.built.engine.config.scheduler.max_spec_k
-
     def check_fits(self, num_prompt: int, max_tokens: int, spec_k: int) -> None:
         check_fits(self.built.cache.primary, num_prompt, max_tokens)
 
@@ -205,12 +200,6 @@ class AggregatedBackend(Backend):
             generation.cancel()  # no-op once it ended
             handle.admitted_at = request.admitted_at
 
-    def pools(self) -> PoolOccupancy:
-        return _occupancy(self.built)
-
-    def counts(self) -> dict[str, int]:
-        return _engine_counts(self.built.engine, self.built)
-
     def describe(self) -> str:
         return f"aggregated {self.name} tp={len(self.built.arenas)}"
 
@@ -227,18 +216,6 @@ class DisaggregatedBackend(Backend):
     @property
     def built(self) -> BuiltEngine:
         return self.router.worker.built
-
-    @property
-    def model_name(self) -> str:
-        return self.name
-
-    @property
-    def vocab_size(self) -> int:
-        return self.built.runner.vocab_size
-
-    @property
-    def max_spec_k(self) -> int:
-        return self.built.engine.config.scheduler.max_spec_k
 
     def check_fits(self, num_prompt: int, max_tokens: int, spec_k: int) -> None:
         check_fits(self.built.cache.primary, num_prompt, max_tokens, engine="the generation engine")
@@ -276,13 +253,10 @@ class DisaggregatedBackend(Backend):
             await stream.aclose()
             handle.admitted_at = routed.admitted_at
 
-    def pools(self) -> PoolOccupancy:
-        return _occupancy(self.built)
-
     def counts(self) -> dict[str, int]:
         worker = self.router.worker.statistics()
         return {
-            **_engine_counts(self.built.engine, self.built),
+            **super().counts(),
             "transfers": worker.get("transfers", 0),
             "bytes": worker.get("bytes", 0),
             "in_doubt": worker.get("in_doubt", 0),
