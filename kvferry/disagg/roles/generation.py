@@ -84,6 +84,8 @@ class ContextLink:
     gone: bool = False
     #: requests routed to it and not ended (the router spreads requests by it)
     in_flight: int = 0
+    #: the task group its reader runs in (best-effort messages to the peer go out from it)
+    tasks: anyio.abc.TaskGroup | None = None
 
     def __repr__(self) -> str:
         state = "gone" if self.gone else "up"
@@ -100,8 +102,9 @@ class GenerationWorker(Worker):
 
     Every wait on a context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
     (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
-    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``); control
-    messages and writes are bounded by the transport's own stall deadline.
+    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``; a release of
+    the context side's cache: ``stall_timeout``, in the background); control messages and writes are bounded by
+    the transport's own stall deadline.
     """
 
     ROLE: ClassVar[PeerRole] = PeerRole.GENERATION
@@ -162,7 +165,7 @@ class GenerationWorker(Worker):
             control_timeout=self.control_timeout,
             destinations=partial(destinations, peer_map),
         )
-        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft)
+        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
         self.links.append(link)
         task_group.start_soon(self._read, link)
         return remote
@@ -191,8 +194,8 @@ class GenerationWorker(Worker):
         holds the cache).
 
         Waits at most ``prefill_timeout`` seconds for the answer. Whenever this ends without an answer (the
-        deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
-        ``control_timeout`` seconds): it stops the prefill, or frees the cache it holds for it; nothing stays
+        deadline, a cancel, a failed send) the context side is told to drop the request (best effort, see
+        :meth:`release_remote`): it stops the prefill, or frees the cache it holds for it; nothing stays
         allocated here.
 
         :raises ~kvferry.errors.PrefillTimeout: no answer within ``prefill_timeout`` seconds.
@@ -231,17 +234,27 @@ class GenerationWorker(Worker):
         return Handoff(done.key, done.first_token, done.held, done.host_state)
 
     async def release_remote(self, key: str, link: ContextLink | None = None) -> None:
-        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort,
-        at most ``control_timeout`` seconds)."""
+        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort).
+
+        The message goes out from the link's task group and may wait up to ``stall_timeout`` seconds to be sent,
+        not ``control_timeout``: on a busy event loop the messages to one peer queue behind each other for
+        longer, and a release given up holds the context side's cache until its ``hold_timeout``."""
         if not self.links:
             return
         link = self.link(link)
-        if not link.gone:
-            with (
-                anyio.move_on_after(self.control_timeout),
-                contextlib.suppress(PeerDisconnected, KvferryError),
-            ):
-                await self.transport.send_message(link.peer, encode_control(ReleaseContext(key)))
+        if link.gone:
+            return
+        if link.tasks is None:
+            await self._send_release(key, link)
+        else:
+            link.tasks.start_soon(self._send_release, key, link)
+
+    async def _send_release(self, key: str, link: ContextLink) -> None:
+        with (
+            anyio.move_on_after(self.stall_timeout),
+            contextlib.suppress(PeerDisconnected, KvferryError),
+        ):
+            await self.transport.send_message(link.peer, encode_control(ReleaseContext(key)))
 
     def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:
         """Give the local drafter the context side's hand-off of ``rid`` (the prompt's last hidden state); call
