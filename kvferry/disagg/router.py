@@ -92,6 +92,7 @@ class RoutedGeneration:
             self.transfer = await worker.receive(rid, self.prompt, self.key, link)
         except BaseException:
             generation.cancel()  # the engine frees what the receiver left (nothing, once it owned the pages)
+            worker.cache.forget_transfer(rid)  # never admitted: nothing else drops its mark
             worker.built.runner.release(rid)
             with anyio.CancelScope(shield=True):
                 await worker.release_remote(self.key, link)

@@ -27,7 +27,8 @@ class HandoffCache:
     ``hold(rid, callback)``: the engine's close of ``rid`` once its whole prompt is committed keeps the request
     (suspended; moved to the host when the engine needs the room) and calls ``callback(rid)`` instead.
     ``release(rid)`` closes it for good (see there: never under a step the engine may still run).
-    ``expect_transfer(rid)``: the engine's ``create`` of ``rid`` does not match the prefix cache.
+    ``expect_transfer(rid)``: the engine's ``create`` of ``rid`` does not match the prefix cache (every create
+    until its first resume succeeds: the admission of a transfer that does not fit is tried again).
     """
 
     inner: LockstepCache
@@ -47,6 +48,10 @@ class HandoffCache:
     def expect_transfer(self, request_id: int) -> None:
         self._transfers.add(request_id)
 
+    def forget_transfer(self, request_id: int) -> None:
+        """Drop the mark of :meth:`expect_transfer` (a request that ends before it was admitted; no-op after)."""
+        self._transfers.discard(request_id)
+
     def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
         reuse = request_id not in self._transfers
         for m in self.inner.managers:
@@ -54,11 +59,14 @@ class HandoffCache:
         self._engine_owned[request_id] = len(prompt_token_ids)
 
     def resume(self, request_id: int) -> Resumed:
-        return self.inner.resume(request_id)
+        resumed = self.inner.resume(request_id)
+        # admitted: the engine never creates it again. Until then it keeps the mark: a transfer whose admission
+        # did not fit is closed and created again on the next try, and that create must not match either
+        self._transfers.discard(request_id)
+        return resumed
 
     def close(self, request_id: int) -> None:
         prompt = self._engine_owned.pop(request_id, None)
-        self._transfers.discard(request_id)
         manager = self.inner.primary
         if (
             request_id in self._hold
