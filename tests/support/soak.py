@@ -589,7 +589,7 @@ async def _settled(condition: Callable[[], bool], seconds: float = SETTLE_DEADLI
 
 
 async def _leaks(
-    system: _System, gen_initial: tuple[int, ...], baseline: Resources, outcomes: Sequence[_Outcome] = ()
+    system: _System, gen_initial: tuple[int, ...], outcomes: Sequence[_Outcome] = ()
 ) -> list[str]:
     """What did not come back once every request ended (empty: nothing)."""
     problems: list[str] = []
@@ -618,9 +618,6 @@ async def _leaks(
         )
     if system.worker.statistics()["staging_used"]:
         problems.append(f"generation staging in use: {system.worker.statistics()}")
-    ok = await _settled(lambda: _no_growth(Resources.now(system), baseline), 5.0)
-    if not ok:
-        problems.append(f"resources {Resources.now(system)} grew from {baseline} after the warm-up")
     return problems
 
 
@@ -711,31 +708,21 @@ async def run_soak(
     docstring); ``contexts`` context engines are up at the start (restarts keep the count), at most
     ``concurrency`` requests run at once, ``deadline`` bounds the measured run. Checks never raise: read :attr:`SoakReport.problems`."""
     plan = make_plan(requests, seed, restarts, mean_gap, mean_cancel)
-    async with anyio.create_task_group() as tg:
-        # started first: its pipes are in the baseline of open descriptors
-        ref = await _ReferenceProcess.start(plan)
-        tg.start_soon(ref.run)
-        try:
-            async with _system(
-                transport,
-                ctx_tp,
-                gen_tp,
-                contexts=contexts,
-                gen_pages=gen_pages,
-                ctx_pages=ctx_pages,
-                max_running=max_running,
-                max_queued=requests + len(plan.warm_up) + 1,
-                seed=seed,
-            ) as system:
-                report = await _soak(system, plan, ref, concurrency, deadline)
-        finally:
-            await ref.close()
-    return report
+    async with _system(
+        transport,
+        ctx_tp,
+        gen_tp,
+        contexts=contexts,
+        gen_pages=gen_pages,
+        ctx_pages=ctx_pages,
+        max_running=max_running,
+        max_queued=requests + len(plan.warm_up) + 1,
+        seed=seed,
+    ) as system:
+        return await _soak(system, plan, concurrency, deadline)
 
 
-async def _soak(
-    system: _System, plan: SoakPlan, ref: _ReferenceProcess, concurrency: int, deadline: float
-) -> SoakReport:
+async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: float) -> SoakReport:
     problems: list[str] = []
     gen_initial = counts(system.gen)
     warm = [await _submit(system, r) for r in plan.warm_up]
@@ -743,14 +730,23 @@ async def _soak(
         async with anyio.create_task_group() as tg:
             for outcome in warm:
                 tg.start_soon(_client, outcome)
-    problems += await _leaks(system, gen_initial, Resources.now(system))
+    problems += await _leaks(system, gen_initial)
     baseline = Resources.now(system)
-    began = time.perf_counter()
-    outcomes = await _drive(system, plan, concurrency, deadline)
-    wall = time.perf_counter() - began
-    problems += await _leaks(system, gen_initial, baseline, outcomes)
+    async with anyio.create_task_group() as tg:
+        # after the baseline, closed before the final count: its pipes and watcher are not counted
+        ref = await _ReferenceProcess.start(plan)
+        tg.start_soon(ref.run)
+        try:
+            began = time.perf_counter()
+            outcomes = await _drive(system, plan, concurrency, deadline)
+            wall = time.perf_counter() - began
+            problems += await _leaks(system, gen_initial, outcomes)
+            expected = await ref.result(deadline)
+        finally:
+            await ref.close()
+    if not await _settled(lambda: _no_growth(Resources.now(system), baseline), 5.0):
+        problems.append(f"resources {Resources.now(system)} grew from {baseline} after the warm-up")
     final = Resources.now(system)
-    expected = await ref.result(deadline)
     problems += [p for o in warm + outcomes if (p := _judge(system, o, expected[o.request.index]))]
     if len(outcomes) < len(plan.requests):
         problems.append(f"only {len(outcomes)} of {len(plan.requests)} requests were submitted in time")
