@@ -89,6 +89,7 @@ async def serve_context(
     advertise_host: str | None = None,
     secret: bytes | None = None,
     on_listening: Callable[[str], None] | None = None,
+    on_worker: Callable[[ContextWorker], None] | None = None,
     once: bool = False,
     write_delay: float = 0.0,
     chunk_bytes: int | None = None,
@@ -96,14 +97,15 @@ async def serve_context(
     bounce: BouncePolicy | None = None,
 ) -> None:
     """Run a context engine for ``model``: listen on ``host:port`` over ``transport`` and serve every generation
-    engine that connects, each in its own task, until cancelled (``once``: serve the first one, return when it
-    goes away). ``on_listening(address)`` is called once the memory is registered and the transport listens.
+        engine that connects, each in its own task, until cancelled (``once``: serve the first one, return when it
+        goes away). ``on_listening(address)`` is called once the memory is registered and the transport listens;
+    ``on_worker(worker)`` just before it, with the :class:`~.roles.ContextWorker` (its engine, transport and counts).
 
-    A peer that fails its handshake (another model, a wrong secret) or goes away costs the others nothing: its
-    prefills and pushes are cancelled and what it held is freed; the failure is logged in one line. A cancel
-    stops every peer's work, the engine and the transport.
+        A peer that fails its handshake (another model, a wrong secret) or goes away costs the others nothing: its
+        prefills and pushes are cancelled and what it held is freed; the failure is logged in one line. A cancel
+        stops every peer's work, the engine and the transport.
 
-    :raises ~kvferry.errors.ConfigError: a bad model, option or listening address (nothing was started).
+        :raises ~kvferry.errors.ConfigError: a bad model, option or listening address (nothing was started).
     """
     # its steps run on the event loop: the worker touches the managers between them
     built = build_engine(model, attrs.evolve(options, step_in_thread=False))
@@ -119,6 +121,8 @@ async def serve_context(
             bounce=BouncePolicy() if bounce is None else bounce,
         )
         await worker.register()  # once, before anyone connects
+        if on_worker is not None:
+            on_worker(worker)
         if on_listening is not None:
             on_listening(tx.address)
         if once:

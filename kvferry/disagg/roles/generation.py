@@ -86,6 +86,8 @@ class ContextLink:
     in_flight: int = 0
     #: ``time.perf_counter()`` of its last answer to a prefill (of the connection, before the first)
     last_answer: float = attrs.field(factory=time.perf_counter)
+    #: the task group its reader runs in (best-effort messages to the peer go out from it)
+    tasks: anyio.abc.TaskGroup | None = None
 
     def __repr__(self) -> str:
         state = "gone" if self.gone else "up"
@@ -102,8 +104,9 @@ class GenerationWorker(Worker):
 
     Every wait on a context peer has a deadline: the handshake (``handshake_timeout``), a prefill's answer
     (``prefill_timeout``: :class:`~kvferry.errors.PrefillTimeout`), each transfer's reports (``stall_timeout``:
-    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``); control
-    messages and writes are bounded by the transport's own stall deadline.
+    :class:`~kvferry.errors.TransferInDoubt`), best-effort control messages (``control_timeout``; a release of
+    the context side's cache: ``stall_timeout``, in the background); control messages and writes are bounded by
+    the transport's own stall deadline.
     """
 
     ROLE: ClassVar[PeerRole] = PeerRole.GENERATION
@@ -173,7 +176,7 @@ class GenerationWorker(Worker):
             control_timeout=self.control_timeout,
             destinations=partial(destinations, peer_map),
         )
-        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft)
+        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
         self.links.append(link)
         task_group.start_soon(self._read, link)
         return remote
@@ -204,9 +207,9 @@ class GenerationWorker(Worker):
 
         Waits for the answer while the context peer makes progress: it fails when ``prefill_timeout`` seconds pass
         with no answer to this prefill nor to any other (a long queue on a working engine is waited for; a
-        stopped one is not). Whenever this ends without an answer (the
-        deadline, a cancel, a failed send) the context side is told to drop the request (best effort, at most
-        ``control_timeout`` seconds): it stops the prefill, or frees the cache it holds for it; nothing stays
+        stopped one is not). Whenever this ends without an answer (the deadline, a cancel, a failed send) the
+        context side is told to drop the request (best effort, see :meth:`release_remote`): it stops the
+        prefill, or frees the cache it holds for it; nothing stays
         allocated here.
 
         :raises ~kvferry.errors.PrefillTimeout: no answer from the peer to any prefill for ``prefill_timeout`` s.
@@ -254,17 +257,27 @@ class GenerationWorker(Worker):
         return Handoff(done.key, done.first_token, done.held, done.host_state)
 
     async def release_remote(self, key: str, link: ContextLink | None = None) -> None:
-        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort,
-        at most ``control_timeout`` seconds)."""
+        """Tell the context side to drop a held cache, or to stop a prefill it has not answered (best effort).
+
+        The message goes out from the link's task group and may wait up to ``stall_timeout`` seconds to be sent,
+        not ``control_timeout``: on a busy event loop the messages to one peer queue behind each other for
+        longer, and a release given up holds the context side's cache until its ``hold_timeout``."""
         if not self.links:
             return
         link = self.link(link)
-        if not link.gone:
-            with (
-                anyio.move_on_after(self.control_timeout),
-                contextlib.suppress(PeerDisconnected, KvferryError),
-            ):
-                await self.transport.send_message(link.peer, encode_control(ReleaseContext(key)))
+        if link.gone:
+            return
+        if link.tasks is None:
+            await self._send_release(key, link)
+        else:
+            link.tasks.start_soon(self._send_release, key, link)
+
+    async def _send_release(self, key: str, link: ContextLink) -> None:
+        with (
+            anyio.move_on_after(self.stall_timeout),
+            contextlib.suppress(PeerDisconnected, KvferryError),
+        ):
+            await self.transport.send_message(link.peer, encode_control(ReleaseContext(key)))
 
     def install_drafter_state(self, rid: int, prompt: Sequence[int], handoff: Handoff, spec_k: int) -> None:
         """Give the local drafter the context side's hand-off of ``rid`` (the prompt's last hidden state); call

@@ -1,0 +1,777 @@
+"""A seeded, randomized soak of disaggregated serving: :func:`run_soak`.
+
+The system under test runs in this process: a generation engine with tight pools behind a
+:class:`~kvferry.serving.service.Service`, fed by context engines (:func:`~kvferry.disagg.serve.serve_context`,
+each in its own cancel scope with its own transport). Requests arrive at seeded random times with random
+prompts, lengths, sampling and speculation; some are cancelled after a random delay, some clients stop reading
+after a few tokens and cancel (a disconnect), and context engines are restarted at random points (the scope is
+cancelled: its transport closes and the generation side sees the peer gone; a fresh engine is connected).
+
+Every request must end; one that finished (stop / length) has exactly the tokens of an unconstrained aggregated
+engine, a cancelled one a prefix of them, and an errored one ended with a typed error on a context engine that
+was killed (or while none was up). Afterwards every pool, hold, receiver session, grant, registration, open
+descriptor and thread is back where it was after a warm-up. What went wrong is listed in
+:attr:`SoakReport.problems` (empty: the soak passed).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import anyio.abc
+import attrs
+from attrs import define, frozen
+
+from kvferry.disagg.roles import ContextWorker, GenerationWorker
+from kvferry.disagg.roles.generation import ContextLink
+from kvferry.disagg.router import RoutedGeneration, Router
+from kvferry.disagg.serve import _options, serve_context
+from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
+from kvferry.errors import KvferryError
+from kvferry.serving.backends import DisaggOptions, DisaggregatedBackend
+from kvferry.serving.handle import CompletionResult, FinishReason, RequestHandle
+from kvferry.serving.service import Service
+from kvferry.transports import Peer, Transport, get_transport, new_secret
+from tests.support.disagg_pair import counts
+
+__all__ = ["Client", "SoakPlan", "SoakReport", "SoakRequest", "make_plan", "reference", "run_soak"]
+
+SPEC_K = 2
+VOCAB = 256
+#: the reference engine: pools and batch far beyond what the soak needs at once
+REFERENCE = EngineOptions(
+    dtype="float64", max_spec_k=SPEC_K, num_pages=2048, max_running=64, step_in_thread=False
+)
+#: the checkout this module belongs to (the reference process imports its kvferry)
+ROOT = Path(__file__).resolve().parents[2]
+#: seconds a context engine has to build, register and listen
+START_DEADLINE = 30.0
+#: seconds the pools, holds and sessions have to come back once the last request ended
+SETTLE_DEADLINE = 10.0
+
+
+class Client(enum.Enum):
+    """What the client of one request does."""
+
+    #: reads every token to the end
+    READ = "read"
+    #: cancels the request after a random delay
+    CANCEL = "cancel"
+    #: reads a few tokens, stops reading and cancels (a client that went away)
+    DISCONNECT = "disconnect"
+
+
+@frozen
+class SoakRequest:
+    index: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    #: None: greedy
+    seed: int | None
+    temperature: float
+    spec_k: int
+    stop_ids: tuple[int, ...]
+    #: seconds after the previous request was submitted (and at most ``concurrency`` requests run at once)
+    gap: float
+    client: Client
+    #: CANCEL: seconds after submit; DISCONNECT: tokens read before going away
+    cancel_after: float = 0.0
+    disconnect_after: int = 0
+
+
+@frozen
+class SoakPlan:
+    #: what :func:`make_plan` was called with (it makes the same plan again from them)
+    arguments: tuple[int, int, int, float, float]
+    requests: tuple[SoakRequest, ...]
+    #: before submitting the request of each index, a context engine restart starts (in its own task)
+    restarts: tuple[int, ...]
+    #: greedy requests read to the end before the measured run (they start the lazily started parts)
+    warm_up: tuple[SoakRequest, ...]
+
+    @property
+    def seed(self) -> int:
+        return self.arguments[1]
+
+
+def make_plan(
+    requests: int, seed: int, restarts: int, mean_gap: float = 0.02, mean_cancel: float = 0.5
+) -> SoakPlan:
+    """``requests`` seeded random requests (submitted ``mean_gap`` seconds apart on average; cancelling clients
+    wait ``mean_cancel`` seconds on average) and ``restarts`` restart points spread over the middle of the run.
+
+    Prompts of 1..60 tokens, some starting with one of a few shared prefixes (prefix-cache hits on both sides);
+    max_tokens 1..40, half of them 1..12 (more requests start, transfer and end per second of decoding); greedy
+    or seeded sampling; 0..2 draft tokens; now and then stop tokens.
+    """
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(rng.randrange(4, 30))) for _ in range(4)]
+
+    def prompt() -> tuple[int, ...]:
+        length = rng.randint(1, 60)
+        head = rng.choice(prefixes) if rng.random() < 0.3 else ()
+        return (head + tuple(rng.randrange(VOCAB) for _ in range(length)))[:length]
+
+    def one(index: int) -> SoakRequest:
+        draw = rng.random()
+        client = Client.CANCEL if draw < 0.10 else Client.DISCONNECT if draw < 0.15 else Client.READ
+        max_tokens = rng.randint(1, 40 if rng.random() < 0.5 else 12)
+        greedy = rng.random() < 0.5
+        return SoakRequest(
+            index,
+            prompt(),
+            max_tokens,
+            None if greedy else rng.randrange(2**31),
+            1.0 if greedy else rng.uniform(0.5, 1.5),
+            rng.randint(0, SPEC_K),
+            tuple(rng.randrange(VOCAB) for _ in range(3)) if rng.random() < 0.2 else (),
+            rng.expovariate(1 / mean_gap),
+            client,
+            cancel_after=rng.expovariate(1 / mean_cancel),
+            disconnect_after=rng.randint(1, max(1, max_tokens - 1)),
+        )
+
+    planned = tuple(one(i) for i in range(requests))
+    middle = range(requests // 10, max(requests // 10 + restarts, 9 * requests // 10))
+    points = tuple(sorted(rng.sample(middle, restarts)))
+    warm = tuple(
+        SoakRequest(requests + i, (7, 1, i + 2, 9, 5, 3), 4, None, 1.0, SPEC_K, (), 0.0, Client.READ)
+        for i in range(4)
+    )
+    return SoakPlan((requests, seed, restarts, mean_gap, mean_cancel), planned, points, warm)
+
+
+async def reference(requests: Sequence[SoakRequest]) -> dict[int, list[int]]:
+    """Each request's tokens on one aggregated engine with ample pools (all at once), by index."""
+    built = build_engine("tiny", REFERENCE)
+    out: dict[int, list[int]] = {}
+
+    async def one(r: SoakRequest) -> None:
+        out[r.index] = await built.engine.generate(
+            r.prompt,
+            max_tokens=r.max_tokens,
+            stop_ids=r.stop_ids,
+            seed=r.seed,
+            temperature=r.temperature,
+            spec_k=r.spec_k,
+        ).collect()
+
+    async with built.engine, anyio.create_task_group() as tg:
+        for r in requests:
+            tg.start_soon(one, r)
+    return out
+
+
+@define(eq=False)
+class _ReferenceProcess:
+    """:func:`reference` of one plan, computed by another process (``python -m tests.support.soak``, running this
+    checkout's kvferry) while the soak runs: on another core, where there is one."""
+
+    process: anyio.abc.Process
+    started: float = attrs.field(factory=time.perf_counter)
+    #: seconds from its start to its end (0: not ended)
+    seconds: float = 0.0
+    _out: bytearray = attrs.field(factory=bytearray)
+    _err: bytearray = attrs.field(factory=bytearray)
+    _done: anyio.Event = attrs.field(factory=anyio.Event)
+
+    @classmethod
+    async def start(cls, plan: SoakPlan) -> _ReferenceProcess:
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        process = await anyio.open_process(
+            [sys.executable, "-m", "tests.support.soak", json.dumps(plan.arguments)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+        return cls(process)
+
+    async def run(self) -> None:
+        """Read what it prints until it ends."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_read_all, self.process.stdout, self._out)
+                tg.start_soon(_read_all, self.process.stderr, self._err)
+                await self.process.wait()
+            self.seconds = time.perf_counter() - self.started
+        finally:
+            self._done.set()
+
+    async def result(self, deadline: float) -> dict[int, list[int]]:
+        """The tokens by request index."""
+        with anyio.fail_after(deadline):
+            await self._done.wait()
+        code = self.process.returncode
+        if code != 0:
+            raise RuntimeError(f"the reference process failed ({code}): {self._err.decode()[-2000:]}")
+        return {int(k): v for k, v in json.loads(self._out).items()}
+
+    async def close(self) -> None:
+        """End the process if it still runs (the soak failed before it needed the reference)."""
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.aclose()
+
+
+async def _read_all(stream: anyio.abc.ByteReceiveStream | None, into: bytearray) -> None:
+    assert stream is not None
+    async for chunk in stream:
+        into += chunk
+
+
+def _reference_main(arguments: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as the test suites run
+    plan = make_plan(*json.loads(arguments))
+    print(json.dumps(anyio.run(reference, plan.requests + plan.warm_up)))
+
+
+# --- the system under test ------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class _TracedGeneration(RoutedGeneration):
+    #: the context engine's link it was routed to (None: the router found none up)
+    link: ContextLink | None = None
+
+    def _routed(self, link: ContextLink, lease: Any) -> AsyncIterator[int]:
+        self.link = link
+        return super()._routed(link, lease)
+
+
+@define(eq=False)
+class _TracingRouter(Router):
+    """A router whose generations remember their context link; :attr:`last` is the latest one made."""
+
+    last: _TracedGeneration | None = attrs.field(default=None, init=False)
+
+    def generate(
+        self,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int] = (),
+        seed: int | None = None,
+        temperature: float = 1.0,
+        spec_k: int = 0,
+    ) -> RoutedGeneration:
+        plain = super().generate(
+            prompt_ids,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=seed,
+            temperature=temperature,
+            spec_k=spec_k,
+        )
+        self.last = _TracedGeneration(
+            plain.router,
+            plain.key,
+            plain.prompt,
+            plain.max_tokens,
+            plain.seed,
+            plain.temperature,
+            plain.spec_k,
+            plain.stop_ids,
+        )
+        return self.last
+
+
+@define(eq=False)
+class _Context:
+    """One context engine run by :func:`~kvferry.disagg.serve.serve_context` in its own cancel scope."""
+
+    name: str
+    scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
+    listening: anyio.Event = attrs.field(factory=anyio.Event)
+    ended: anyio.Event = attrs.field(factory=anyio.Event)
+    address: str = ""
+    worker: ContextWorker | None = None
+    #: the generation side's connection to it and its link
+    peer: Peer | None = None
+    link: ContextLink | None = None
+    initial: tuple[int, ...] = ()
+    registrations: int = 0
+    killed: bool = False
+
+    @property
+    def built(self) -> BuiltEngine:
+        assert self.worker is not None
+        return self.worker.built
+
+    def bind(self, worker: ContextWorker) -> None:
+        self.worker = worker
+
+    def listen(self, address: str) -> None:
+        self.address = address
+        self.listening.set()
+
+
+@define(eq=False)
+class _System:
+    transport: str
+    ctx_options: EngineOptions
+    secret: bytes
+    gen: BuiltEngine
+    gen_transport: Transport
+    worker: GenerationWorker
+    router: _TracingRouter
+    service: Service
+    tg: anyio.abc.TaskGroup
+    rng: random.Random
+    contexts: list[_Context] = attrs.field(factory=list)
+    #: (start, end) perf_counter windows during which no context engine was up
+    outages: list[tuple[float, float]] = attrs.field(factory=list)
+    restarts: int = 0
+    _lock: anyio.Lock = attrs.field(factory=anyio.Lock)
+
+    @property
+    def live(self) -> list[_Context]:
+        return [c for c in self.contexts if not c.killed]
+
+    async def _run_context(self, ctx: _Context) -> None:
+        try:
+            with ctx.scope:
+                await serve_context(
+                    "tiny",
+                    self.ctx_options,
+                    transport=self.transport,
+                    secret=self.secret,
+                    on_listening=ctx.listen,
+                    on_worker=ctx.bind,
+                )
+        finally:
+            ctx.ended.set()
+
+    async def start_context(self) -> _Context:
+        """Start a context engine and connect the generation worker to it."""
+        ctx = _Context(f"ctx{len(self.contexts)}")
+        self.tg.start_soon(self._run_context, ctx)
+        with anyio.fail_after(START_DEADLINE):
+            await ctx.listening.wait()
+        assert ctx.worker is not None
+        ctx.initial = counts(ctx.built)
+        ctx.registrations = ctx.worker.transport.statistics().registrations
+        ctx.peer = await self.gen_transport.connect(ctx.address)
+        await self.worker.connect(ctx.peer, self.tg)
+        ctx.link = self.worker.links[-1]
+        self.contexts.append(ctx)
+        return ctx
+
+    async def kill(self, ctx: _Context) -> None:
+        """Cancel the context engine's scope (its transport closes) and close our side of the connection once
+        the generation side saw the peer go."""
+        ctx.killed = True
+        ctx.scope.cancel()
+        with anyio.fail_after(SETTLE_DEADLINE):
+            await ctx.ended.wait()
+            while ctx.link is not None and not ctx.link.gone:  # noqa: ASYNC110 (the link exposes no event)
+                await anyio.sleep(0.005)
+        if ctx.peer is not None:
+            await ctx.peer.aclose()
+
+    async def restart(self) -> None:
+        """Kill a random live context engine, then start a new one (one restart at a time)."""
+        async with self._lock:
+            victim = self.rng.choice(self.live)
+            alone = len(self.live) == 1
+            began = time.perf_counter()
+            await self.kill(victim)
+            await self.start_context()
+            if alone:
+                self.outages.append((began, time.perf_counter()))
+            self.restarts += 1
+
+    async def close(self) -> None:
+        self.service.close()
+        for ctx in self.live:
+            ctx.scope.cancel()
+
+
+@asynccontextmanager
+async def _system(
+    transport: str,
+    ctx_tp: int,
+    gen_tp: int,
+    *,
+    contexts: int,
+    gen_pages: int,
+    ctx_pages: int,
+    max_running: int,
+    max_queued: int,
+    seed: int,
+) -> AsyncIterator[_System]:
+    gen_options = _options(gen_tp, SPEC_K, 0, "float64", num_pages=gen_pages, max_running=max_running)
+    ctx_options = _options(ctx_tp, SPEC_K, 0, "float64", num_pages=ctx_pages, max_running=max_running)
+    gen = build_engine("tiny", gen_options)
+    secret = new_secret()
+    async with (
+        get_transport(transport)(secret=secret) as gen_transport,
+        gen.engine,
+        anyio.create_task_group() as tg,
+    ):
+        worker = GenerationWorker(gen, gen_transport)
+        await worker.register()
+        router = _TracingRouter(worker)
+        backend = DisaggregatedBackend(
+            router, "tiny", DisaggOptions(transport=transport, ctx_tp=ctx_tp, separate_process=False)
+        )
+        system = _System(
+            transport,
+            ctx_options,
+            secret,
+            gen,
+            gen_transport,
+            worker,
+            router,
+            Service(backend, tg, max_queued),
+            tg,
+            random.Random(seed ^ 0x5EED),
+        )
+        try:
+            for _ in range(contexts):
+                await system.start_context()
+            yield system
+        finally:
+            await system.close()
+            tg.cancel_scope.cancel()
+
+
+# --- driving and judging --------------------------------------------------------------------------------
+
+
+@define(eq=False)
+class _Outcome:
+    request: SoakRequest
+    handle: RequestHandle
+    routed: _TracedGeneration
+    submitted: float
+    #: what the client read by iterating the handle
+    read: list[int] = attrs.field(factory=list)
+    result: CompletionResult | None = None
+
+
+async def _client(outcome: _Outcome) -> None:
+    request, handle = outcome.request, outcome.handle
+    if request.client is Client.CANCEL:
+        with anyio.move_on_after(request.cancel_after):
+            await handle.wait()
+        handle.cancel()
+    else:
+        stream = cast(AsyncGenerator[int, None], handle.__aiter__())
+        try:
+            async for token in stream:
+                outcome.read.append(token)
+                if request.client is Client.DISCONNECT and len(outcome.read) >= request.disconnect_after:
+                    break
+        except KvferryError:
+            pass  # the result says it
+        finally:
+            await stream.aclose()
+        if request.client is Client.DISCONNECT:
+            handle.cancel()
+    outcome.result = await handle.result()
+
+
+async def _submit(system: _System, request: SoakRequest) -> _Outcome:
+    handle = await system.service.submit(
+        request.prompt,
+        max_tokens=request.max_tokens,
+        stop_ids=request.stop_ids,
+        seed=request.seed,
+        temperature=request.temperature,
+        spec_k=request.spec_k,
+    )
+    # submit() awaits nothing: the router's latest generation is this request's
+    routed = system.router.last
+    assert routed is not None
+    return _Outcome(request, handle, routed, time.perf_counter())
+
+
+async def _drive(system: _System, plan: SoakPlan, concurrency: int, deadline: float) -> list[_Outcome]:
+    """Submit the requests in order, each its gap after the previous one and once fewer than ``concurrency``
+    are running (restarting context engines at the plan's points); wait until every client got its result, at
+    most ``deadline`` seconds."""
+    outcomes: list[_Outcome] = []
+    restart_at = set(plan.restarts)
+    slots = anyio.Semaphore(concurrency)
+
+    async def client(outcome: _Outcome) -> None:
+        try:
+            await _client(outcome)
+        finally:
+            slots.release()
+
+    with anyio.move_on_after(deadline):
+        async with anyio.create_task_group() as clients:
+            for request in plan.requests:
+                if request.index in restart_at:
+                    clients.start_soon(system.restart)
+                await anyio.sleep(request.gap)
+                await slots.acquire()
+                outcome = await _submit(system, request)
+                outcomes.append(outcome)
+                clients.start_soon(client, outcome)
+    return outcomes
+
+
+def _judge(system: _System, outcome: _Outcome, expected: list[int]) -> str | None:
+    """What is wrong with one request's outcome (None: nothing)."""
+    request, result = outcome.request, outcome.result
+    what = f"request {request.index} ({outcome.handle!r}, client {request.client.value})"
+    if result is None:
+        link = outcome.routed.link
+        return f"{what} never ended; routed to {link!r}"
+    tokens = list(result.token_ids)
+    if request.client is Client.READ and outcome.read != tokens:
+        return f"{what}: read {outcome.read}, its result holds {tokens}"
+    reason = result.finish_reason
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if result.error is not None or tokens != expected:
+            return (
+                f"{what} finished {reason.value} with {tokens}, expected {expected} (error {result.error!r})"
+            )
+        return None
+    if tokens != expected[: len(tokens)]:
+        return f"{what} ended {reason.value} with {tokens}: not a prefix of {expected}"
+    if reason is FinishReason.CANCELLED:
+        if request.client is Client.READ:
+            return f"{what} was cancelled, and nobody cancelled it"
+        return None
+    if not isinstance(result.error, KvferryError):
+        return f"{what} errored without a typed error: {result.error!r}"
+    link = outcome.routed.link
+    if link is None:
+        ended = outcome.submitted + (result.timing.total_seconds or 0.0)
+        if not any(a <= ended and outcome.submitted <= b for a, b in system.outages):
+            return f"{what} found no context engine up, outside every restart: {result.error!r}"
+        return None
+    killed = [c for c in system.contexts if c.link is link and c.killed]
+    if not killed:
+        return f"{what} failed on a context engine that was never killed ({link!r}): {result.error!r}"
+    return None
+
+
+@frozen
+class Resources:
+    """What the process holds: open descriptors, threads, the generation transport's registrations."""
+
+    fds: int
+    threads: int
+    registrations: int
+
+    @classmethod
+    def now(cls, system: _System) -> Resources:
+        return cls(
+            len(os.listdir("/proc/self/fd")),
+            threading.active_count(),
+            system.gen_transport.statistics().registrations,
+        )
+
+
+async def _settled(condition: Callable[[], bool], seconds: float = SETTLE_DEADLINE) -> bool:
+    with anyio.move_on_after(seconds):
+        while not condition():  # noqa: ASYNC110 (polls state no event exposes)
+            await anyio.sleep(0.01)
+        return True
+    return False
+
+
+async def _leaks(
+    system: _System, gen_initial: tuple[int, ...], outcomes: Sequence[_Outcome] = ()
+) -> list[str]:
+    """What did not come back once every request ended (empty: nothing)."""
+    problems: list[str] = []
+    with anyio.move_on_after(SETTLE_DEADLINE):
+        await system.gen.engine.wait_idle()
+    if not await _settled(lambda: counts(system.gen) == gen_initial):
+        problems.append(f"generation pools {counts(system.gen)} != initial {gen_initial}")
+    by_key = {o.routed.key: o for o in outcomes}
+    for ctx in system.live:
+        problems += await _context_leaks(ctx, by_key)
+    for link in system.worker.links:
+        stats = link.receiver.statistics()
+        if stats["sessions"] or stats["quarantined"] or stats["staging_bytes"]:
+            problems.append(f"receiver of {link!r} left {stats}")
+        if link.in_flight or link.waiting:
+            problems.append(f"{link!r} left {len(link.waiting)} prefills waiting")
+    service = system.service.statistics()
+    if service.active:
+        problems.append(f"the service has {service.active} requests active")
+    tx = system.gen_transport.statistics()
+    if tx.peers != len(system.live) or tx.grants or tx.writes_in_flight:
+        problems.append(f"generation transport: {tx}")
+    if system.worker.cache._transfers:  # marks of requests expecting a transfer, by request id
+        problems.append(
+            f"generation cache still expects transfers for {sorted(system.worker.cache._transfers)}"
+        )
+    if system.worker.statistics()["staging_used"]:
+        problems.append(f"generation staging in use: {system.worker.statistics()}")
+    return problems
+
+
+async def _context_leaks(ctx: _Context, by_key: dict[str, _Outcome]) -> list[str]:
+    worker = ctx.worker
+    assert worker is not None
+    problems = []
+    if not await _settled(lambda: counts(ctx.built) == ctx.initial and worker.statistics()["held"] == 0):
+        held = [_story(by_key.get(key)) or key for _, key in worker._held]
+        problems.append(
+            f"{ctx.name}: pools {counts(ctx.built)} != initial {ctx.initial}, {worker!r}, holding {held}"
+        )
+    registrations = worker.transport.statistics().registrations
+    if registrations != ctx.registrations:
+        problems.append(f"{ctx.name}: {registrations} registrations, {ctx.registrations} after it started")
+    return problems
+
+
+def _story(outcome: _Outcome | None) -> str | None:
+    if outcome is None:
+        return None
+    r, result = outcome.request, outcome.result
+    return (
+        f"{outcome.routed.key}: request {r.index} client {r.client.value} cancel_after {r.cancel_after:.3f} "
+        f"-> {None if result is None else (result.finish_reason.value, len(result.token_ids), result.error)}"
+    )
+
+
+def _no_growth(now: Resources, baseline: Resources) -> bool:
+    return (
+        now.fds <= baseline.fds
+        and now.threads <= baseline.threads
+        and now.registrations == baseline.registrations
+    )
+
+
+@frozen
+class SoakReport:
+    transport: str
+    ctx_tp: int
+    gen_tp: int
+    seed: int
+    requests: int
+    completed: int
+    cancelled: int
+    errored: int
+    #: tokens every request's client got, all together
+    tokens: int
+    restarts: int
+    wall_seconds: float
+    reference_seconds: float
+    #: transfers that landed, preemptions on the generation engine, cache offloads on the context engines
+    transfers: int
+    preemptions: int
+    baseline: Resources
+    final: Resources
+    problems: tuple[str, ...]
+
+    def summary(self) -> str:
+        return (
+            f"soak {self.transport} ctx_tp={self.ctx_tp} gen_tp={self.gen_tp} seed={self.seed}: "
+            f"{self.requests} requests ({self.completed} completed, {self.cancelled} cancelled, "
+            f"{self.errored} errored), {self.tokens} tokens, {self.restarts} context restarts, "
+            f"{self.transfers} transfers, {self.preemptions} preemptions, {self.wall_seconds:.1f} s "
+            f"(+{self.reference_seconds:.1f} s reference); fds {self.baseline.fds}->{self.final.fds}, "
+            f"threads {self.baseline.threads}->{self.final.threads}; {len(self.problems)} problems"
+        )
+
+
+async def run_soak(
+    requests: int,
+    seed: int,
+    transport: str = "local",
+    ctx_tp: int = 2,
+    gen_tp: int = 1,
+    restarts: int = 2,
+    *,
+    contexts: int = 2,
+    gen_pages: int = 49,
+    ctx_pages: int = 97,
+    max_running: int = 4,
+    concurrency: int = 16,
+    mean_gap: float = 0.02,
+    mean_cancel: float = 0.5,
+    deadline: float = 600.0,
+) -> SoakReport:
+    """Soak disaggregated serving with ``requests`` seeded random requests over ``transport`` (see the module
+    docstring); ``contexts`` context engines are up at the start (restarts keep the count), at most
+    ``concurrency`` requests run at once, ``deadline`` bounds the measured run. Checks never raise: read :attr:`SoakReport.problems`."""
+    plan = make_plan(requests, seed, restarts, mean_gap, mean_cancel)
+    async with _system(
+        transport,
+        ctx_tp,
+        gen_tp,
+        contexts=contexts,
+        gen_pages=gen_pages,
+        ctx_pages=ctx_pages,
+        max_running=max_running,
+        max_queued=requests + len(plan.warm_up) + 1,
+        seed=seed,
+    ) as system:
+        return await _soak(system, plan, concurrency, deadline)
+
+
+async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: float) -> SoakReport:
+    problems: list[str] = []
+    gen_initial = counts(system.gen)
+    warm = [await _submit(system, r) for r in plan.warm_up]
+    with anyio.fail_after(deadline):
+        async with anyio.create_task_group() as tg:
+            for outcome in warm:
+                tg.start_soon(_client, outcome)
+    problems += await _leaks(system, gen_initial)
+    baseline = Resources.now(system)
+    async with anyio.create_task_group() as tg:
+        # after the baseline, closed before the final count: its pipes and watcher are not counted
+        ref = await _ReferenceProcess.start(plan)
+        tg.start_soon(ref.run)
+        try:
+            began = time.perf_counter()
+            outcomes = await _drive(system, plan, concurrency, deadline)
+            wall = time.perf_counter() - began
+            problems += await _leaks(system, gen_initial, outcomes)
+            expected = await ref.result(deadline)
+        finally:
+            await ref.close()
+    if not await _settled(lambda: _no_growth(Resources.now(system), baseline), 5.0):
+        problems.append(f"resources {Resources.now(system)} grew from {baseline} after the warm-up")
+    final = Resources.now(system)
+    problems += [p for o in warm + outcomes if (p := _judge(system, o, expected[o.request.index]))]
+    if len(outcomes) < len(plan.requests):
+        problems.append(f"only {len(outcomes)} of {len(plan.requests)} requests were submitted in time")
+    results = [o.result for o in outcomes if o.result is not None]
+    reasons = [r.finish_reason for r in results]
+    return SoakReport(
+        system.transport,
+        system.ctx_options.tp,
+        len(system.gen.arenas),
+        plan.seed,
+        len(outcomes),
+        sum(1 for r in reasons if r in (FinishReason.STOP, FinishReason.LENGTH)),
+        reasons.count(FinishReason.CANCELLED),
+        reasons.count(FinishReason.ERROR),
+        sum(len(r.token_ids) for r in results),
+        system.restarts,
+        wall,
+        ref.seconds,
+        system.worker.statistics()["transfers"],
+        system.gen.engine.scheduler.statistics().num_preemptions,
+        baseline,
+        final,
+        tuple(problems),
+    )
+
+
+if __name__ == "__main__":
+    _reference_main(sys.argv[1])
