@@ -251,7 +251,8 @@ def test_context_killed_mid_transfer(transport: str, pair: HostPair) -> None:
     assert driver.call("connect", address=context_address(context))["same_host"] is False
     assert driver.call("generate", prompt=ROUTED, max_tokens=MAX_TOKENS)["tokens"] == expected_routed
     idle = driver.call("idle")
-    assert idle["links"][1] == {"gone": False, "in_flight": 0} and idle["sessions"] == [0, 0], idle
+    # the dead engine's link, with nothing left in flight, was forgotten when the next request was routed
+    assert idle["links"] == [{"gone": False, "in_flight": 0}] and idle["sessions"] == [0], idle
     assert idle["cma_reads"] == 0, idle  # UCX: no bytes read out of the writer's memory
     driver.send("exit")
     assert driver.process.wait(DEADLINE) == 0, driver.process.output()
