@@ -41,12 +41,14 @@ class RoutedGeneration:
     transfer: TransferStatistics | None = None
     #: ``time.perf_counter()`` when the generation engine admitted it (None: not yet, or never: not held)
     admitted_at: float | None = None
+    #: the context engine it was routed to (None: not yet)
+    link: ContextLink | None = None
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[int]:
-        link = await self.router.acquire()
+        link = self.link = await self.router.acquire()
         lease = _Lease(self.router, link)
         try:
             async for token in self._routed(link, lease):

@@ -82,8 +82,6 @@ class Backend(abc.ABC):
 
     #: the served model's name
     name: str
-    #: seconds it took to start (engines built, peers connected)
-    started_seconds: float = 0.0
 
     @property
     @abc.abstractmethod

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import statistics as stats
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -32,7 +31,7 @@ import attrs
 from attrs import define
 
 from kvferry.engine.request import SamplingParams
-from kvferry.errors import ConfigError, KvferryError, RequestAborted, ServiceOverloaded
+from kvferry.errors import ConfigError, EngineClosed, KvferryError, RequestAborted, ServiceOverloaded
 from kvferry.serving.backends import Backend, DisaggOptions, open_backend
 from kvferry.serving.handle import CompletionResult, FinishReason, RequestHandle, RequestTiming
 
@@ -144,8 +143,6 @@ class Service:
         :raises ~kvferry.errors.ServiceOverloaded: ``max_queued`` requests already wait for admission.
         :raises ~kvferry.errors.EngineClosed: the service is closed.
         """
-        from kvferry.errors import EngineClosed
-
         if self._closed:
             raise EngineClosed("the service is closed")
         prompt = _token_ids(prompt_ids, "prompt")
@@ -279,10 +276,8 @@ async def open_service(
     """
     if max_queued < 1:
         raise ConfigError(f"max_queued must be at least 1, got {max_queued}")
-    started = time.perf_counter()
     async with open_backend(model, engine, disagg) as backend, anyio.create_task_group() as tg:
         service = Service(backend, tg, max_queued)
-        service.backend.started_seconds = time.perf_counter() - started
         try:
             yield service
         finally:

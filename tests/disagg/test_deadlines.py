@@ -107,7 +107,7 @@ async def test_a_context_side_that_never_answers_fails_the_prefill_in_time_and_f
             # the deadline, plus at most the bounded ReleaseContext (control_timeout) and some scheduling
             assert PREFILL <= seconds < PREFILL + p.worker.control_timeout + 0.5, seconds
             assert paused.is_set() or gate.entered.is_set()
-            assert not p.worker._waiting  # nothing is left waiting for the answer
+            assert not any(link.waiting for link in p.worker.links)  # nothing is left waiting for the answer
             assert counts(p.gen) == gen_before  # nothing was allocated for it
         finally:
             resumed.set()  # the context side runs again

@@ -242,49 +242,13 @@ def _reference_main(arguments: str) -> None:
 
 
 @define(eq=False)
-class _TracedGeneration(RoutedGeneration):
-    #: the context engine's link it was routed to (None: the router found none up)
-    link: ContextLink | None = None
-
-    def _routed(self, link: ContextLink, lease: Any) -> AsyncIterator[int]:
-        self.link = link
-        return super()._routed(link, lease)
-
-
-@define(eq=False)
 class _TracingRouter(Router):
-    """A router whose generations remember their context link; :attr:`last` is the latest one made."""
+    """A router that remembers the latest generation it made (:attr:`last`; its ``link`` says where it went)."""
 
-    last: _TracedGeneration | None = attrs.field(default=None, init=False)
+    last: RoutedGeneration | None = attrs.field(default=None, init=False)
 
-    def generate(
-        self,
-        prompt_ids: Iterable[int],
-        *,
-        max_tokens: int,
-        stop_ids: Iterable[int] = (),
-        seed: int | None = None,
-        temperature: float = 1.0,
-        spec_k: int = 0,
-    ) -> RoutedGeneration:
-        plain = super().generate(
-            prompt_ids,
-            max_tokens=max_tokens,
-            stop_ids=stop_ids,
-            seed=seed,
-            temperature=temperature,
-            spec_k=spec_k,
-        )
-        self.last = _TracedGeneration(
-            plain.router,
-            plain.key,
-            plain.prompt,
-            plain.max_tokens,
-            plain.seed,
-            plain.temperature,
-            plain.spec_k,
-            plain.stop_ids,
-        )
+    def generate(self, prompt_ids: Iterable[int], **kwargs: Any) -> RoutedGeneration:
+        self.last = super().generate(prompt_ids, **kwargs)
         return self.last
 
 
@@ -455,7 +419,7 @@ async def _system(
 class _Outcome:
     request: SoakRequest
     handle: RequestHandle
-    routed: _TracedGeneration
+    routed: RoutedGeneration
     submitted: float
     #: what the client read by iterating the handle
     read: list[int] = attrs.field(factory=list)

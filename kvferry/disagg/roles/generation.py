@@ -138,10 +138,6 @@ class GenerationWorker(Worker):
     def receiver(self) -> Receiver | None:
         return self.links[0].receiver if self.links else None
 
-    @property
-    def _waiting(self) -> dict[str, tuple[anyio.Event, list[ContextDone]]]:
-        return {k: v for link in self.links for k, v in link.waiting.items()}
-
     def link(self, link: ContextLink | None = None) -> ContextLink:
         """``link``, or the first one; :class:`~kvferry.errors.TransferError` when not connected."""
         if link is not None:
