@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvferry._percentile import nearest_rank
 from kvferry.commands._common import (
     check_tp,
     non_negative_int,
@@ -169,10 +169,7 @@ async def _aggregated(
 
 def _percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+    return nearest_rank(sorted(values), q)
 
 
 async def _disaggregated(

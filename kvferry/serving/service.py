@@ -30,6 +30,7 @@ import anyio.abc
 import attrs
 from attrs import define
 
+from kvferry._percentile import nearest_rank
 from kvferry.engine.request import SamplingParams
 from kvferry.errors import ConfigError, EngineClosed, KvferryError, RequestAborted, ServiceOverloaded
 from kvferry.serving.backends import Backend, DisaggOptions, open_backend
@@ -55,8 +56,7 @@ class Percentiles(NamedTuple):
         ordered = sorted(values)
         if not ordered:
             return cls(None, None, 0)
-        p99 = ordered[min(len(ordered) - 1, max(0, -(-99 * len(ordered) // 100) - 1))]
-        return cls(stats.median(ordered), p99, len(ordered))
+        return cls(stats.median(ordered), nearest_rank(ordered, 99), len(ordered))
 
 
 class PoolOccupancy(NamedTuple):

@@ -24,7 +24,6 @@ client's (just before the request is sent, each event as it arrives; tokens of o
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ import anyio
 import attrs
 from attrs import define, frozen
 
+from kvferry._percentile import nearest_rank
 from kvferry.errors import ConfigError, KvferryError, MissingExtraError
 
 if TYPE_CHECKING:
@@ -319,7 +319,9 @@ def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float 
     ordered = sorted(values)
 
     def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] * scale
+        value = nearest_rank(ordered, q)
+        assert value is not None
+        return value * scale
 
     return {
         "p50": rank(50),
