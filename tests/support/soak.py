@@ -633,9 +633,11 @@ class SoakReport:
     restarts: int
     wall_seconds: float
     reference_seconds: float
-    #: transfers that landed, preemptions on the generation engine, cache offloads on the context engines
+    #: transfers that landed, preemptions on the generation engine
     transfers: int
     preemptions: int
+    #: requests routed to each context engine, in the order they started (the router spreads them)
+    routed: tuple[int, ...]
     baseline: Resources
     final: Resources
     problems: tuple[str, ...]
@@ -645,7 +647,8 @@ class SoakReport:
             f"soak {self.transport} ctx_tp={self.ctx_tp} gen_tp={self.gen_tp} seed={self.seed}: "
             f"{self.requests} requests ({self.completed} completed, {self.cancelled} cancelled, "
             f"{self.errored} errored), {self.tokens} tokens, {self.restarts} context restarts, "
-            f"{self.transfers} transfers, {self.preemptions} preemptions, {self.wall_seconds:.1f} s "
+            f"{self.transfers} transfers, {self.preemptions} preemptions, routed to contexts {self.routed}, "
+            f"{self.wall_seconds:.1f} s "
             f"(+{self.reference_seconds:.1f} s reference); fds {self.baseline.fds}->{self.final.fds}, "
             f"threads {self.baseline.threads}->{self.final.threads}; {len(self.problems)} problems"
         )
@@ -731,6 +734,7 @@ async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: flo
         ref.seconds,
         system.worker.statistics()["transfers"],
         system.gen.engine.scheduler.statistics().num_preemptions,
+        tuple(sum(1 for o in outcomes if o.routed.link is c.link) for c in system.contexts),
         baseline,
         final,
         tuple(problems),
