@@ -52,7 +52,7 @@ from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
 from kvferry.engine.engine import Generation
 from kvferry.engine.runner import PagedRunner
-from kvferry.errors import KvferryError, PeerDisconnected, PoolExhausted, TransportError
+from kvferry.errors import ClosedResourceError, KvferryError, PeerDisconnected, PoolExhausted, TransportError
 from kvferry.pools.manager import CacheState
 from kvferry.transports import Peer, Transport
 
@@ -214,7 +214,7 @@ class ContextWorker(Worker):
         if isinstance(message, ContextRequest):
             # known from now on: a ReleaseContext read before the task below first runs finds it
             entry = self._held[served.peer, message.key] = _Held()
-            served.tasks.start_soon(self._prefill_and_push, served, message, entry)
+            served.tasks.start_soon(self._serve_request, served, message, entry)
         elif isinstance(message, ReceiveRequest):
             held = self._held.get((served.peer, message.key))
             if held is None:
@@ -252,6 +252,12 @@ class ContextWorker(Worker):
             reason = "no push in progress"
         with anyio.move_on_after(self.control_timeout), contextlib.suppress(PeerDisconnected, KvferryError):
             await self.transport.send_message(peer, encode_control(CancelAck(message.session_id, reason)))
+
+    async def _serve_request(self, served: _Served, req: ContextRequest, held: _Held) -> None:
+        """:meth:`_prefill_and_push`, in the peer's task group. The peer going away (an answer or a push that
+        finds it gone) ends this request only: :meth:`serve` sees it too and stops the peer's other work."""
+        with contextlib.suppress(PeerDisconnected, ClosedResourceError):
+            await self._prefill_and_push(served, req, held)
 
     async def _prefill_and_push(self, served: _Served, req: ContextRequest, held: _Held) -> None:
         """Prefill ``req``, answer it, hold its cache and push it when asked.
