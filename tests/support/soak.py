@@ -23,6 +23,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -267,7 +268,12 @@ class _Context:
     link: ContextLink | None = None
     initial: tuple[int, ...] = ()
     registrations: int = 0
-    killed: bool = False
+    #: perf_counter() when its scope was cancelled (None: alive)
+    killed_at: float | None = None
+
+    @property
+    def killed(self) -> bool:
+        return self.killed_at is not None
 
     @property
     def built(self) -> BuiltEngine:
@@ -298,6 +304,7 @@ class _System:
     #: (start, end) perf_counter windows during which no context engine was up
     outages: list[tuple[float, float]] = attrs.field(factory=list)
     restarts: int = 0
+    failures: list[str] = attrs.field(factory=list)
     _lock: anyio.Lock = attrs.field(factory=anyio.Lock)
 
     @property
@@ -305,6 +312,8 @@ class _System:
         return [c for c in self.contexts if not c.killed]
 
     async def _run_context(self, ctx: _Context) -> None:
+        """Run a context engine until its scope is cancelled; anything it raises is one of :attr:`failures`
+        (the soak goes on without it)."""
         try:
             with ctx.scope:
                 await serve_context(
@@ -315,6 +324,8 @@ class _System:
                     on_listening=ctx.listen,
                     on_worker=ctx.bind,
                 )
+        except Exception:
+            self.failures.append(f"{ctx.name} raised: {traceback.format_exc()}")
         finally:
             ctx.ended.set()
 
@@ -336,7 +347,7 @@ class _System:
     async def kill(self, ctx: _Context) -> None:
         """Cancel the context engine's scope (its transport closes) and close our side of the connection once
         the generation side saw the peer go."""
-        ctx.killed = True
+        ctx.killed_at = time.perf_counter()
         ctx.scope.cancel()
         with anyio.fail_after(SETTLE_DEADLINE):
             await ctx.ended.wait()
@@ -346,15 +357,22 @@ class _System:
             await ctx.peer.aclose()
 
     async def restart(self) -> None:
-        """Kill a random live context engine, then start a new one (one restart at a time)."""
+        """Kill a random live context engine, then start a new one (one restart at a time); a failure is one of
+        :attr:`failures`."""
         async with self._lock:
-            victim = self.rng.choice(self.live)
-            alone = len(self.live) == 1
+            victim = self.rng.choice(self.live) if self.live else None  # none: an earlier restart failed
+            alone = len(self.live) <= 1
             began = time.perf_counter()
-            await self.kill(victim)
-            await self.start_context()
-            if alone:
-                self.outages.append((began, time.perf_counter()))
+            try:
+                if victim is not None:
+                    await self.kill(victim)
+                await self.start_context()
+            except Exception:
+                self.failures.append(f"a restart failed: {traceback.format_exc()}")
+                return
+            finally:
+                if alone:
+                    self.outages.append((began, time.perf_counter()))
             self.restarts += 1
 
     async def close(self) -> None:
@@ -420,7 +438,6 @@ class _Outcome:
     request: SoakRequest
     handle: RequestHandle
     routed: RoutedGeneration
-    submitted: float
     #: what the client read by iterating the handle
     read: list[int] = attrs.field(factory=list)
     result: CompletionResult | None = None
@@ -460,7 +477,7 @@ async def _submit(system: _System, request: SoakRequest) -> _Outcome:
     # submit() awaits nothing: the router's latest generation is this request's
     routed = system.router.last
     assert routed is not None
-    return _Outcome(request, handle, routed, time.perf_counter())
+    return _Outcome(request, handle, routed)
 
 
 async def _drive(system: _System, plan: SoakPlan, concurrency: int, deadline: float) -> list[_Outcome]:
@@ -517,13 +534,15 @@ def _judge(system: _System, outcome: _Outcome, expected: list[int]) -> str | Non
         return f"{what} errored without a typed error: {result.error!r}"
     link = outcome.routed.link
     if link is None:
-        ended = outcome.submitted + (result.timing.total_seconds or 0.0)
-        if not any(a <= ended and outcome.submitted <= b for a, b in system.outages):
+        began, ended = outcome.handle.submitted_at, outcome.handle.finished_at or 0.0
+        if not any(a <= ended and began <= b for a, b in system.outages):
             return f"{what} found no context engine up, outside every restart: {result.error!r}"
         return None
-    killed = [c for c in system.contexts if c.link is link and c.killed]
-    if not killed:
-        return f"{what} failed on a context engine that was never killed ({link!r}): {result.error!r}"
+    if outcome.routed.transfer is not None:
+        return f"{what} failed after its cache landed (it decoded here): {result.error!r}"
+    ended = outcome.handle.finished_at or 0.0
+    if not any(c.link is link and c.killed_at is not None and c.killed_at <= ended for c in system.contexts):
+        return f"{what} failed on a context engine not killed before it ended ({link!r}): {result.error!r}"
     return None
 
 
@@ -714,6 +733,7 @@ async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: flo
     if not await _settled(lambda: _no_growth(Resources.now(system), baseline), 5.0):
         problems.append(f"resources {Resources.now(system)} grew from {baseline} after the warm-up")
     final = Resources.now(system)
+    problems += system.failures
     problems += [p for o in warm + outcomes if (p := _judge(system, o, expected[o.request.index]))]
     if len(outcomes) < len(plan.requests):
         problems.append(f"only {len(outcomes)} of {len(plan.requests)} requests were submitted in time")
