@@ -2,31 +2,28 @@
 
 The system under test runs in this process: a generation engine with tight pools behind a
 :class:`~kvferry.serving.service.Service`, fed by context engines (:func:`~kvferry.disagg.serve.serve_context`,
-each in its own cancel scope with its own transport). Requests arrive at seeded random times with random
-prompts, lengths, sampling and speculation; some are cancelled after a random delay, some clients stop reading
-after a few tokens and cancel (a disconnect), and context engines are restarted at random points (the scope is
-cancelled: its transport closes and the generation side sees the peer gone; a fresh engine is connected).
+each in its own cancel scope with its own transport). Requests come at seeded random gaps (at most
+``concurrency`` at once) with random prompts, lengths, sampling and speculation; some are cancelled after a
+random delay, some clients stop reading after a few tokens and cancel (a disconnect), and context engines are
+restarted at random points (the scope is cancelled: its transport closes and the generation side sees the peer
+gone; a fresh engine is connected).
 
 Every request must end; one that finished (stop / length) has exactly the tokens of an unconstrained aggregated
-engine, a cancelled one a prefix of them, and an errored one ended with a typed error on a context engine that
-was killed (or while none was up). Afterwards every pool, hold, receiver session, grant, registration, open
-descriptor and thread is back where it was after a warm-up. What went wrong is listed in
-:attr:`SoakReport.problems` (empty: the soak passed).
+engine (computed meanwhile by another process), a cancelled one a prefix of them, and an errored one ended with
+a typed error, before its cache landed, on a context engine that was killed (or while none was up). Afterwards
+every pool, hold, receiver session, grant, registration, open descriptor and thread is back where it was after a
+warm-up. What went wrong is listed in :attr:`SoakReport.problems` (empty: the soak passed).
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import os
 import random
-import sys
 import threading
 import time
 import traceback
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, cast
 
 import anyio
@@ -45,198 +42,14 @@ from kvferry.serving.handle import CompletionResult, FinishReason, RequestHandle
 from kvferry.serving.service import Service
 from kvferry.transports import Peer, Transport, get_transport, new_secret
 from tests.support.disagg_pair import counts
+from tests.support.soak_plan import SPEC_K, Client, ReferenceProcess, SoakPlan, SoakRequest, make_plan
 
-__all__ = ["Client", "SoakPlan", "SoakReport", "SoakRequest", "make_plan", "reference", "run_soak"]
+__all__ = ["SoakReport", "run_soak"]
 
-SPEC_K = 2
-VOCAB = 256
-#: the reference engine: pools and batch far beyond what the soak needs at once
-REFERENCE = EngineOptions(
-    dtype="float64", max_spec_k=SPEC_K, num_pages=2048, max_running=64, step_in_thread=False
-)
-#: the checkout this module belongs to (the reference process imports its kvferry)
-ROOT = Path(__file__).resolve().parents[2]
 #: seconds a context engine has to build, register and listen
 START_DEADLINE = 30.0
 #: seconds the pools, holds and sessions have to come back once the last request ended
 SETTLE_DEADLINE = 10.0
-
-
-class Client(enum.Enum):
-    """What the client of one request does."""
-
-    #: reads every token to the end
-    READ = "read"
-    #: cancels the request after a random delay
-    CANCEL = "cancel"
-    #: reads a few tokens, stops reading and cancels (a client that went away)
-    DISCONNECT = "disconnect"
-
-
-@frozen
-class SoakRequest:
-    index: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    #: None: greedy
-    seed: int | None
-    temperature: float
-    spec_k: int
-    stop_ids: tuple[int, ...]
-    #: seconds after the previous request was submitted (and at most ``concurrency`` requests run at once)
-    gap: float
-    client: Client
-    #: CANCEL: seconds after submit; DISCONNECT: tokens read before going away
-    cancel_after: float = 0.0
-    disconnect_after: int = 0
-
-
-@frozen
-class SoakPlan:
-    #: what :func:`make_plan` was called with (it makes the same plan again from them)
-    arguments: tuple[int, int, int, float, float]
-    requests: tuple[SoakRequest, ...]
-    #: before submitting the request of each index, a context engine restart starts (in its own task)
-    restarts: tuple[int, ...]
-    #: greedy requests read to the end before the measured run (they start the lazily started parts)
-    warm_up: tuple[SoakRequest, ...]
-
-    @property
-    def seed(self) -> int:
-        return self.arguments[1]
-
-
-def make_plan(
-    requests: int, seed: int, restarts: int, mean_gap: float = 0.02, mean_cancel: float = 0.5
-) -> SoakPlan:
-    """``requests`` seeded random requests (submitted ``mean_gap`` seconds apart on average; cancelling clients
-    wait ``mean_cancel`` seconds on average) and ``restarts`` restart points spread over the middle of the run.
-
-    Prompts of 1..60 tokens, some starting with one of a few shared prefixes (prefix-cache hits on both sides);
-    max_tokens 1..40, half of them 1..12 (more requests start, transfer and end per second of decoding); greedy
-    or seeded sampling; 0..2 draft tokens; now and then stop tokens.
-    """
-    rng = random.Random(seed)
-    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(rng.randrange(4, 30))) for _ in range(4)]
-
-    def prompt() -> tuple[int, ...]:
-        length = rng.randint(1, 60)
-        head = rng.choice(prefixes) if rng.random() < 0.3 else ()
-        return (head + tuple(rng.randrange(VOCAB) for _ in range(length)))[:length]
-
-    def one(index: int) -> SoakRequest:
-        draw = rng.random()
-        client = Client.CANCEL if draw < 0.10 else Client.DISCONNECT if draw < 0.15 else Client.READ
-        max_tokens = rng.randint(1, 40 if rng.random() < 0.5 else 12)
-        greedy = rng.random() < 0.5
-        return SoakRequest(
-            index,
-            prompt(),
-            max_tokens,
-            None if greedy else rng.randrange(2**31),
-            1.0 if greedy else rng.uniform(0.5, 1.5),
-            rng.randint(0, SPEC_K),
-            tuple(rng.randrange(VOCAB) for _ in range(3)) if rng.random() < 0.2 else (),
-            rng.expovariate(1 / mean_gap),
-            client,
-            cancel_after=rng.expovariate(1 / mean_cancel),
-            disconnect_after=rng.randint(1, max(1, max_tokens - 1)),
-        )
-
-    planned = tuple(one(i) for i in range(requests))
-    middle = range(requests // 10, max(requests // 10 + restarts, 9 * requests // 10))
-    points = tuple(sorted(rng.sample(middle, restarts)))
-    warm = tuple(
-        SoakRequest(requests + i, (7, 1, i + 2, 9, 5, 3), 4, None, 1.0, SPEC_K, (), 0.0, Client.READ)
-        for i in range(4)
-    )
-    return SoakPlan((requests, seed, restarts, mean_gap, mean_cancel), planned, points, warm)
-
-
-async def reference(requests: Sequence[SoakRequest]) -> dict[int, list[int]]:
-    """Each request's tokens on one aggregated engine with ample pools (all at once), by index."""
-    built = build_engine("tiny", REFERENCE)
-    out: dict[int, list[int]] = {}
-
-    async def one(r: SoakRequest) -> None:
-        out[r.index] = await built.engine.generate(
-            r.prompt,
-            max_tokens=r.max_tokens,
-            stop_ids=r.stop_ids,
-            seed=r.seed,
-            temperature=r.temperature,
-            spec_k=r.spec_k,
-        ).collect()
-
-    async with built.engine, anyio.create_task_group() as tg:
-        for r in requests:
-            tg.start_soon(one, r)
-    return out
-
-
-@define(eq=False)
-class _ReferenceProcess:
-    """:func:`reference` of one plan, computed by another process (``python -m tests.support.soak``, running this
-    checkout's kvferry) while the soak runs: on another core, where there is one."""
-
-    process: anyio.abc.Process
-    started: float = attrs.field(factory=time.perf_counter)
-    #: seconds from its start to its end (0: not ended)
-    seconds: float = 0.0
-    _out: bytearray = attrs.field(factory=bytearray)
-    _err: bytearray = attrs.field(factory=bytearray)
-    _done: anyio.Event = attrs.field(factory=anyio.Event)
-
-    @classmethod
-    async def start(cls, plan: SoakPlan) -> _ReferenceProcess:
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        process = await anyio.open_process(
-            [sys.executable, "-m", "tests.support.soak", json.dumps(plan.arguments)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": path},
-        )
-        return cls(process)
-
-    async def run(self) -> None:
-        """Read what it prints until it ends."""
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_read_all, self.process.stdout, self._out)
-                tg.start_soon(_read_all, self.process.stderr, self._err)
-                await self.process.wait()
-            self.seconds = time.perf_counter() - self.started
-        finally:
-            self._done.set()
-
-    async def result(self, deadline: float) -> dict[int, list[int]]:
-        """The tokens by request index."""
-        with anyio.fail_after(deadline):
-            await self._done.wait()
-        code = self.process.returncode
-        if code != 0:
-            raise RuntimeError(f"the reference process failed ({code}): {self._err.decode()[-2000:]}")
-        return {int(k): v for k, v in json.loads(self._out).items()}
-
-    async def close(self) -> None:
-        """End the process if it still runs (the soak failed before it needed the reference)."""
-        with anyio.CancelScope(shield=True):
-            if self.process.returncode is None:
-                self.process.kill()
-            await self.process.aclose()
-
-
-async def _read_all(stream: anyio.abc.ByteReceiveStream | None, into: bytearray) -> None:
-    assert stream is not None
-    async for chunk in stream:
-        into += chunk
-
-
-def _reference_main(arguments: str) -> None:
-    import torch
-
-    torch.set_num_threads(1)  # as the test suites run
-    plan = make_plan(*json.loads(arguments))
-    print(json.dumps(anyio.run(reference, plan.requests + plan.warm_up)))
 
 
 # --- the system under test ------------------------------------------------------------------------------
@@ -650,7 +463,9 @@ class SoakReport:
     #: tokens every request's client got, all together
     tokens: int
     restarts: int
+    #: the measured run (warm-up and reference excluded)
     wall_seconds: float
+    #: the reference process, from its start (after the warm-up, alongside the run) to its end
     reference_seconds: float
     #: transfers that landed, preemptions on the generation engine
     transfers: int
@@ -667,8 +482,7 @@ class SoakReport:
             f"{self.requests} requests ({self.completed} completed, {self.cancelled} cancelled, "
             f"{self.errored} errored), {self.tokens} tokens, {self.restarts} context restarts, "
             f"{self.transfers} transfers, {self.preemptions} preemptions, routed to contexts {self.routed}, "
-            f"{self.wall_seconds:.1f} s "
-            f"(+{self.reference_seconds:.1f} s reference); fds {self.baseline.fds}->{self.final.fds}, "
+            f"{self.wall_seconds:.1f} s (reference alongside: {self.reference_seconds:.1f} s); fds {self.baseline.fds}->{self.final.fds}, "
             f"threads {self.baseline.threads}->{self.final.threads}; {len(self.problems)} problems"
         )
 
@@ -720,7 +534,7 @@ async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: flo
     baseline = Resources.now(system)
     async with anyio.create_task_group() as tg:
         # after the baseline, closed before the final count: its pipes and watcher are not counted
-        ref = await _ReferenceProcess.start(plan)
+        ref = await ReferenceProcess.start(plan)
         tg.start_soon(ref.run)
         try:
             began = time.perf_counter()
@@ -759,7 +573,3 @@ async def _soak(system: _System, plan: SoakPlan, concurrency: int, deadline: flo
         final,
         tuple(problems),
     )
-
-
-if __name__ == "__main__":
-    _reference_main(sys.argv[1])
