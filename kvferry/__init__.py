@@ -19,10 +19,12 @@ from kvferry.errors import *  # noqa: F403
 from kvferry.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
+    from kvferry.engine.conversation import Conversation as Conversation
+    from kvferry.engine.conversation import TurnStatistics as TurnStatistics
     from kvferry.engine.engine import Engine as Engine
     from kvferry.engine.engine import EngineStatistics as EngineStatistics
-    from kvferry.engine.engine import Generation as Generation
-    from kvferry.engine.engine import GenerationStatistics as GenerationStatistics
+    from kvferry.engine.generation import Generation as Generation
+    from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
     from kvferry.engine.runner import BuiltEngine as BuiltEngine
     from kvferry.engine.runner import EngineOptions as EngineOptions
     from kvferry.engine.runner import build_engine as build_engine
@@ -57,9 +59,11 @@ _LAZY: dict[str, str] = {
     "Transport": "kvferry.transports.base",
     "get_transport": "kvferry.transports.registry",
     "Engine": "kvferry.engine.engine",
-    "Generation": "kvferry.engine.engine",
+    "Generation": "kvferry.engine.generation",
     "EngineStatistics": "kvferry.engine.engine",
-    "GenerationStatistics": "kvferry.engine.engine",
+    "GenerationStatistics": "kvferry.engine.generation",
+    "Conversation": "kvferry.engine.conversation",
+    "TurnStatistics": "kvferry.engine.conversation",
     "EngineOptions": "kvferry.engine.runner",
     "BuiltEngine": "kvferry.engine.runner",
     "build_engine": "kvferry.engine.runner",

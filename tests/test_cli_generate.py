@@ -123,3 +123,48 @@ def test_a_negative_stop_id_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         main(["generate", "--ids", "1", "--max-tokens", "2", "--stop-ids", "-5"])
     assert exit_.value.code == 2
     assert "--stop-ids: must not be negative, got -5" in capsys.readouterr().err
+
+
+CHAT = ["generate", "--chat", "--prompt", "hello there", "--prompt", "and then?", "--prompt", "ok", "--json"]
+
+
+@pytest.mark.parametrize("spec_k", ["0", "2"])
+def test_chat_gives_the_same_tokens_kept_offloaded_or_recomputed(
+    spec_k: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = {}
+    for mode in ("", "--offload-between-turns", "--drop-between-turns"):
+        argv = [*CHAT, "--max-tokens", "7", "--spec-k", spec_k, *FAST, *([mode] if mode else [])]
+        assert main(argv) == 0
+        runs[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokens = {mode: [turn["tokens"] for turn in turns] for mode, turns in runs.items()}
+    assert tokens[""] == tokens["--offload-between-turns"] == tokens["--drop-between-turns"]
+    # turn i sees the earlier turns: a fresh run of the whole history gives its tokens
+    history = list(b"hello there") + tokens[""][0] + list(b"and then?")
+    assert main(["generate", "--ids", *map(str, history), "--max-tokens", "7", "--json", *FAST]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == tokens[""][1]
+    kept, offloaded, dropped = runs[""], runs["--offload-between-turns"], runs["--drop-between-turns"]
+    for turn in (1, 2):
+        earlier = sum(len(t["prompt_tokens"]) + len(t["tokens"]) for t in kept[:turn])
+        assert kept[turn]["reused_tokens"] == earlier - 1  # all but the last answer token was computed
+        assert kept[turn]["restored_bytes"] == kept[turn]["recomputed_tokens"] == 0
+        assert offloaded[turn]["restored_bytes"] > 0 and offloaded[turn]["recomputed_tokens"] == 0
+        assert dropped[turn]["recomputed_tokens"] > 0 and dropped[turn]["restored_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--prompt", "a", "--offload-between-turns"], "--offload-between-turns needs --chat"),
+        (["--chat", "--ids", "1", "2"], "--chat takes its turns as --prompt"),
+        (
+            ["--chat", "--prompt", "a", "--offload-between-turns", "--drop-between-turns"],
+            "exclude each other",
+        ),
+    ],
+)
+def test_chat_misuse_says_what_to_change(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", "--max-tokens", "2", *argv]) == 2
+    assert says in capsys.readouterr().err

@@ -23,7 +23,8 @@ def test_every_public_name_resolves_to_its_module_object() -> None:
 def test_the_engine_types_a_caller_meets_are_public() -> None:
     """build_engine returns a BuiltEngine, generate a Generation, statistics() EngineStatistics and
     GenerationStatistics: each is importable from kvferry, for annotations."""
-    from kvferry.engine.engine import EngineStatistics, Generation, GenerationStatistics
+    from kvferry.engine.engine import EngineStatistics
+    from kvferry.engine.generation import Generation, GenerationStatistics
     from kvferry.engine.runner import BuiltEngine
 
     for name, obj in {

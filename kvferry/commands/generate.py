@@ -22,6 +22,7 @@ from kvferry.commands._common import check_model, non_negative_int, positive_int
 from kvferry.errors import ConfigError, PoolExhausted
 
 if TYPE_CHECKING:
+    from kvferry.engine.engine import Engine
     from kvferry.model.tokenizer import Tokenizer
 
 
@@ -79,6 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-pages", type=positive_int, default=512, metavar="N", help="attention pages per rank"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    chat = parser.add_argument_group("conversations")
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompts are the turns of one conversation: turn i sees every earlier prompt and answer, and "
+        "the cache is kept between turns",
+    )
+    chat.add_argument(
+        "--offload-between-turns",
+        action="store_true",
+        help="with --chat: move the conversation's cache to host memory after each turn (the next restores it)",
+    )
+    chat.add_argument(
+        "--drop-between-turns",
+        action="store_true",
+        help="with --chat: free the conversation's cache after each turn (the next computes it again)",
+    )
 
 
 def escape(text: str) -> str:
@@ -170,6 +188,13 @@ def run(args: argparse.Namespace) -> int:
             "generation is greedy"
         )
     temperature = 1.0 if args.temperature is None else args.temperature
+    between = [f for f in ("offload_between_turns", "drop_between_turns") if getattr(args, f)]
+    if between and not args.chat:
+        raise ConfigError(f"--{between[0].replace('_', '-')} needs --chat")
+    if len(between) > 1:
+        raise ConfigError("--offload-between-turns and --drop-between-turns exclude each other")
+    if args.chat and args.prompt is None:
+        raise ConfigError("--chat takes its turns as --prompt TEXT (one per turn)")
     check_model(args.model)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
@@ -195,6 +220,14 @@ def run(args: argparse.Namespace) -> int:
         # at once, not after generating what fits: the last token's KV is never written
         if _pages_needed(prompt, args, tokens_per_block) > args.num_pages - 1:
             raise _cannot_fit(index, prompt, args, tokens_per_block)
+
+    if args.chat:
+        # every turn's prompt holds the earlier turns: check the whole conversation's worst case
+        total = [t for prompt in prompts for t in prompt] + [0] * (args.max_tokens * (len(prompts) - 1))
+        if _pages_needed(total, args, tokens_per_block) > args.num_pages - 1:
+            raise _cannot_fit(len(prompts) - 1, total, args, tokens_per_block)
+        anyio.run(_chat, args, built.engine, prompts, tokenizer, temperature)
+        return 0
 
     async def main() -> None:
         async with built.engine as engine:
@@ -227,6 +260,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _chat(
+    args: argparse.Namespace,
+    engine: Engine,
+    prompts: list[list[int]],
+    tokenizer: Tokenizer | None,
+    temperature: float,
+) -> None:
+    """The prompts as the turns of one conversation, with what ``--*-between-turns`` asks for between them."""
+    async with engine:
+        with engine.conversation(spec_k=args.spec_k) as conversation:
+            for index, prompt in enumerate(prompts):
+                if index and args.offload_between_turns:
+                    await conversation.offload()
+                elif index and args.drop_between_turns:
+                    conversation.drop()
+                started = time.perf_counter()
+                turn = conversation.turn(
+                    prompt,
+                    max_tokens=args.max_tokens,
+                    stop_ids=args.stop_ids,
+                    seed=args.seed,
+                    temperature=temperature,
+                )
+                stream = None if args.json else _TextStream(tokenizer, sys.stdout)
+                tokens: list[int] = []
+                async for token in turn:
+                    tokens.append(token)
+                    if stream is not None:
+                        stream.add(token)
+                if stream is not None:
+                    stream.end()
+                done = conversation.turns[-1]
+                extra = {
+                    "turn": index,
+                    "restored_bytes": done.restored_bytes,
+                    "recomputed_tokens": done.recomputed_tokens,
+                }
+                _report(args, prompt, tokens, tokenizer, turn.statistics(), started, extra)
+
+
 def _report(
     args: argparse.Namespace,
     prompt: list[int],
@@ -234,6 +307,7 @@ def _report(
     tokenizer: Tokenizer | None,
     stats: Any,
     started: float,
+    extra: dict[str, int] | None = None,
 ) -> None:
     seconds = time.perf_counter() - started
     if args.json:
@@ -246,13 +320,17 @@ def _report(
             "num_drafted": stats.num_drafted,
             "num_accepted": stats.num_accepted,
             "reused_tokens": stats.reused_tokens,
+            **(extra or {}),
             "seconds": seconds,
         }
         print(json.dumps(result), flush=True)
         return
+    more = "".join(
+        f", {key.replace('_', ' ')} {value}" for key, value in (extra or {}).items() if key != "turn"
+    )
     print(
         f"[{len(tokens)} tokens, {stats.finish_reason}, acceptance {stats.acceptance_rate:.2f}, "
-        f"reused {stats.reused_tokens}, {seconds:.2f} s]",
+        f"reused {stats.reused_tokens}{more}, {seconds:.2f} s]",
         file=sys.stderr,
         flush=True,
     )

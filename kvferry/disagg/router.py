@@ -18,7 +18,7 @@ from kvferry.disagg.protocol import ContextRequest, PeerInfo
 from kvferry.disagg.roles import GenerationWorker
 from kvferry.disagg.roles.generation import ContextLink
 from kvferry.disagg.session import TransferStatistics
-from kvferry.engine.engine import Generation
+from kvferry.engine.generation import Generation
 from kvferry.errors import ConfigError, RequestTooLarge, TransferError
 
 __all__ = ["RoutedGeneration", "Router"]

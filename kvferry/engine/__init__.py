@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 from kvferry._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from kvferry.engine.conversation import Conversation as Conversation
+    from kvferry.engine.conversation import TurnStatistics as TurnStatistics
     from kvferry.engine.engine import Engine as Engine
     from kvferry.engine.engine import EngineConfig as EngineConfig
     from kvferry.engine.engine import EngineStatistics as EngineStatistics
-    from kvferry.engine.engine import Generation as Generation
-    from kvferry.engine.engine import GenerationStatistics as GenerationStatistics
     from kvferry.engine.engine import ModelRunner as ModelRunner
+    from kvferry.engine.generation import Generation as Generation
+    from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
     from kvferry.engine.request import Request as Request
     from kvferry.engine.request import RequestState as RequestState
     from kvferry.engine.request import SamplingParams as SamplingParams
@@ -42,8 +44,10 @@ _LAZY: dict[str, str] = {
     "Engine": "kvferry.engine.engine",
     "EngineConfig": "kvferry.engine.engine",
     "EngineStatistics": "kvferry.engine.engine",
-    "Generation": "kvferry.engine.engine",
-    "GenerationStatistics": "kvferry.engine.engine",
+    "Generation": "kvferry.engine.generation",
+    "GenerationStatistics": "kvferry.engine.generation",
+    "Conversation": "kvferry.engine.conversation",
+    "TurnStatistics": "kvferry.engine.conversation",
     "ModelRunner": "kvferry.engine.engine",
     "BuiltEngine": "kvferry.engine.runner",
     "EngineOptions": "kvferry.engine.runner",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
@@ -41,10 +41,12 @@ import torch
 from anyio.abc import TaskGroup, TaskStatus
 from attrs import define, frozen
 
+from kvferry.engine.conversation import Conversation, ConversationCache
+from kvferry.engine.generation import Generation
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.sampling import accept_drafts, sample_tokens
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, SchedulerConfig, StepItem, StepPlan
-from kvferry.errors import ConfigError, EngineClosed, KvferryError, RequestAborted
+from kvferry.errors import ConfigError, EngineClosed, RequestAborted
 
 __all__ = [
     "DraftItem",
@@ -52,8 +54,6 @@ __all__ = [
     "EngineConfig",
     "EngineStatistics",
     "ForwardItem",
-    "Generation",
-    "GenerationStatistics",
     "ModelRunner",
     "StepTiming",
 ]
@@ -128,6 +128,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     #: run model steps in a worker thread (the event loop keeps serving while torch computes)
     step_in_thread: bool = True
+    #: bytes of host memory for caches moved off the device (None: no bound); past it, the idle conversations
+    #: on the host are dropped, least recently used first (their next turn recomputes them)
+    host_memory: int | None = None
 
 
 class EngineStatistics(NamedTuple):
@@ -171,19 +174,6 @@ class StepTiming(NamedTuple):
         return self.schedule_seconds + self.apply_seconds
 
 
-class GenerationStatistics(NamedTuple):
-    request_id: int
-    state: RequestState
-    finish_reason: str | None
-    num_prompt: int
-    num_generated: int
-    reused_tokens: int
-    num_drafted: int
-    num_accepted: int
-    acceptance_rate: float
-    num_preemptions: int
-
-
 def start_owned_task(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> object:
     """Start ``function(*args)`` in a new task of the running event loop that belongs to no task group of the
     caller's (asyncio: a task, returned so that its owner keeps it referenced; trio: a system task). The
@@ -217,90 +207,6 @@ def _greedy_rows(logits: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
-# --- one request's stream --------------------------------------------------------------------------------
-
-
-@define(eq=False)
-class Generation:
-    """The tokens of one request, as an async iterable (iterate it once).
-
-    Nothing is submitted until iteration starts. Leaving the ``async for`` early, or a cancel scope around
-    it, cancels the request: whatever it held in the cache manager is freed at the engine's next step
-    boundary, and the engine keeps serving the others. :meth:`statistics` reads the request's counters at
-    any time (also after the end).
-    """
-
-    _engine: Engine
-    request: Request
-    _started: bool = attrs.field(default=False, init=False)
-    _submitted: bool = attrs.field(default=False, init=False)
-
-    def __aiter__(self) -> AsyncIterator[int]:
-        if self._started:
-            raise ConfigError("a Generation can be iterated once")
-        self._started = True
-        return self._tokens()
-
-    def submit(self) -> None:
-        """Queue the request with the engine now (iterating does it otherwise); idempotent. Once submitted, the
-        request runs until it ends or :meth:`cancel` (or an iteration that stops early) ends it.
-
-        :raises ~kvferry.errors.EngineClosed: the engine is not running.
-        """
-        if not self._submitted:
-            self._engine._submit(self.request)
-            self._submitted = True
-
-    def cancel(self) -> None:
-        """End the request at the engine's next step boundary, freeing what it holds (no-op once it ended)."""
-        self._engine._cancel(self.request)
-
-    async def _tokens(self) -> AsyncIterator[int]:
-        engine, request = self._engine, self.request
-        self.submit()
-        read = 0
-        try:
-            while True:
-                output = request.output_ids
-                while read < len(output):
-                    read += 1
-                    yield output[read - 1]
-                if request.state.is_terminal:
-                    break
-                # no await between the checks above and taking the event: a step that appends tokens (or ends
-                # the request) after them sets exactly this event
-                await engine._step_done.wait()
-            if request.state is RequestState.FAILED:
-                error = request.error
-                if isinstance(error, KvferryError):
-                    raise error
-                raise RequestAborted(f"request {request.request_id} failed: {error!r}") from error
-            if request.state is not RequestState.FINISHED:
-                raise RequestAborted(f"request {request.request_id} ended {request.state.name}")
-        finally:
-            # synchronous on purpose: this also runs when the generator is finalised without an event loop turn
-            engine._cancel(request)
-
-    async def collect(self) -> list[int]:
-        """All tokens, as a list."""
-        return [token async for token in self]
-
-    def statistics(self) -> GenerationStatistics:
-        r = self.request
-        return GenerationStatistics(
-            request_id=r.request_id,
-            state=r.state,
-            finish_reason=r.finish_reason,
-            num_prompt=r.num_prompt,
-            num_generated=len(r.output_ids),
-            reused_tokens=r.reused_tokens,
-            num_drafted=r.num_drafted,
-            num_accepted=r.num_accepted,
-            acceptance_rate=r.acceptance_rate,
-            num_preemptions=r.num_preemptions,
-        )
-
-
 # --- the engine --------------------------------------------------------------------------------------------
 
 
@@ -321,6 +227,9 @@ class Engine:
     _step_done: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
+    _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
+    #: suspends (True) and resumes (False) asked for by requests' owners, done at the next step boundary
+    _holds: list[tuple[Request, bool]] = attrs.field(factory=list, init=False)
     #: transferred requests whose cache arrived, with their first tokens (they land at the next step boundary)
     _landed: list[tuple[Request, int]] = attrs.field(factory=list, init=False)
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -438,6 +347,44 @@ class Engine:
         :raises ~kvferry.errors.ConfigError: bad arguments (nothing is submitted)
         :raises ~kvferry.errors.EngineClosed: the engine is not running
         """
+        request = self._new_request(
+            self._next_id,
+            prompt_ids,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=seed,
+            temperature=temperature,
+            spec_k=spec_k,
+        )
+        self._next_id += 1
+        return Generation(self, request)
+
+    def conversation(self, *, spec_k: int = 0) -> Conversation:
+        """A new multi-turn conversation (:class:`~kvferry.engine.conversation.Conversation`): its turns keep
+        the whole cache between them. ``spec_k``: drafts per step for every turn.
+
+        :raises ~kvferry.errors.ConfigError: bad ``spec_k``, or this engine's cache cannot keep conversations.
+        """
+        if not isinstance(self.cache, ConversationCache):
+            raise ConfigError("this engine's cache cannot keep conversations")
+        if not 0 <= spec_k <= self.config.scheduler.max_spec_k:
+            raise ConfigError(f"spec_k {spec_k} outside [0, {self.config.scheduler.max_spec_k}]")
+        conversation = Conversation(self, self.cache, self._next_id, spec_k)
+        self._next_id += 1
+        self._conversations[conversation.conversation_id] = conversation
+        return conversation
+
+    def _new_request(
+        self,
+        request_id: int,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int],
+        seed: int | None,
+        temperature: float,
+        spec_k: int,
+    ) -> Request:
         prompt = tuple(int(t) for t in prompt_ids)
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
@@ -446,16 +393,42 @@ class Engine:
             raise ConfigError(
                 f"spec_k {spec_k} exceeds the engine's max_spec_k {self.config.scheduler.max_spec_k}"
             )
-        request = Request(
-            self._next_id,
+        return Request(
+            request_id,
             prompt,
             max_tokens=max_tokens,
             stop_ids=stop_ids,
             sampling=SamplingParams(seed=seed, temperature=temperature),
             spec_k=spec_k,
         )
-        self._next_id += 1
+
+    def _generation(self, request: Request) -> Generation:
         return Generation(self, request)
+
+    def _forget_conversation(self, conversation: Conversation) -> None:
+        self._conversations.pop(conversation.conversation_id, None)
+
+    def _check_host_memory(self) -> None:
+        """Past ``host_memory`` bytes of caches on the host, drop idle conversations there, least recently used
+        first (their next turn computes them again)."""
+        limit = self.config.host_memory
+        if limit is None or not self._conversations:
+            return
+        on_host = [(c, c.host_nbytes) for c in self._conversations.values() if not c.busy]
+        on_host = [(c, n) for c, n in on_host if n]
+        total = sum(n for _, n in on_host) + self._busy_host_nbytes()
+        for conversation, nbytes in sorted(on_host, key=lambda item: item[0].last_used):
+            if total <= limit:
+                break
+            conversation.drop()
+            total -= nbytes
+
+    def _busy_host_nbytes(self) -> int:
+        """Host bytes of the running requests' caches (preempted ones moved there; never dropped)."""
+        nbytes = getattr(self.cache, "host_nbytes", None)
+        if nbytes is None:
+            return 0
+        return sum(nbytes(rid) for rid, r in self._requests.items() if r.state is not RequestState.WAITING)
 
     def _submit(self, request: Request) -> None:
         if self._closed or self._task_group is None:
@@ -504,6 +477,27 @@ class Engine:
             self._to_cancel.append(request)
             self._busy()
 
+    def _hold(self, request: Request, *, suspend: bool) -> None:
+        """Ask for ``request`` to be suspended (or resumed) at the next step boundary."""
+        if request.request_id not in self._requests or self._requests[request.request_id] is not request:
+            if request.state.is_terminal:
+                raise RequestAborted(f"request {request.request_id} ended {request.state.name}")
+            raise ConfigError(f"request {request.request_id} is not submitted")
+        if suspend and (request.awaits_transfer or request.state is RequestState.TRANSFERRING):
+            raise ConfigError(
+                f"request {request.request_id}: its cache is in transit; it cannot be suspended"
+            )
+        self._holds = [(r, s) for r, s in self._holds if r is not request]  # the last wish wins
+        self._holds.append((request, suspend))
+        self._busy()
+
+    def _offload(self, request: Request) -> None:
+        if request.state is not RequestState.SUSPENDED:
+            raise ConfigError(
+                f"request {request.request_id} is {request.state.name}: suspend it before offloading it"
+            )
+        self.scheduler.offload(request)
+
     def _busy(self) -> None:
         if self._idle.is_set():
             self._idle = anyio.Event()
@@ -515,10 +509,16 @@ class Engine:
             return
         if error is not None and request.error is None:
             request.error = error
-        self.scheduler.finish(request, state)
-        self.runner.release(request.request_id)
-        del self._requests[request.request_id]
-        self._counts[request.state.name.lower()] += 1
+        kept = False
+        try:
+            kept = self.scheduler.finish(request, state)
+        finally:
+            if not kept:
+                self.runner.release(request.request_id)
+            del self._requests[request.request_id]
+            self._counts[request.state.name.lower()] += 1
+            if request.on_end is not None:
+                request.on_end(request, kept)
 
     # --- the loop -----------------------------------------------------------------------------------------
 
@@ -526,7 +526,7 @@ class Engine:
         task_status.started()
         while True:
             self._reap()
-            if not self.scheduler.has_work and not self._landed:
+            if not self.scheduler.has_work and not self._landed and not self._holds:
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
@@ -541,10 +541,21 @@ class Engine:
                 await anyio.lowlevel.checkpoint()
 
     def _reap(self) -> None:
-        """Between steps: end the cancelled requests, then land the transfers that arrived."""
+        """Between steps: end the cancelled requests, suspend and resume what their owners asked for, then land
+        the transfers that arrived."""
         if self._to_cancel:
             while self._to_cancel:
                 self._end(self._to_cancel.pop(), RequestState.CANCELLED)
+            self._notify()
+        if self._holds:
+            holds, self._holds = self._holds, []
+            for request, suspend in holds:
+                if request.request_id not in self._requests:
+                    continue  # ended meanwhile
+                if suspend and request.state is not RequestState.SUSPENDED:
+                    self.scheduler.suspend(request)
+                elif not suspend and request.state is RequestState.SUSPENDED:
+                    self.scheduler.resume(request)
             self._notify()
         if self._landed:
             landed, self._landed = self._landed, []
@@ -557,7 +568,7 @@ class Engine:
 
     async def wait_idle(self) -> None:
         """Wait until no request is waiting or running and every cancellation is processed."""
-        while self.scheduler.has_work or self._to_cancel or self._landed:
+        while self.scheduler.has_work or self._to_cancel or self._landed or self._holds:
             await self._idle.wait()
 
     async def _step(self) -> None:
@@ -586,6 +597,8 @@ class Engine:
             return
         t2 = time.perf_counter()
         self._apply(plan, drafts, logits, argmax)
+        if self.config.host_memory is not None:
+            self._check_host_memory()  # admissions may have moved suspended caches to the host
         t3 = time.perf_counter()
         self._notify()
         self._counts["steps"] += 1
@@ -646,9 +659,9 @@ class Engine:
             if request.request_id not in self._requests:
                 continue  # already ended (cannot happen between schedule and apply, but stay safe)
             greedy = request.sampling.seed is None
+            verify, pending = False, 0
             if item.kind is not decode:
                 end = item.start + len(item.token_ids)
-                pending = 0
                 new: list[int] = []
                 if rows:
                     new = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
@@ -669,16 +682,19 @@ class Engine:
                         request.record_draft(proposal, accepted)
                         self._counts["drafted"] += len(proposal)
                         self._counts["accepted"] += accepted
-                    self.runner.record_accepted(request.request_id, 1 + accepted)
                     new = [*proposal[:accepted], targets[accepted]]
-                    end = item.start + 1 + accepted
-                    # a verify step leaves the accepted tokens in the replay buffers, not in the slot
-                    pending = 1 + accepted
+                    verify = True
                 else:
                     new = targets[:1]
                     end = item.start + 1
-                    pending = 0
-            self._counts["generated"] += len(request.append_tokens(new))
+            kept = len(request.append_tokens(new))
+            self._counts["generated"] += kept
+            if verify:
+                # a stop token or max_tokens may keep fewer than the window accepted: only the positions whose
+                # tokens the request keeps are committed (a kept cache holds exactly the request's tokens).
+                # A verify step leaves them in the replay buffers, not in the slot
+                self.runner.record_accepted(request.request_id, kept)
+                end, pending = item.start + kept, kept
             # commit also on the last step: its blocks and snapshots stay in the prefix cache for a next turn
             self.scheduler.commit(request, end, num_pending_replay=pending)
             if request.finish_reason is not None:

@@ -13,12 +13,16 @@ nothing. The states, in the order a request normally takes them::
 
 Disaggregation adds TRANSFERRING: a context-side request whose prompt is done waits there while its cache is
 pushed; a generation-side request waits there while the cache arrives, then decodes.
+
+Its owner may hold a request aside: SUSPENDED (from WAITING, PREFILLING, DECODING or PREEMPTED; its cache is kept,
+on the device or moved to the host, and it is not scheduled) until it is resumed: back to WAITING when it never held
+a cache, else to PREEMPTED (queued for re-admission, which restores its cache).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -43,6 +47,8 @@ class RequestState(enum.Enum):
     DECODING = "decoding"
     PREEMPTED = "preempted"
     TRANSFERRING = "transferring"
+    #: held aside by its owner (Generation.suspend) until resumed
+    SUSPENDED = "suspended"
     FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"
@@ -62,7 +68,10 @@ _ENDINGS = frozenset({RequestState.CANCELLED, RequestState.FAILED})
 
 #: The one table of allowed transitions: ``TRANSITIONS[src]`` is the set of states ``src`` may move to.
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.TRANSFERRING}) | _ENDINGS,
+    RequestState.WAITING: frozenset(
+        {RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.SUSPENDED}
+    )
+    | _ENDINGS,
     RequestState.PREFILLING: frozenset(
         {
             RequestState.DECODING,
@@ -70,11 +79,17 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
             RequestState.TRANSFERRING,
             # the first token sampled at the end of the prompt can already be the last one
             RequestState.FINISHED,
+            RequestState.SUSPENDED,
         }
     )
     | _ENDINGS,
-    RequestState.DECODING: frozenset({RequestState.PREEMPTED, RequestState.FINISHED}) | _ENDINGS,
-    RequestState.PREEMPTED: frozenset({RequestState.PREFILLING, RequestState.DECODING}) | _ENDINGS,
+    RequestState.DECODING: frozenset({RequestState.PREEMPTED, RequestState.FINISHED, RequestState.SUSPENDED})
+    | _ENDINGS,
+    RequestState.PREEMPTED: frozenset(
+        {RequestState.PREFILLING, RequestState.DECODING, RequestState.SUSPENDED}
+    )
+    | _ENDINGS,
+    RequestState.SUSPENDED: frozenset({RequestState.WAITING, RequestState.PREEMPTED}) | _ENDINGS,
     RequestState.TRANSFERRING: frozenset({RequestState.DECODING, RequestState.FINISHED}) | _ENDINGS,
     RequestState.FINISHED: frozenset(),
     RequestState.CANCELLED: frozenset(),
@@ -152,6 +167,13 @@ class Request:
     admitted_at: float | None = None
     #: its prompt is prefilled elsewhere: admission reserves its pages and it waits in TRANSFERRING for its cache
     awaits_transfer: bool = False
+    #: its cache already exists in the manager (SUSPENDED, ``num_computed`` tokens committed; a conversation's
+    #: next turn): admission resumes it instead of creating it
+    resumes_cache: bool = False
+    #: when it finishes or is cancelled, its cache is suspended and kept instead of closed (a conversation's turn)
+    keep_cache: bool = False
+    #: called (synchronously, once) when it reached a terminal state, with whether its cache was kept
+    on_end: Callable[[Request, bool], None] | None = attrs.field(default=None, repr=False)
     generator: torch.Generator | None = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -22,7 +22,7 @@ from attrs import define, frozen
 from kvferry import wire
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
 from kvferry.engine.scheduler import SchedulerConfig
-from kvferry.errors import ConfigError, KvferryError, WireFormatError
+from kvferry.errors import ConfigError, KvferryError, UnknownRequest, WireFormatError
 from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.model.nemotron_h import Model, SequenceInput
 from kvferry.model.weights import ModelWeights, tiny_args
@@ -91,6 +91,34 @@ class LockstepCache:
     def close(self, request_id: int) -> None:
         for m in self.managers:
             m.close(request_id)
+
+    def offload(self, request_id: int) -> None:
+        """:meth:`CacheManager.offload <kvferry.pools.manager.CacheManager.offload>` on every rank."""
+        for m in self.managers:
+            m.offload(request_id)
+
+    def extend(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
+        """:meth:`CacheManager.extend <kvferry.pools.manager.CacheManager.extend>` on every rank."""
+        for m in self.managers:
+            m.extend(request_id, prompt_token_ids)
+
+    def holds(self, request_id: int) -> bool:
+        """Whether the managers hold a cache for ``request_id``."""
+        try:
+            self.primary.state(request_id)
+        except UnknownRequest:
+            return False
+        return True
+
+    def num_committed_tokens(self, request_id: int) -> int:
+        return self.primary.num_committed_tokens(request_id)
+
+    def capacity(self, request_id: int) -> int:
+        return self.primary.capacity(request_id)
+
+    def host_nbytes(self, request_id: int) -> int:
+        """Host bytes of the request's cache over every rank (0 while on the device)."""
+        return sum(m.host_nbytes(request_id) for m in self.managers)
 
     def commit_draft(self, request_id: int, start: int, end: int) -> None:
         """:meth:`CacheManager.commit_draft <kvferry.pools.manager.CacheManager.commit_draft>` on every rank."""
@@ -364,6 +392,8 @@ class EngineOptions:
     snapshot_interval: int = 0
     enable_reuse: bool = True
     step_in_thread: bool = True
+    #: bytes of host memory for caches moved off the device (None: no bound; see EngineConfig.host_memory)
+    host_memory: int | None = None
     #: build the drafter when max_spec_k > 0 (False: the caller brings its own proposals via the runner)
     drafter: bool = True
 
@@ -449,5 +479,6 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
             grow_granularity=spec.tokens_per_block,
         ),
         step_in_thread=options.step_in_thread,
+        host_memory=options.host_memory,
     )
     return BuiltEngine(Engine(runner, cache, config), runner, cache, tuple(arenas))

@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol
 import attrs
 from attrs import define, frozen
 
-from kvferry.engine.request import Request, RequestState
+from kvferry.engine.request import Request, RequestState, check_transition
 from kvferry.errors import ConfigError, PoolExhausted
 
 __all__ = [
@@ -249,29 +249,75 @@ class Scheduler:
             raise ConfigError(
                 f"spec_k {request.spec_k} exceeds the engine's max_spec_k {self.config.max_spec_k}"
             )
+        if request.resumes_cache:
+            self._created.add(request.request_id)  # admission resumes the cache it has
         self._waiting.append(request)
 
-    def finish(self, request: Request, state: RequestState) -> None:
-        """Take ``request`` out (moving it to terminal ``state`` unless it is there) and close its cache.
+    def finish(self, request: Request, state: RequestState) -> bool:
+        """Take ``request`` out (moving it to terminal ``state`` unless it is there) and close its cache; return
+        whether the cache was kept instead (SUSPENDED in the manager, for the request's owner).
 
-        Idempotent. Whatever the request held in the manager is freed before this returns (the commits not yet
-        handed over reach the manager first, so its blocks and snapshots stay in the prefix cache; if the
-        manager refuses them, the request is still taken out and closed, then the error propagates).
+        A ``keep_cache`` request that finishes or is cancelled keeps its cache (every commit handed over, suspended
+        if it was resumed); one that fails, or ends while its cache is in transit, has it closed. Idempotent.
+        Whatever else the request held in the manager is freed before this returns (the commits not yet handed
+        over reach the manager first, so its blocks and snapshots stay in the prefix cache; if the manager refuses
+        them, the request is still taken out and closed, then the error propagates).
         """
+        kept = False
+        flushed = False
         try:
             self.flush()
+            flushed = True
         finally:
-            if request.state is RequestState.TRANSFERRING:
+            was = request.state
+            if was is RequestState.TRANSFERRING:
                 self._num_transferring -= 1
-            if not request.state.is_terminal:
+            if not was.is_terminal:
                 request.transition(state)
             if request in self._running:
                 self._running.remove(request)
             if request in self._waiting:
                 self._waiting.remove(request)
-            if request.request_id in self._created:
-                self._created.discard(request.request_id)
-                self.cache.close(request.request_id)
+            rid = request.request_id
+            if rid in self._created:
+                self._created.discard(rid)
+                kept = (
+                    flushed
+                    and request.keep_cache
+                    and request.state is not RequestState.FAILED
+                    and was is not RequestState.TRANSFERRING
+                )
+                if not kept:
+                    self.cache.close(rid)
+                elif was.holds_slot:
+                    self.cache.suspend(rid)
+        return kept
+
+    def suspend(self, request: Request) -> None:
+        """Hold ``request`` aside for its owner (SUSPENDED): it leaves the batch or the queue, its cache is
+        suspended in the manager (kept, possibly moved to the host under pressure) and it is not scheduled until
+        :meth:`resume`. The commits recorded so far reach the manager first.
+
+        :raises ~kvferry.errors.InvalidTransition: the request is TRANSFERRING or ended (nothing changed).
+        """
+        check_transition(request.state, RequestState.SUSPENDED)
+        if request.state.holds_slot:
+            self.flush()
+            self.cache.suspend(request.request_id)
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        request.transition(RequestState.SUSPENDED)
+
+    def resume(self, request: Request) -> None:
+        """Queue a SUSPENDED request again (last in line): admission resumes its cache (restoring it from the
+        host if it was moved there), or creates it if it never had one.
+
+        :raises ~kvferry.errors.InvalidTransition: the request is not SUSPENDED (nothing changed).
+        """
+        has_cache = request.request_id in self._created
+        request.transition(RequestState.PREEMPTED if has_cache else RequestState.WAITING)
+        self._waiting.append(request)
 
     @property
     def has_work(self) -> bool:
@@ -297,6 +343,18 @@ class Scheduler:
     @property
     def waiting(self) -> tuple[Request, ...]:
         return tuple(self._waiting)
+
+    def offload(self, request: Request) -> None:
+        """Move a SUSPENDED request's cache to the host now (nothing when it holds none yet).
+
+        :raises ~kvferry.errors.ConfigError: the cache cannot move caches to the host.
+        """
+        if request.request_id not in self._created:
+            return
+        offload = getattr(self.cache, "offload", None)
+        if offload is None:
+            raise ConfigError("this engine's cache cannot move caches to the host")
+        offload(request.request_id)
 
     # --- planning -------------------------------------------------------------------------------------
 

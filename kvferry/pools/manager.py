@@ -234,6 +234,35 @@ class CacheManager:
         record.row = self._rows.take(slot)
         return Resumed(record.reused_tokens, len(record.tokens), first, restored, draft_zeroed)
 
+    def extend(self, request_id: RequestId, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
+        """Give a SUSPENDED request a longer prompt that starts with every token it committed (a conversation's
+        next turn: the earlier turns and the new prompt). Its cache is kept as it is (on the device or the
+        host); the next :meth:`resume` continues from its committed tokens, and commits are checked against the
+        new prompt.
+
+        :raises ~kvferry.errors.ConfigError: the new prompt does not start with the committed tokens or adds
+            nothing to them; nothing changed.
+        :raises ~kvferry.errors.InvalidTransition: the request is not SUSPENDED.
+        """
+        record = self._get(request_id)
+        require_state(request_id, record.state, "extend")
+        prompt = list(token_list(prompt_token_ids))
+        committed = len(record.tokens)
+        if len(prompt) <= committed or prompt[:committed] != record.tokens:
+            raise ConfigError(
+                f"extend of {request_id!r}: the new prompt ({len(prompt)} tokens) must start with the "
+                f"{committed} committed tokens and add at least one"
+            )
+        record.prompt = prompt
+
+    def host_nbytes(self, request_id: RequestId) -> int:
+        """Bytes of host memory the request's cache takes (0 while on the device)."""
+        host = self._get(request_id).host
+        if host is None:
+            return 0
+        parts = (host.pages, host.draft_pages, host.slots)
+        return sum(part.nbytes for part in parts if part is not None)
+
     def grow(self, request_id: RequestId, capacity: int) -> None:
         """Make room for ``capacity`` tokens (committed + this step's input, draft tokens included).
 

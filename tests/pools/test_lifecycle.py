@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvferry.errors import InvalidTransition, UnknownRequest
+from kvferry.errors import ConfigError, InvalidTransition, UnknownRequest
 from kvferry.pools.blocks import root_hash
 from kvferry.pools.lifecycle import REQUIRED_STATE, TRANSITIONS, CacheState, check_transition, require_state
 from kvferry.pools.manager import CacheManager
@@ -56,6 +56,7 @@ def operate(m: CacheManager, operation: str) -> None:
         "resume": lambda: m.resume("a"),
         "offload": lambda: m.offload("a"),
         "pin": lambda: m.pin("a"),
+        "extend": lambda: m.extend("a", [1, 2, 3, 4]),
         "grow": lambda: m.grow("a", 8),
         "commit": lambda: m.commit("a", [1]),
         "suspend": lambda: m.suspend("a"),
@@ -76,3 +77,23 @@ def test_every_operation_refuses_the_other_state_and_changes_nothing(operation: 
     m.close("a")
     with pytest.raises(UnknownRequest):  # closed requests are forgotten
         operate(m, operation)
+
+
+def test_extend_takes_a_longer_prompt_that_starts_with_the_committed_tokens() -> None:
+    m = make_manager()
+    m.create("a", [1, 2, 3])
+    m.resume("a")
+    m.commit("a", [1, 2, 3])
+    m.suspend("a")
+    before = m.debug_state()
+    for bad in ([1, 2, 3], [1, 2], [1, 9, 3, 4]):
+        with pytest.raises(ConfigError):
+            m.extend("a", bad)
+        assert m.debug_state() == before
+    m.extend("a", [1, 2, 3, 4, 5])
+    m.resume("a")
+    m.grow("a", 5)
+    with pytest.raises(InvalidTransition):  # commits are checked against the new prompt
+        m.commit("a", [9])
+    m.commit("a", [4, 5])
+    assert m.num_committed_tokens("a") == 5

@@ -50,7 +50,7 @@ from kvferry.disagg.protocol import (
 from kvferry.disagg.roles.worker import Worker, positive
 from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
-from kvferry.engine.engine import Generation
+from kvferry.engine.generation import Generation
 from kvferry.engine.runner import PagedRunner
 from kvferry.errors import ClosedResourceError, KvferryError, PeerDisconnected, PoolExhausted, TransportError
 from kvferry.pools.manager import CacheState
