@@ -133,12 +133,13 @@ def test_chat_gives_the_same_tokens_kept_offloaded_or_recomputed(
     spec_k: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = {}
-    for mode in ("", "--offload-between-turns", "--drop-between-turns"):
+    for mode in ("", "--offload-between-turns", "--drop-between-turns", "--rebalance-between-turns"):
         argv = [*CHAT, "--max-tokens", "7", "--spec-k", spec_k, *FAST, *([mode] if mode else [])]
         assert main(argv) == 0
         runs[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tokens = {mode: [turn["tokens"] for turn in turns] for mode, turns in runs.items()}
     assert tokens[""] == tokens["--offload-between-turns"] == tokens["--drop-between-turns"]
+    assert tokens[""] == tokens["--rebalance-between-turns"]
     # turn i sees the earlier turns: a fresh run of the whole history gives its tokens
     history = list(b"hello there") + tokens[""][0] + list(b"and then?")
     assert main(["generate", "--ids", *map(str, history), "--max-tokens", "7", "--json", *FAST]) == 0
@@ -150,12 +151,16 @@ def test_chat_gives_the_same_tokens_kept_offloaded_or_recomputed(
         assert kept[turn]["restored_bytes"] == kept[turn]["recomputed_tokens"] == 0
         assert offloaded[turn]["restored_bytes"] > 0 and offloaded[turn]["recomputed_tokens"] == 0
         assert dropped[turn]["recomputed_tokens"] > 0 and dropped[turn]["restored_bytes"] == 0
+        # a rebalance moves every cache to the host: the turn restores it, computing nothing again
+        rebalanced = runs["--rebalance-between-turns"][turn]
+        assert rebalanced["restored_bytes"] > 0 and rebalanced["recomputed_tokens"] == 0
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
         (["--prompt", "a", "--offload-between-turns"], "--offload-between-turns needs --chat"),
+        (["--prompt", "a", "--rebalance-between-turns"], "--rebalance-between-turns needs --chat"),
         (["--chat", "--ids", "1", "2"], "--chat takes its turns as --prompt"),
         (
             ["--chat", "--prompt", "a", "--offload-between-turns", "--drop-between-turns"],

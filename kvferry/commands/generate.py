@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --chat: move the conversation's cache to host memory after each turn (the next restores it)",
     )
     chat.add_argument(
+        "--rebalance-between-turns",
+        action="store_true",
+        help="with --chat: change the pool split between turns (more pages and slots, then back)",
+    )
+    chat.add_argument(
         "--drop-between-turns",
         action="store_true",
         help="with --chat: free the conversation's cache after each turn (the next computes it again)",
@@ -189,8 +194,9 @@ def run(args: argparse.Namespace) -> int:
         )
     temperature = 1.0 if args.temperature is None else args.temperature
     between = [f for f in ("offload_between_turns", "drop_between_turns") if getattr(args, f)]
-    if between and not args.chat:
-        raise ConfigError(f"--{between[0].replace('_', '-')} needs --chat")
+    if (between or args.rebalance_between_turns) and not args.chat:
+        flag = between[0] if between else "rebalance_between_turns"
+        raise ConfigError(f"--{flag.replace('_', '-')} needs --chat")
     if len(between) > 1:
         raise ConfigError("--offload-between-turns and --drop-between-turns exclude each other")
     if args.chat and args.prompt is None:
@@ -270,11 +276,18 @@ async def _chat(
     """The prompts as the turns of one conversation, with what ``--*-between-turns`` asks for between them."""
     async with engine:
         with engine.conversation(spec_k=args.spec_k) as conversation:
+            base = engine.cache.primary.config  # type: ignore[attr-defined]
             for index, prompt in enumerate(prompts):
                 if index and args.offload_between_turns:
                     await conversation.offload()
                 elif index and args.drop_between_turns:
                     conversation.drop()
+                if index and args.rebalance_between_turns:
+                    grown = index % 2  # more pages and slots after odd turns, back after even ones
+                    await engine.rebalance(
+                        num_pages=base.num_pages + grown * base.num_pages // 2,
+                        num_slots=base.num_slots + grown * 8,
+                    )
                 started = time.perf_counter()
                 turn = conversation.turn(
                     prompt,

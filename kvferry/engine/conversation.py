@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvferry.engine.engine import Engine
     from kvferry.engine.generation import Generation
 
-__all__ = ["Conversation", "ConversationCache", "TurnStatistics"]
+__all__ = ["Conversation", "ConversationCache", "TurnStatistics", "drop_past_host_memory"]
 
 
 @runtime_checkable
@@ -268,3 +268,19 @@ class Conversation:
             f"<Conversation {self.conversation_id} {state}: {len(self._history)} tokens, {len(self.turns)} "
             f"turns, {self.cached_tokens} cached on the {where}, {self.num_drops} drops>"
         )
+
+
+def drop_past_host_memory(conversations: Iterable[Conversation], limit: int) -> int:
+    """Drop idle conversations whose caches are on the host, least recently used first, until their host bytes
+    are at most ``limit``; returns how many were dropped."""
+    on_host = [(c, c.host_nbytes) for c in conversations if not c.busy]
+    on_host = [(c, n) for c, n in on_host if n]
+    total = sum(n for _, n in on_host)
+    dropped = 0
+    for conversation, nbytes in sorted(on_host, key=lambda item: item[0].last_used):
+        if total <= limit:
+            break
+        conversation.drop()
+        total -= nbytes
+        dropped += 1
+    return dropped

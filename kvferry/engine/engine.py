@@ -41,12 +41,12 @@ import torch
 from anyio.abc import TaskGroup, TaskStatus
 from attrs import define, frozen
 
-from kvferry.engine.conversation import Conversation, ConversationCache
+from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.sampling import accept_drafts, sample_tokens
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, SchedulerConfig, StepItem, StepPlan
-from kvferry.errors import ConfigError, EngineClosed, RequestAborted
+from kvferry.errors import ConfigError, EngineClosed, KvferryError, RebalanceRefused, RequestAborted
 
 __all__ = [
     "DraftItem",
@@ -207,6 +207,15 @@ def _greedy_rows(logits: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
+@define(eq=False)
+class _Rebalance:
+    """A rebalance asked for, done at the next step boundary."""
+
+    sizes: dict[str, int | None]
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    error: BaseException | None = None
+
+
 # --- the engine --------------------------------------------------------------------------------------------
 
 
@@ -228,6 +237,8 @@ class Engine:
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
+    _rebalances: list[_Rebalance] = attrs.field(factory=list, init=False)
+    _rebalance_callbacks: list[Callable[[Sequence[Any]], None]] = attrs.field(factory=list, init=False)
     #: suspends (True) and resumes (False) asked for by requests' owners, done at the next step boundary
     _holds: list[tuple[Request, bool]] = attrs.field(factory=list, init=False)
     #: transferred requests whose cache arrived, with their first tokens (they land at the next step boundary)
@@ -246,7 +257,7 @@ class Engine:
     _next_id: int = attrs.field(default=0, init=False)
     _counts: dict[str, int] = attrs.field(
         factory=lambda: dict.fromkeys(
-            ("steps", "generated", "drafted", "accepted", "finished", "cancelled", "failed"), 0
+            ("steps", "generated", "drafted", "accepted", "finished", "cancelled", "failed", "rebalances"), 0
         ),
         init=False,
     )
@@ -324,6 +335,10 @@ class Engine:
             else:
                 self._end(request, RequestState.FAILED, error)
         self._to_cancel.clear()
+        for call in self._rebalances:
+            call.error = EngineClosed("the engine stopped before the rebalance")
+            call.done.set()
+        self._rebalances.clear()
         self._idle.set()
         self._notify()
 
@@ -405,30 +420,78 @@ class Engine:
     def _generation(self, request: Request) -> Generation:
         return Generation(self, request)
 
+    async def rebalance(
+        self,
+        *,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        num_draft_pages: int | None = None,
+    ) -> None:
+        """Resize the cache pools while serving (None: a size unchanged); returns once done.
+
+        At the next step boundary every running request is suspended, every cache moves to the host (each is
+        restored on its next resume; the prefix cache is dropped), the pools are rebuilt with the new sizes (the
+        replay buffers grow with the state pool), the model and the drafter are bound to the new memory, the
+        callbacks of :meth:`on_rebalance` run (disaggregation registers the new memory with its peers there),
+        and the suspended requests are admitted again: their tokens are those of a run without a rebalance.
+
+        A cancel while waiting leaves the rebalance asked for (it still happens at the next step boundary).
+
+        :raises ~kvferry.errors.RebalanceRefused: a transfer may touch the pools (a request waits for its cache,
+            a cache is marked for a transfer or quarantined), a request would not fit the new pools, or the
+            sizes are invalid; the pools are unchanged (running requests resume where they were).
+        :raises ~kvferry.errors.ConfigError: this engine's cache or runner cannot be rebalanced.
+        :raises ~kvferry.errors.EngineClosed: the engine is not running.
+        """
+        if self._closed or self._task_group is None:
+            raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
+        if getattr(self.cache, "rebalance", None) is None or getattr(self.runner, "rebind", None) is None:
+            raise ConfigError("this engine's cache or runner cannot be rebalanced")
+        call = _Rebalance(
+            {"num_pages": num_pages, "num_slots": num_slots, "num_draft_pages": num_draft_pages}
+        )
+        self._rebalances.append(call)
+        self._busy()
+        await call.done.wait()
+        if call.error is not None:
+            raise call.error
+
+    def on_rebalance(self, callback: Callable[[Sequence[Any]], None]) -> None:
+        """Call ``callback(arenas)`` (the new memory, one per rank) after each rebalance, before any step runs
+        on the new pools. A callback that raises fails that rebalance's caller (the pools are already new)."""
+        self._rebalance_callbacks.append(callback)
+
+    def _rebalance_now(self, call: _Rebalance) -> None:
+        """One rebalance at a step boundary (see :meth:`rebalance`)."""
+        if self.scheduler.num_transferring:
+            call.error = RebalanceRefused(
+                f"{self.scheduler.num_transferring} requests wait for their cache from another engine"
+            )
+            return
+        self.scheduler.preempt_all()
+        try:
+            arenas = self.cache.rebalance(**call.sizes)  # type: ignore[attr-defined]
+            self.runner.rebind(arenas)  # type: ignore[attr-defined]
+            self._counts["rebalances"] += 1
+            for callback in self._rebalance_callbacks:
+                callback(arenas)
+        except KvferryError as exc:
+            call.error = exc  # refused: nothing changed, the preempted requests are admitted again
+        if self.config.host_memory is not None:
+            self._check_host_memory()
+
     def _forget_conversation(self, conversation: Conversation) -> None:
         self._conversations.pop(conversation.conversation_id, None)
 
     def _check_host_memory(self) -> None:
-        """Past ``host_memory`` bytes of caches on the host, drop idle conversations there, least recently used
-        first (their next turn computes them again)."""
+        """Past ``host_memory`` bytes of caches on the host, drop idle conversations there (least recently used
+        first); the running requests' host bytes count too but are never dropped."""
         limit = self.config.host_memory
-        if limit is None or not self._conversations:
-            return
-        on_host = [(c, c.host_nbytes) for c in self._conversations.values() if not c.busy]
-        on_host = [(c, n) for c, n in on_host if n]
-        total = sum(n for _, n in on_host) + self._busy_host_nbytes()
-        for conversation, nbytes in sorted(on_host, key=lambda item: item[0].last_used):
-            if total <= limit:
-                break
-            conversation.drop()
-            total -= nbytes
-
-    def _busy_host_nbytes(self) -> int:
-        """Host bytes of the running requests' caches (preempted ones moved there; never dropped)."""
         nbytes = getattr(self.cache, "host_nbytes", None)
-        if nbytes is None:
-            return 0
-        return sum(nbytes(rid) for rid, r in self._requests.items() if r.state is not RequestState.WAITING)
+        if limit is None or nbytes is None or not self._conversations:
+            return
+        running = sum(nbytes(rid) for rid, r in self._requests.items() if r.state is not RequestState.WAITING)
+        drop_past_host_memory(self._conversations.values(), limit - running)
 
     def _submit(self, request: Request) -> None:
         if self._closed or self._task_group is None:
@@ -526,7 +589,7 @@ class Engine:
         task_status.started()
         while True:
             self._reap()
-            if not self.scheduler.has_work and not self._landed and not self._holds:
+            if not self.scheduler.has_work and not self._landed and not self._holds and not self._rebalances:
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
@@ -556,6 +619,12 @@ class Engine:
                     self.scheduler.suspend(request)
                 elif not suspend and request.state is RequestState.SUSPENDED:
                     self.scheduler.resume(request)
+            self._notify()
+        if self._rebalances:
+            calls, self._rebalances = self._rebalances, []
+            for call in calls:
+                self._rebalance_now(call)
+                call.done.set()
             self._notify()
         if self._landed:
             landed, self._landed = self._landed, []

@@ -116,6 +116,24 @@ class LockstepCache:
     def capacity(self, request_id: int) -> int:
         return self.primary.capacity(request_id)
 
+    def rebalance(
+        self,
+        *,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        num_draft_pages: int | None = None,
+    ) -> tuple[CacheArena, ...]:
+        """:meth:`CacheManager.rebalance <kvferry.pools.manager.CacheManager.rebalance>` on every rank (rank 0
+        first: a refusal there changes nothing anywhere); returns the new arenas, one per rank.
+
+        :raises ~kvferry.errors.RebalanceRefused: as the manager's.
+        """
+        for m in self.managers:
+            m.rebalance(num_pages=num_pages, num_slots=num_slots, num_draft_pages=num_draft_pages)
+        arenas = tuple(m.arena for m in self.managers)
+        assert all(a is not None for a in arenas), "a rebalance of managers without arenas"
+        return arenas  # type: ignore[return-value]
+
     def host_nbytes(self, request_id: int) -> int:
         """Host bytes of the request's cache over every rank (0 while on the device)."""
         return sum(m.host_nbytes(request_id) for m in self.managers)
@@ -282,6 +300,12 @@ class PagedRunner:
 
     def release(self, request_id: int) -> None:
         self._fed.pop(request_id, None)
+
+    def rebind(self, arenas: Sequence[CacheArena]) -> None:
+        """Run the model (and the drafter) over new arenas, one per rank, from the next step on."""
+        self.model.rebind(arenas)
+        if self.drafter is not None:
+            self.drafter.rebind()
 
     def export_handoff(self, request_id: int, pending_token: int) -> bytes:
         """Finish the drafter's part of a prefilled request for a hand-off; returns the bytes to send along.

@@ -344,6 +344,22 @@ class Scheduler:
     def waiting(self) -> tuple[Request, ...]:
         return tuple(self._waiting)
 
+    def preempt_all(self) -> int:
+        """Suspend every running request (newest first, so they keep their order at the head of the queue);
+        the commits recorded so far reach the manager first. Returns how many. Requests waiting for their
+        transfer are left alone: the caller refuses what they forbid.
+        """
+        self.flush()
+        running = [r for r in self._running if r.state.holds_slot]
+        for request in reversed(running):
+            self._preempt(request)
+        return len(running)
+
+    @property
+    def num_transferring(self) -> int:
+        """Requests that wait for their cache from another engine (their pages may be written any time)."""
+        return self._num_transferring
+
     def offload(self, request: Request) -> None:
         """Move a SUSPENDED request's cache to the host now (nothing when it holds none yet).
 

@@ -272,6 +272,25 @@ class Drafter:
             ranks.append(_DraftRank(tensors, cache))
         return cls(target=target, weights=weights, spec=spec.drafter, ranks=ranks)
 
+    def rebind(self) -> None:
+        """Follow the target's caches after :meth:`Model.rebind <kvferry.model.nemotron_h.Model.rebind>` (the
+        draft layers live in the same caches); between steps only.
+
+        :raises ~kvferry.errors.ConfigError: a cache's draft K/V shapes do not fit; nothing changed.
+        """
+        caches = self.target.caches
+        kv = [self.target.spec.shard(self.target.tp_size, r).draft_kv_heads for r in range(len(caches))]
+        for cache, heads in zip(caches, kv, strict=True):
+            assert heads is not None
+            want = (heads.count, self.spec.tokens_per_block, self.spec.head_dim)
+            for layer in self.spec.global_layer_ids:
+                if tuple(cache.kv(layer)[0].shape[1:]) != want:
+                    raise ConfigError(
+                        f"draft K/V shape {tuple(cache.kv(layer)[0].shape)} does not match {want}"
+                    )
+        for rank, cache in zip(self._ranks, caches, strict=True):
+            rank.cache = cache
+
     def __repr__(self) -> str:
         return f"<Drafter layers={self.spec.num_layers} tp={len(self._ranks)} proposals={self._proposals}>"
 

@@ -290,6 +290,19 @@ class Model:
         device = weights["model.embeddings.weight"].device
         return cls(weights=weights, spec=spec, ranks=ranks, device=device)
 
+    def rebind(self, caches: Sequence[CacheViews]) -> None:
+        """Run over new caches from now on, one per rank (a pool rebalance replaced them); between steps only.
+
+        :raises ~kvferry.errors.ConfigError: another number of ranks, or a cache's shapes do not fit its rank;
+            nothing changed.
+        """
+        if len(caches) != self.tp_size:
+            raise ConfigError(f"{len(caches)} caches for {self.tp_size} ranks")
+        for r, cache in enumerate(caches):
+            _check_cache(self.spec.shard(self.tp_size, r), cache)
+        for rank, cache in zip(self._ranks, caches, strict=True):
+            rank.cache = cache
+
     def __repr__(self) -> str:
         return (
             f"<Model {self.spec.name} tp={self.tp_size} {self.weights.dtype} layers={self.spec.num_layers} "

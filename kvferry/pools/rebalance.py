@@ -7,6 +7,7 @@ or slot of the old ones:
 - no suspended request is marked :attr:`~kvferry.pools.lifecycle.Offload.NEVER` (a transfer may touch it);
 - no quarantine is held and no dummy row is in the batch;
 - the groups stay the same (a rebalance never adds or removes the state or the draft pool);
+- every request fits the new pools on its own (else it could never be resumed);
 - with an arena, the new one has exactly the new counts, and its replay buffers cover every state slot with at
   least the old replay length.
 
@@ -57,12 +58,15 @@ def plan_rebalance(
     :raises ~kvferry.errors.RebalanceRefused: if any condition fails.
     """
     current = pools.config
-    config = attrs.evolve(
-        current,
-        num_pages=current.num_pages if num_pages is None else num_pages,
-        num_slots=current.num_slots if num_slots is None else num_slots,
-        num_draft_pages=current.num_draft_pages if num_draft_pages is None else num_draft_pages,
-    )
+    try:
+        config = attrs.evolve(
+            current,
+            num_pages=current.num_pages if num_pages is None else num_pages,
+            num_slots=current.num_slots if num_slots is None else num_slots,
+            num_draft_pages=current.num_draft_pages if num_draft_pages is None else num_draft_pages,
+        )
+    except ConfigError as exc:
+        raise RebalanceRefused(str(exc)) from exc
     records = list(records)
     busy = [r.request_id for r in records if r.state is CacheState.ACTIVE]
     if busy:
@@ -76,6 +80,12 @@ def plan_rebalance(
         raise RebalanceRefused(f"{num_dummies} dummy rows are in the batch")
     if config.has_state != current.has_state or config.has_draft != current.has_draft:
         raise RebalanceRefused("a rebalance cannot add or remove a pool group")
+    # every request must fit the new pools on its own, or it could never be resumed again
+    largest = max((pools.blocks(r.capacity) for r in records), default=0)
+    if largest > config.num_pages - 1:
+        raise RebalanceRefused(
+            f"a request holds {largest} pages; {config.num_pages} pages (page 0 reserved) cannot take it back"
+        )
     old_arena = pools.arena
     if old_arena is None:
         if arena is not None:
