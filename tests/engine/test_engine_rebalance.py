@@ -49,7 +49,7 @@ async def test_rebalances_in_the_middle_of_a_loaded_run_keep_every_token(
                     results[i].append(token)
                     if i == 2 and len(done) < len(sizes) and len(results[i]) >= 2 + 3 * len(done):
                         # it is still running (it has tokens to come), and so may others
-                        await built.engine.rebalance(**sizes[len(done)])  # type: ignore[arg-type]
+                        await built.engine.rebalance(**sizes[len(done)])
                         done.append(len(results[i]))
 
             async with anyio.create_task_group() as tg:
