@@ -89,7 +89,6 @@ class RoutedGeneration:
         request = generation.request
         rid = request.request_id
         try:
-            worker.cache.expect_transfer(rid)
             # a batch row, pages and a slot, in arrival order: the context side holds the cache until then
             await engine.admit_transfer(generation)
             self.admitted_at = request.admitted_at
@@ -97,7 +96,6 @@ class RoutedGeneration:
             self.transfer = await worker.receive(rid, self.prompt, self.key, link)
         except BaseException:
             generation.cancel()  # the engine frees what the receiver left (nothing, once it owned the pages)
-            worker.cache.forget_transfer(rid)  # never admitted: nothing else drops its mark
             worker.built.runner.release(rid)
             with anyio.CancelScope(shield=True):
                 await worker.release_remote(self.key, link)

@@ -116,9 +116,13 @@ def expected_writers(peer_map: PeerMap) -> tuple[int, ...]:
 
 
 def _tokens(request: ReceiveRequest) -> TokenRange:
+    # the draft KV moves from where the target's does: the receiver holds (or zeroed) what comes before
     draft = request.block_ids("draft") is not None
     return TokenRange(
-        request.token_start, request.token_end, draft_start=0 if draft else request.token_end, state=True
+        request.token_start,
+        request.token_end,
+        draft_start=request.token_start if draft else request.token_end,
+        state=True,
     )
 
 

@@ -330,7 +330,8 @@ class Scheduler:
         it decodes from the next step on. The caller ends a request that this token finishes."""
         if request.state is not RequestState.TRANSFERRING:
             raise ConfigError(f"only a TRANSFERRING request can land, got {request!r}")
-        self._commits.append((request.request_id, request.prompt_ids, 0))
+        # the tokens its cache held already (a reused prefix, a kept turn) are committed: only the rest is new
+        self._commits.append((request.request_id, request.prompt_ids[request.num_computed :], 0))
         request.num_computed = request.num_prompt
         request.append_tokens([first_token])
         request.transition(RequestState.DECODING)
@@ -603,18 +604,31 @@ class Scheduler:
         return item
 
     def _admit_transfer(self, request: Request) -> bool:
-        """Create and resume the cache of a request that awaits its transfer (pages for its whole prompt, a slot,
-        a batch row) and move it to TRANSFERRING; all or nothing (False: it holds nothing and keeps its place)."""
+        """Create (or, for a cache it has, resume) the cache of a request that awaits its transfer: pages for its
+        whole prompt, a slot, a batch row; move it to TRANSFERRING. What the cache holds already (a prefix the
+        manager matched, a kept turn: ``num_computed``) is not transferred again. All or nothing (False: it holds
+        nothing new and keeps its place)."""
         rid = request.request_id
+        fresh = rid not in self._created
+        resumed = False
         try:
-            self.cache.create(rid, request.prompt_ids)
-            self._created.add(rid)
-            self.cache.resume(rid)
+            if fresh:
+                self.cache.create(rid, request.prompt_ids)
+                self._created.add(rid)
+            info = self.cache.resume(rid)
+            resumed = True
+            if info.first:
+                request.reused_tokens = request.num_computed = info.num_committed_tokens
+            self.cache.grow(rid, request.num_prompt)
         except PoolExhausted:
-            self._created.discard(rid)
-            self.cache.close(rid)
+            if fresh:
+                self._created.discard(rid)
+                self.cache.close(rid)
+                request.reused_tokens = request.num_computed = 0
+            elif resumed:
+                self.cache.suspend(rid)
             return False
-        request.capacity = request.num_prompt
+        request.capacity = max(request.capacity, request.num_prompt)
         request.admitted_at = time.perf_counter()
         request.transition(RequestState.TRANSFERRING)
         self._num_transferring += 1

@@ -65,9 +65,9 @@ async def test_a_transfer_admitted_on_a_retry_does_not_match_the_prefix_cache() 
 
 
 @pytest.mark.anyio
-async def test_transfers_cancelled_before_admission_leave_no_mark() -> None:
+async def test_transfers_cancelled_before_admission_leave_nothing() -> None:
     """Requests cancelled while they wait for admission (some tried and refused, some never tried) leave nothing
-    behind, not even the mark that keeps their create off the prefix cache."""
+    behind."""
     async with pair(gen_options=options(num_pages=GEN_PAGES, max_running=2)) as p:
         gen_before = counts(p.gen)
         local = p.gen.engine.generate(LOCAL, max_tokens=LOCAL_TOKENS, spec_k=0)
@@ -91,9 +91,7 @@ async def test_transfers_cancelled_before_admission_leave_no_mark() -> None:
                     30,
                     p.context.statistics,
                 )
-                assert p.worker.cache._transfers  # marked, not admitted
                 clients.cancel_scope.cancel()
-        assert not p.worker.cache._transfers
         await p.gen.engine.wait_idle()
         await until(lambda: counts(p.gen) == gen_before, 5, lambda: (counts(p.gen), gen_before))
         await until(lambda: p.context.statistics()["held"] == 0, 5, p.context.statistics)

@@ -408,10 +408,6 @@ async def _leaks(
     tx = system.gen_transport.statistics()
     if tx.peers != len(system.live) or tx.grants or tx.writes_in_flight:
         problems.append(f"generation transport: {tx}")
-    if system.worker.cache._transfers:  # marks of requests expecting a transfer, by request id
-        problems.append(
-            f"generation cache still expects transfers for {sorted(system.worker.cache._transfers)}"
-        )
     if system.worker.statistics()["staging_used"]:
         problems.append(f"generation staging in use: {system.worker.statistics()}")
     return problems

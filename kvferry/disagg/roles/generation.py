@@ -119,6 +119,8 @@ class GenerationWorker(Worker):
     prefill_timeout: float = attrs.field(default=DEFAULT_PREFILL_TIMEOUT, validator=positive)
     links: list[ContextLink] = attrs.field(factory=list, init=False)
     _transfers: list[TransferStatistics] = attrs.field(factory=list, init=False)
+    #: prompt tokens the transfers did not send (the cache held them), and the bytes that saved
+    _counts: dict[str, int] = attrs.field(factory=lambda: {"reused_tokens": 0, "saved_bytes": 0}, init=False)
     _windows: list[tuple[float, float]] = attrs.field(factory=list, init=False)
 
     # the first peer's parts (one context peer is the common case)
@@ -308,15 +310,21 @@ class GenerationWorker(Worker):
         rx_staging: ReceiveStaging | None = None
         primary = managers[0]
         draft = self.transfer_draft and link.draft
+        # what the cache holds already (a prefix its admission matched, a kept turn) is not sent again: the
+        # transfer starts at the block boundary at or before it (that block is the request's own)
+        tokens_per_block = primary.config.tokens_per_block
+        start = primary.num_committed_tokens(rid) // tokens_per_block * tokens_per_block
         if primary.config.has_draft and not draft:
-            # stale bytes from recycled pages must never reach the drafter
+            # stale bytes from recycled pages must never reach the drafter (the blocks before the draft match's
+            # end are shared or zeroed already)
+            first = start // primary.config.draft_tokens_per_block
             for m, arena in zip(managers, self.built.arenas, strict=True):
-                arena.zero_pages("draft", list(m.draft_block_table(rid)))
+                arena.zero_pages("draft", list(m.draft_block_table(rid))[first:])
         blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
         if primary.config.has_draft and draft:
             blocks.append(BlockIds("draft", tuple(primary.draft_block_table(rid))))
         slot = primary.slot_id(rid)
-        request = ReceiveRequest(0, key, 0, len(prompt), tuple(blocks), 0 if slot is None else slot)
+        request = ReceiveRequest(0, key, start, len(prompt), tuple(blocks), 0 if slot is None else slot)
         try:
             if self.staging is not None:
                 # areas for the writers whose bytes land fragmented, while the pool has room
@@ -332,9 +340,24 @@ class GenerationWorker(Worker):
         request = attrs.evolve(request, session_id=session.session_id)
         stats = await link.receiver.receive(session, request)
         self._transfers.append(stats)
+        self._counts["reused_tokens"] += start
+        self._counts["saved_bytes"] += self._saved_bytes(start)
         now = time.perf_counter()
         self._windows.append((now - stats.seconds, now))
         return stats
+
+    def _saved_bytes(self, start: int) -> int:
+        """Bytes a transfer from token ``start`` did not move: the pages before it, on every rank."""
+        if not start:
+            return 0
+        total = 0
+        for arena in self.built.arenas:
+            layout = arena.layout
+            for group in ("attention", "draft"):
+                if layout.has_group(group):
+                    per_block = layout.layer_group(group).tokens_per_block
+                    total += start // per_block * layout.page_bytes(group)
+        return total
 
     def transfers(self) -> list[TransferStatistics]:
         return list(self._transfers)
@@ -347,6 +370,7 @@ class GenerationWorker(Worker):
                 receiver[name] = receiver.get(name, 0) + value
         return {
             **receiver,
+            **self._counts,
             "transfers": len(self._transfers),
             "bounced": sum(t.bounced for t in self._transfers),
             "staging_used": 0 if self.staging is None else self.staging.used,

@@ -1,6 +1,7 @@
-"""The engine's cache, adapted for hand-off: a context engine *holds* a prefilled request for its push, and a
-generation engine creates a request that *expects a transfer* without matching the prefix cache (the transfer
-writes every page of its prompt).
+"""The engine's cache, adapted for hand-off: a context engine *holds* a prefilled request for its push.
+
+A generation engine's request that expects a transfer is created like any other: the prefix cache may match part
+of its prompt, and the transfer then writes only what follows (the receive request starts there).
 
 :class:`HandoffCache` wraps the engine's :class:`~kvferry.engine.runner.LockstepCache` and changes nothing
 inside the engine: :func:`install` swaps it in before the engine starts.
@@ -27,13 +28,10 @@ class HandoffCache:
     ``hold(rid, callback)``: the engine's close of ``rid`` once its whole prompt is committed keeps the request
     (suspended; moved to the host when the engine needs the room) and calls ``callback(rid)`` instead.
     ``release(rid)`` closes it for good (see there: never under a step the engine may still run).
-    ``expect_transfer(rid)``: the engine's ``create`` of ``rid`` does not match the prefix cache (every create
-    until its first resume succeeds: the admission of a transfer that does not fit is tried again).
     """
 
     inner: LockstepCache
     _hold: dict[int, Callable[[int], None]] = attrs.field(factory=dict, init=False)
-    _transfers: set[int] = attrs.field(factory=set, init=False)
     #: requests the engine created and has not closed (it may still step them and commit their tokens), with
     #: their prompt lengths
     _engine_owned: dict[int, int] = attrs.field(factory=dict, init=False)
@@ -45,25 +43,12 @@ class HandoffCache:
     def hold(self, request_id: int, callback: Callable[[int], None]) -> None:
         self._hold[request_id] = callback
 
-    def expect_transfer(self, request_id: int) -> None:
-        self._transfers.add(request_id)
-
-    def forget_transfer(self, request_id: int) -> None:
-        """Drop the mark of :meth:`expect_transfer` (a request that ends before it was admitted; no-op after)."""
-        self._transfers.discard(request_id)
-
     def create(self, request_id: int, prompt_token_ids: Sequence[int]) -> None:
-        reuse = request_id not in self._transfers
-        for m in self.inner.managers:
-            m.create(request_id, prompt_token_ids, reuse=reuse)
+        self.inner.create(request_id, prompt_token_ids)
         self._engine_owned[request_id] = len(prompt_token_ids)
 
     def resume(self, request_id: int) -> Resumed:
-        resumed = self.inner.resume(request_id)
-        # admitted: the engine never creates it again. Until then it keeps the mark: a transfer whose admission
-        # did not fit is closed and created again on the next try, and that create must not match either
-        self._transfers.discard(request_id)
-        return resumed
+        return self.inner.resume(request_id)
 
     def close(self, request_id: int) -> None:
         prompt = self._engine_owned.pop(request_id, None)
