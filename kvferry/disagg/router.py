@@ -18,6 +18,7 @@ from kvferry.disagg.protocol import ContextRequest, PeerInfo
 from kvferry.disagg.roles import GenerationWorker
 from kvferry.disagg.roles.generation import ContextLink
 from kvferry.disagg.session import TransferStatistics
+from kvferry.engine.conversation import Conversation
 from kvferry.engine.generation import Generation
 from kvferry.errors import ConfigError, RequestTooLarge, TransferError
 
@@ -43,18 +44,33 @@ class RoutedGeneration:
     admitted_at: float | None = None
     #: the context engine it was routed to (None: not yet)
     link: ContextLink | None = None
+    #: the generation engine's conversation this request is a turn of (``prompt`` is then its whole history
+    #: and ``turn_prompt`` the turn's new tokens)
+    conversation: Conversation | None = None
+    turn_prompt: tuple[int, ...] = ()
+    _started: bool = False
+    _finished: bool = False
+
+    @property
+    def ended(self) -> bool:
+        """Whether its stream is over (or was never started: then it never will be)."""
+        return self._finished or not self._started
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[int]:
-        link = self.link = await self.router.acquire()
-        lease = _Lease(self.router, link)
+        self._started = True
         try:
-            async for token in self._routed(link, lease):
-                yield token
+            link = self.link = await self.router.acquire()
+            lease = _Lease(self.router, link)
+            try:
+                async for token in self._routed(link, lease):
+                    yield token
+            finally:
+                lease.release()
         finally:
-            lease.release()
+            self._finished = True
 
     async def _routed(self, link: ContextLink, lease: _Lease) -> AsyncIterator[int]:
         worker = self.router.worker
@@ -73,18 +89,30 @@ class RoutedGeneration:
         self.tokens.append(handoff.first_token)
         if not handoff.held:
             lease.release()  # the context side is done with it
+            if self.conversation is not None:
+                self.conversation.answered_elsewhere(self.turn_prompt, self.tokens)
             yield handoff.first_token
             return
         yield handoff.first_token
         engine = worker.engine
-        generation = engine.generate(
-            self.prompt,
-            max_tokens=self.max_tokens,
-            stop_ids=self.stop_ids,
-            seed=self.seed,
-            temperature=self.temperature,
-            spec_k=self.spec_k,
-        )
+        if self.conversation is not None:
+            generation = self.conversation.turn(
+                self.turn_prompt,
+                max_tokens=self.max_tokens,
+                stop_ids=self.stop_ids,
+                seed=self.seed,
+                temperature=self.temperature,
+                awaits_transfer=True,
+            )
+        else:
+            generation = engine.generate(
+                self.prompt,
+                max_tokens=self.max_tokens,
+                stop_ids=self.stop_ids,
+                seed=self.seed,
+                temperature=self.temperature,
+                spec_k=self.spec_k,
+            )
         self.generation = generation
         request = generation.request
         rid = request.request_id
@@ -94,6 +122,9 @@ class RoutedGeneration:
             self.admitted_at = request.admitted_at
             worker.install_drafter_state(rid, self.prompt, handoff, self.spec_k)
             self.transfer = await worker.receive(rid, self.prompt, self.key, link)
+            # the slot holds the state the context engine computed: a kept turn's replay state must not apply
+            for manager in worker.cache.managers:
+                manager.drop_replay(rid)
         except BaseException:
             generation.cancel()  # the engine frees what the receiver left (nothing, once it owned the pages)
             worker.built.runner.release(rid)
@@ -227,6 +258,15 @@ class Router:
                 f"context engine with --num-pages {needed + 1} or more"
             )
 
+    def conversation(self, *, spec_k: int = 0) -> RoutedConversation:
+        """A multi-turn conversation whose turns are prefilled by the context engines and decoded here; the
+        generation engine keeps its cache between turns, so each transfer sends only what it lacks.
+
+        :raises ~kvferry.errors.ConfigError: as :meth:`Engine.conversation
+            <kvferry.engine.engine.Engine.conversation>`.
+        """
+        return RoutedConversation(self, self.worker.engine.conversation(spec_k=spec_k))
+
     def generate(
         self,
         prompt_ids: Iterable[int],
@@ -256,3 +296,55 @@ class Router:
             spec_k,
             tuple(int(t) for t in stop_ids),
         )
+
+
+@define(eq=False)
+class RoutedConversation:
+    """A conversation in disaggregated serving (:meth:`Router.conversation`): :meth:`turn` gives each turn's
+    tokens as a :class:`RoutedGeneration`; one turn at a time. :meth:`close` frees the generation engine's
+    cache of it."""
+
+    router: Router
+    conversation: Conversation
+    _turn: RoutedGeneration | None = None
+
+    def turn(
+        self,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int] = (),
+        seed: int | None = None,
+        temperature: float = 1.0,
+    ) -> RoutedGeneration:
+        """The next turn (iterate it once): the context engine prefills the whole history and this prompt, the
+        transfer writes what the generation engine's kept cache lacks, and it decodes here.
+
+        :raises ~kvferry.errors.ConfigError: the previous turn has not ended, or an empty prompt.
+        """
+        if self._turn is not None and not self._turn.ended:
+            raise ConfigError("the previous turn of this conversation has not ended")
+        prompt = tuple(int(t) for t in prompt_ids)
+        if not prompt:
+            raise ConfigError("a turn needs at least one prompt token")
+        routed = self.router.generate(
+            self.conversation.history + prompt,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=seed,
+            temperature=temperature,
+            spec_k=self.conversation.spec_k,
+        )
+        routed.conversation, routed.turn_prompt = self.conversation, prompt
+        self._turn = routed
+        return routed
+
+    def close(self) -> None:
+        """Free the generation engine's cache of this conversation (a turn running is cancelled first)."""
+        self.conversation.close()
+
+    def __enter__(self) -> RoutedConversation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

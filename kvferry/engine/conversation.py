@@ -108,9 +108,14 @@ class Conversation:
         stop_ids: Iterable[int] = (),
         seed: int | None = None,
         temperature: float = 1.0,
+        awaits_transfer: bool = False,
     ) -> Generation:
         """Submit the next turn now and return its stream (the new tokens only). It sees every earlier prompt
         and answer; a turn that ends early (a cancel) keeps what it generated, one that fails adds nothing.
+
+        ``awaits_transfer``: another engine prefills the turn (disaggregated serving; continue with
+        :meth:`Engine.admit_transfer <kvferry.engine.engine.Engine.admit_transfer>`): the transfer then writes
+        only what the kept cache does not hold.
 
         A cancel of the stream (leaving its ``async for`` early) ends the turn at the next step boundary; the
         conversation keeps its cache and what the turn generated until then.
@@ -144,6 +149,7 @@ class Conversation:
             request.num_computed = request.reused_tokens = self._cache.num_committed_tokens(rid)
             request.capacity = self._cache.capacity(rid)
         request.keep_cache = True
+        request.awaits_transfer = awaits_transfer
         request.on_end = self._ended
         generation = self._engine._generation(request)
         if kept:
@@ -157,7 +163,9 @@ class Conversation:
     def _ended(self, request: Request, kept: bool) -> None:
         """The turn's request ended (called by the engine, synchronously)."""
         num_prompt, restored, before = self._starting
-        if request.state is not RequestState.FAILED:
+        # a failed turn adds nothing, nor one whose cache never came from the engine that prefilled it
+        lost = request.state is RequestState.FAILED or (request.awaits_transfer and not request.output_ids)
+        if not lost:
             self._history = list(request.all_ids)
         cached = self._cache.num_committed_tokens(request.request_id) if kept else 0
         self.turns.append(
@@ -180,6 +188,20 @@ class Conversation:
         self.last_used = time.perf_counter()
         if self._closed:
             self._free()
+
+    def answered_elsewhere(self, prompt_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """Record a turn that another engine answered entirely (disaggregated serving: its first token was its
+        last): the history grows, the kept cache stays as it is (the next turn computes what it lacks).
+
+        :raises ~kvferry.errors.ConfigError: a turn is running.
+        """
+        if self._turn is not None:
+            raise ConfigError(f"conversation {self.conversation_id}: a turn is still running")
+        self._history += [int(t) for t in prompt_ids] + [int(t) for t in tokens]
+        self.turns.append(
+            TurnStatistics(len(prompt_ids), len(tokens), 0, 0, 0, None, RequestState.FINISHED, 0, 0)
+        )
+        self.last_used = time.perf_counter()
 
     # --- the cache between turns -------------------------------------------------------------------------------
 
