@@ -34,7 +34,9 @@ def plan(seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
 MAX_TOKENS = 8
 
 
-async def undisturbed(prompts: list[list[int]], chats: list[list[list[int]]]) -> tuple[list[list[int]], list]:
+async def undisturbed(
+    prompts: list[list[int]], chats: list[list[list[int]]]
+) -> tuple[list[list[int]], list[list[list[int]]]]:
     built = engine(enable_reuse=False, num_pages=512, max_running=16)
     async with built.engine:
         plain = [
