@@ -238,6 +238,8 @@ class Engine:
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
     _rebalances: list[_Rebalance] = attrs.field(factory=list, init=False)
+    #: why this engine's pools must keep their memory (None: a rebalance may replace it)
+    rebalance_forbidden: str | None = attrs.field(default=None, init=False)
     _rebalance_callbacks: list[Callable[[Sequence[Any]], None]] = attrs.field(factory=list, init=False)
     #: suspends (True) and resumes (False) asked for by requests' owners, done at the next step boundary
     _holds: list[tuple[Request, bool]] = attrs.field(factory=list, init=False)
@@ -447,6 +449,8 @@ class Engine:
             raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
         if getattr(self.cache, "rebalance", None) is None or getattr(self.runner, "rebind", None) is None:
             raise ConfigError("this engine's cache or runner cannot be rebalanced")
+        if self.rebalance_forbidden is not None:
+            raise RebalanceRefused(self.rebalance_forbidden)
         call = _Rebalance(
             {"num_pages": num_pages, "num_slots": num_slots, "num_draft_pages": num_draft_pages}
         )

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from kvferry.engine.runner import build_engine
-from kvferry.errors import ConfigError
+from kvferry.errors import ConfigError, RebalanceRefused
 from tests.support.disagg_pair import counts, options, pair, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,3 +64,14 @@ async def test_turns_transfer_only_what_the_kept_cache_lacks(spec_k: int) -> Non
         # everything but the last answer token is kept: the transfer starts at that token's block
         assert starts[turn] == (done - 1) // 4 * 4
         assert sent[turn] < sent[0]
+
+
+@pytest.mark.anyio
+async def test_a_disaggregated_engine_refuses_a_rebalance_and_keeps_serving() -> None:
+    async with pair() as p:
+        for engine in (p.gen.engine, p.ctx.engine):
+            with pytest.raises(RebalanceRefused, match="registered with its peers"):
+                await engine.rebalance(num_pages=64)
+        with anyio.fail_after(60):
+            tokens = await p.router.generate(TURNS[0], max_tokens=4).collect()
+    assert tokens == (await aggregated(0))[0][:4]

@@ -93,6 +93,8 @@ class Worker:
     def __attrs_post_init__(self) -> None:
         self.staging = _staging_pool(self.built, self.staging_bytes)
         self.cache = install(self.built)
+        # peers write into (or read from) the arenas registered here, by the page tables of the handshake
+        self.built.engine.rebalance_forbidden = "a disaggregated engine's memory is registered with its peers; it cannot be replaced while it serves"
 
     @property
     def engine(self) -> Engine:
