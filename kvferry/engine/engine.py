@@ -265,6 +265,8 @@ class Engine:
     )
     #: the last steps' timings (a bounded window, for benchmarks and monitoring)
     step_timings: deque[StepTiming] = attrs.field(factory=lambda: deque(maxlen=4096), init=False)
+    #: tokens (prompt and output) of the last finished requests (a bounded window, for auto-balance)
+    recent_lengths: deque[int] = attrs.field(factory=lambda: deque(maxlen=256), init=False)
     _host_seconds: float = attrs.field(default=0.0, init=False)
     _model_seconds: float = attrs.field(default=0.0, init=False)
 
@@ -584,6 +586,8 @@ class Engine:
                 self.runner.release(request.request_id)
             del self._requests[request.request_id]
             self._counts[request.state.name.lower()] += 1
+            if request.state is RequestState.FINISHED:
+                self.recent_lengths.append(request.num_tokens)
             if request.on_end is not None:
                 request.on_end(request, kept)
 
