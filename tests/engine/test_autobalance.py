@@ -71,7 +71,12 @@ async def test_the_split_follows_the_lengths_with_hysteresis_and_keeps_tokens() 
             for batch, max_tokens in ((long, 10), (short, 2)):
                 results: dict[int, list[int]] = {}
 
-                async def one(i: int, batch: list[list[int]] = batch, max_tokens: int = max_tokens) -> None:
+                async def one(
+                    i: int,
+                    batch: list[list[int]] = batch,
+                    max_tokens: int = max_tokens,
+                    results: dict[int, list[int]] = results,
+                ) -> None:
                     results[i] = await built.engine.generate(batch[i], max_tokens=max_tokens).collect()
 
                 async with anyio.create_task_group() as work:
