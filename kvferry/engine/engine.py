@@ -29,9 +29,10 @@ every request's cache and ends every open stream with :class:`~kvferry.errors.Re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
@@ -461,6 +462,18 @@ class Engine:
         await call.done.wait()
         if call.error is not None:
             raise call.error
+
+    @contextlib.contextmanager
+    def admissions_paused(self) -> Iterator[None]:
+        """While inside, no waiting request is admitted (running ones go on and free what they hold at their end):
+        the room goes to what the caller needs first (a context engine bringing a held cache back for its
+        push). Nestable; leaving it (a cancel too) lets admissions go on at the next step."""
+        self.scheduler.admissions_paused += 1
+        try:
+            yield
+        finally:
+            self.scheduler.admissions_paused -= 1
+            self._busy()
 
     def on_rebalance(self, callback: Callable[[Sequence[Any]], None]) -> None:
         """Call ``callback(arenas)`` (the new memory, one per rank) after each rebalance, before any step runs

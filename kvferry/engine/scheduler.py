@@ -237,6 +237,8 @@ class Scheduler:
     _num_preemptions: int = attrs.field(default=0, init=False)
     #: requests in ``_running`` that wait for their transfer (TRANSFERRING)
     _num_transferring: int = attrs.field(default=0, init=False)
+    #: while > 0 nothing waiting is admitted (the running requests go on and free their room)
+    admissions_paused: int = attrs.field(default=0, init=False)
     _last_step_tokens: int = attrs.field(default=0, init=False)
 
     # --- requests in and out --------------------------------------------------------------------------
@@ -424,7 +426,12 @@ class Scheduler:
             planned.add(request.request_id)
             budget -= chunk.num_tokens
 
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_running:
+        while (
+            self._waiting
+            and budget > 0
+            and len(self._running) < self.config.max_running
+            and not self.admissions_paused
+        ):
             head = self._waiting[0]
             if head.awaits_transfer and head.state is RequestState.WAITING:
                 if not self._admit_transfer(head):

@@ -117,3 +117,35 @@ async def test_a_rebalance_that_a_request_or_the_sizes_forbid_is_refused() -> No
         assert len(more) == 3
         conversation.close()
     assert_pools_empty(built)
+
+
+async def test_paused_admissions_let_running_requests_free_their_room_first() -> None:
+    prompts = [PROMPTS[4], PROMPTS[5], PROMPTS[3]]
+    expected = await run_all(engine(enable_reuse=False), prompts, [8, 8, 8])
+    built = engine(max_running=1)
+    results: dict[int, list[int]] = {}
+    async with built.engine:
+        generations = [built.engine.generate(p, max_tokens=8) for p in prompts]
+        first_token, first_done = anyio.Event(), anyio.Event()
+
+        async def read(i: int) -> None:
+            results[i] = []
+            async for token in generations[i]:
+                results[i].append(token)
+                first_token.set()
+            if i == 0:
+                first_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, 0)
+            await first_token.wait()
+            with built.engine.admissions_paused():
+                for i in (1, 2):
+                    tg.start_soon(read, i)
+                with anyio.fail_after(30):
+                    await first_done.wait()
+                await anyio.sleep(0.05)  # steps that would admit them, were admissions not paused
+                # the running request went on to its end; nothing waiting was admitted meanwhile
+                assert generations[0].request.state is RequestState.FINISHED
+                assert all(g.request.state is RequestState.WAITING for g in generations[1:])
+    assert [results[i] for i in range(3)] == expected

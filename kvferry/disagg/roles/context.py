@@ -373,12 +373,18 @@ class ContextWorker(Worker):
         """Keep the held cache of ``rid`` on the device for its push (brought back first if the engine moved it
         to the host for room): False when no room came within ``hold_timeout`` seconds."""
         primary, *others = self.cache.inner.managers
-        with anyio.move_on_after(self.hold_timeout):
+        pausing = False
+        with anyio.move_on_after(self.hold_timeout), contextlib.ExitStack() as paused:
             while True:
                 try:
                     primary.pin(rid)  # restores from the host if it was moved there
                 except PoolExhausted:
-                    # the engine's running prefills hold the room: they end (and are held, movable) soon
+                    # the engine's running prefills hold the room: they end (and are held, movable) soon. Until
+                    # the pin succeeds the engine admits no new prefill, which would take that room first (a
+                    # long queue would starve the push into its receiver's stall deadline)
+                    if not pausing:
+                        paused.enter_context(self.engine.admissions_paused())
+                        pausing = True
                     await anyio.sleep(PIN_RETRY_SECONDS)
                     continue
                 for m in others:  # the same bookkeeping on every rank: the same outcome
