@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvferry.serving import FinishReason as FinishReason
     from kvferry.serving import RequestHandle as RequestHandle
     from kvferry.serving import Service as Service
+    from kvferry.serving import ServiceConversation as ServiceConversation
     from kvferry.serving import ServiceStatistics as ServiceStatistics
     from kvferry.serving import open_service as open_service
     from kvferry.transports.base import Transport as Transport
@@ -69,6 +70,7 @@ _LAZY: dict[str, str] = {
     "build_engine": "kvferry.engine.runner",
     "open_service": "kvferry.serving",
     "Service": "kvferry.serving",
+    "ServiceConversation": "kvferry.serving",
     "ServiceStatistics": "kvferry.serving",
     "RequestHandle": "kvferry.serving",
     "CompletionResult": "kvferry.serving",

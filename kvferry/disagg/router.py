@@ -48,19 +48,17 @@ class RoutedGeneration:
     #: and ``turn_prompt`` the turn's new tokens)
     conversation: Conversation | None = None
     turn_prompt: tuple[int, ...] = ()
-    _started: bool = False
     _finished: bool = False
 
     @property
     def ended(self) -> bool:
-        """Whether its stream is over (or was never started: then it never will be)."""
-        return self._finished or not self._started
+        """Whether its stream is over."""
+        return self._finished
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[int]:
-        self._started = True
         try:
             link = self.link = await self.router.acquire()
             lease = _Lease(self.router, link)
@@ -317,8 +315,9 @@ class RoutedConversation:
         seed: int | None = None,
         temperature: float = 1.0,
     ) -> RoutedGeneration:
-        """The next turn (iterate it once): the context engine prefills the whole history and this prompt, the
-        transfer writes what the generation engine's kept cache lacks, and it decodes here.
+        """The next turn (iterate it once, to its end or leaving early: the next turn waits for that): the context
+        engine prefills the whole history and this prompt, the transfer writes what the generation engine's kept
+        cache lacks, and it decodes here.
 
         :raises ~kvferry.errors.ConfigError: the previous turn has not ended, or an empty prompt.
         """

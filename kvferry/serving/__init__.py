@@ -12,6 +12,7 @@ from kvferry.serving.service import (
     Percentiles,
     PoolOccupancy,
     Service,
+    ServiceConversation,
     ServiceStatistics,
     open_service,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RequestHandle",
     "RequestTiming",
     "Service",
+    "ServiceConversation",
     "ServiceStatistics",
     "check_fits",
     "open_service",

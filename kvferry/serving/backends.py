@@ -113,9 +113,16 @@ class Backend(abc.ABC):
         seed: int | None,
         temperature: float,
         spec_k: int,
+        conversation: Any = None,
+        turn_prompt: tuple[int, ...] = (),
     ) -> AsyncIterator[int]:
         """Queue the request now (raising what refuses it) and return the iterator of its tokens; closing the
-        iterator early cancels the request and frees what it held."""
+        iterator early cancels the request and frees what it held. With ``conversation`` (from
+        :meth:`conversation`) it is that conversation's next turn, of new prompt ``turn_prompt``."""
+
+    @abc.abstractmethod
+    def conversation(self, spec_k: int) -> Any:
+        """A new conversation whose turns :meth:`start` runs (it keeps their cache between them)."""
 
     def pools(self) -> PoolOccupancy:
         return _occupancy(self.built)
@@ -175,7 +182,18 @@ class AggregatedBackend(Backend):
         seed: int | None,
         temperature: float,
         spec_k: int,
+        conversation: Any = None,
+        turn_prompt: tuple[int, ...] = (),
     ) -> AsyncIterator[int]:
+        if conversation is not None:
+            generation = conversation.turn(
+                turn_prompt,
+                max_tokens=handle.max_tokens,
+                stop_ids=stop_ids,
+                seed=seed,
+                temperature=temperature,
+            )
+            return self._tokens(handle, generation)
         generation = self.built.engine.generate(
             handle.prompt_ids,
             max_tokens=handle.max_tokens,
@@ -186,6 +204,9 @@ class AggregatedBackend(Backend):
         )
         generation.submit()
         return self._tokens(handle, generation)
+
+    def conversation(self, spec_k: int) -> Any:
+        return self.built.engine.conversation(spec_k=spec_k)
 
     @staticmethod
     async def _tokens(handle: RequestHandle, generation: Any) -> AsyncIterator[int]:
@@ -227,7 +248,18 @@ class DisaggregatedBackend(Backend):
         seed: int | None,
         temperature: float,
         spec_k: int,
+        conversation: Any = None,
+        turn_prompt: tuple[int, ...] = (),
     ) -> AsyncIterator[int]:
+        if conversation is not None:
+            routed = conversation.turn(
+                turn_prompt,
+                max_tokens=handle.max_tokens,
+                stop_ids=stop_ids,
+                seed=seed,
+                temperature=temperature,
+            )
+            return self._tokens(handle, routed)
         routed = self.router.generate(
             handle.prompt_ids,
             max_tokens=handle.max_tokens,
@@ -237,6 +269,9 @@ class DisaggregatedBackend(Backend):
             spec_k=spec_k,
         )
         return self._tokens(handle, routed)
+
+    def conversation(self, spec_k: int) -> Any:
+        return self.router.conversation(spec_k=spec_k)
 
     @staticmethod
     async def _tokens(handle: RequestHandle, routed: Any) -> AsyncIterator[int]:

@@ -36,7 +36,14 @@ from kvferry.errors import ConfigError, EngineClosed, KvferryError, RequestAbort
 from kvferry.serving.backends import Backend, DisaggOptions, open_backend
 from kvferry.serving.handle import CompletionResult, FinishReason, RequestHandle, RequestTiming
 
-__all__ = ["Percentiles", "PoolOccupancy", "Service", "ServiceStatistics", "open_service"]
+__all__ = [
+    "Percentiles",
+    "PoolOccupancy",
+    "Service",
+    "ServiceConversation",
+    "ServiceStatistics",
+    "open_service",
+]
 
 #: Requests submitted and not yet admitted by the engine that decodes them, past which submit() refuses.
 DEFAULT_MAX_QUEUED = 1024
@@ -143,18 +150,57 @@ class Service:
         :raises ~kvferry.errors.ServiceOverloaded: ``max_queued`` requests already wait for admission.
         :raises ~kvferry.errors.EngineClosed: the service is closed.
         """
+        return self._submit(
+            prompt_ids,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=seed,
+            temperature=temperature,
+            spec_k=spec_k,
+        )
+
+    def conversation(self, *, spec_k: int | None = None) -> ServiceConversation:
+        """A multi-turn conversation: each :meth:`ServiceConversation.submit` is its next turn (it sees every
+        earlier prompt and answer), and the engine keeps its cache between turns (in disaggregated serving, the
+        generation engine; each transfer sends only what that cache lacks). ``spec_k`` is fixed for its life.
+
+        :raises ~kvferry.errors.ConfigError: a bad ``spec_k``.
+        :raises ~kvferry.errors.EngineClosed: the service is closed.
+        """
         if self._closed:
             raise EngineClosed("the service is closed")
-        prompt = _token_ids(prompt_ids, "prompt")
-        stops = frozenset(_token_ids(stop_ids, "stop_ids", allow_empty=True))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        k = self._spec_k(spec_k)
+        return ServiceConversation(self, self.backend.conversation(k))
+
+    def _spec_k(self, spec_k: int | None) -> int:
         k = self.backend.max_spec_k if spec_k is None else spec_k
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.backend.max_spec_k:
             raise ConfigError(f"spec_k must be an int in [0, {self.backend.max_spec_k}], got {spec_k!r}")
+        return k
+
+    def _submit(
+        self,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int],
+        seed: int | None,
+        temperature: float,
+        spec_k: int | None,
+        conversation: Any = None,
+        history: tuple[int, ...] = (),
+    ) -> RequestHandle:
+        if self._closed:
+            raise EngineClosed("the service is closed")
+        turn = _token_ids(prompt_ids, "prompt")
+        prompt = history + turn
+        stops = frozenset(_token_ids(stop_ids, "stop_ids", allow_empty=True))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        k = self._spec_k(spec_k)
         SamplingParams(seed=seed, temperature=temperature)  # raises ConfigError on a bad one
         vocab = self.backend.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in turn):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         self.backend.check_fits(len(prompt), max_tokens, k)
         queued = sum(1 for h in self._active.values() if h.admitted_at is None)
@@ -162,7 +208,15 @@ class Service:
             raise ServiceOverloaded(f"{queued} requests wait for admission (max_queued {self.max_queued})")
         handle = RequestHandle(f"req-{next(self._ids)}", prompt, max_tokens, stops)
         # builds the engine's request (validating the sampling arguments) and queues it before returning
-        run = self.backend.start(handle, stop_ids=stops, seed=seed, temperature=temperature, spec_k=k)
+        run = self.backend.start(
+            handle,
+            stop_ids=stops,
+            seed=seed,
+            temperature=temperature,
+            spec_k=k,
+            conversation=conversation,
+            turn_prompt=turn,
+        )
         self._submitted += 1
         self._active[handle.request_id] = handle
         self.task_group.start_soon(self._run, handle, run)
@@ -282,3 +336,65 @@ async def open_service(
             yield service
         finally:
             service.close()
+
+
+@define(eq=False)
+class ServiceConversation:
+    """A conversation on a :class:`Service` (:meth:`Service.conversation`): one turn at a time, each a request
+    with its own :class:`~kvferry.serving.handle.RequestHandle`. :meth:`close` (or leaving ``with``) frees the
+    cache it keeps."""
+
+    service: Service
+    #: the backend's conversation (an engine's :class:`~kvferry.engine.conversation.Conversation` or a router's
+    #: :class:`~kvferry.disagg.router.RoutedConversation`)
+    inner: Any
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """Every token so far (prompts and answers of the turns that ended)."""
+        conversation = getattr(self.inner, "conversation", self.inner)
+        return tuple(conversation.history)
+
+    async def submit(
+        self,
+        prompt_ids: Iterable[int],
+        *,
+        max_tokens: int,
+        stop_ids: Iterable[int] = (),
+        seed: int | None = None,
+        temperature: float = 1.0,
+    ) -> RequestHandle:
+        """Validate and queue the next turn (its prompt: the new tokens); as :meth:`Service.submit`.
+
+        :raises ~kvferry.errors.ConfigError: also while the previous turn has not ended.
+        """
+        conversation = getattr(self.inner, "conversation", self.inner)
+        return self.service._submit(
+            prompt_ids,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
+            seed=seed,
+            temperature=temperature,
+            spec_k=conversation.spec_k,
+            conversation=self.inner,
+            history=tuple(conversation.history),
+        )
+
+    async def generate(
+        self, prompt_ids: Iterable[int], *, max_tokens: int, **kwargs: Any
+    ) -> CompletionResult:
+        """:meth:`submit`, then wait for the result (a cancel of the caller cancels the turn)."""
+        handle = await self.submit(prompt_ids, max_tokens=max_tokens, **kwargs)
+        try:
+            return await handle.result()
+        finally:
+            handle.cancel()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> ServiceConversation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
