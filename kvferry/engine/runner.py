@@ -363,6 +363,8 @@ class EngineOptions:
     max_spec_k: int = 0
     snapshot_interval: int = 0
     enable_reuse: bool = True
+    #: reuse the drafter's KV with the target's prefix (False: the reused prefix's draft KV is zero-filled)
+    draft_reuse: bool = True
     step_in_thread: bool = True
     #: build the drafter when max_spec_k > 0 (False: the caller brings its own proposals via the runner)
     drafter: bool = True
@@ -426,6 +428,7 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
             max_batch_size=options.max_running,
             snapshot_interval=options.snapshot_interval,
             enable_reuse=options.enable_reuse,
+            enable_draft_reuse=options.draft_reuse,
         )
         for arena in arenas
     ]

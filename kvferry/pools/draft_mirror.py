@@ -40,8 +40,8 @@ class DraftMirror:
         block that straddles it by the prefix of its tokens (a reference on the cached page, copied on the first
         resume). Each block's hash covers the token after it, which the prompt always has here."""
         draft, reused = self._pools.draft, record.reused_tokens
-        if draft is None or not reused:
-            return
+        if draft is None or not reused or not self._pools.config.enable_draft_reuse:
+            return  # without draft reuse the first resume zero-fills the whole reused prefix
         d, prompt = self._pools.config.draft_tokens_per_block, record.prompt
         full = reused // d
         parent = record.parent
@@ -129,8 +129,9 @@ class DraftMirror:
         """Hash (and offer for reuse) draft blocks whose KV is final and whose following token is committed."""
         draft = self._pools.draft
         assert draft is not None
-        d, tokens, hashes = self._pools.config.draft_tokens_per_block, record.tokens, record.draft_hashes
-        reusable = self._pools.config.enable_reuse
+        config = self._pools.config
+        d, tokens, hashes = config.draft_tokens_per_block, record.tokens, record.draft_hashes
+        reusable = config.enable_reuse and config.enable_draft_reuse
         for b in range(len(hashes), min(record.draft_valid, len(tokens) - 1) // d):
             parent = hashes[-1] if hashes else record.parent
             block = tokens[b * d : (b + 1) * d + 1]
@@ -141,10 +142,10 @@ class DraftMirror:
 
     def reoffer(self, record: RequestRecord) -> None:
         """Offer a restored record's hashed draft blocks for reuse again, in their new pages."""
-        draft = self._pools.draft
-        if draft is None or not self._pools.config.enable_reuse:
+        draft, config = self._pools.draft, self._pools.config
+        if draft is None or not config.enable_reuse or not config.enable_draft_reuse:
             return
-        d = self._pools.config.draft_tokens_per_block
+        d = config.draft_tokens_per_block
         for b, (page, key) in enumerate(zip(record.draft_pages, record.draft_hashes, strict=False)):
             parent = record.draft_hashes[b - 1] if b else record.parent
             block = record.tokens[b * d : (b + 1) * d + 1]

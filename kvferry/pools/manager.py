@@ -109,6 +109,7 @@ class CacheManager:
         max_batch_size: int = 64,
         snapshot_interval: int = 0,
         enable_reuse: bool = True,
+        enable_draft_reuse: bool = True,
         offload_under_pressure: bool = True,
     ) -> CacheManager:
         """A manager over every page and slot of ``arena``."""
@@ -123,6 +124,7 @@ class CacheManager:
             max_batch_size=max_batch_size,
             snapshot_interval=snapshot_interval,
             enable_reuse=enable_reuse,
+            enable_draft_reuse=enable_draft_reuse,
             offload_under_pressure=offload_under_pressure,
         )
         return cls(config, arena)

@@ -7,7 +7,7 @@ import pytest
 
 from kvferry.errors import InvalidTransition, UnknownRequest
 from kvferry.pools.blocks import hash_block, root_hash
-from kvferry.pools.manager import Offload
+from kvferry.pools.manager import CacheManager, Offload
 from tests.support.pools_factories import draft_page_bytes as pages
 from tests.support.pools_factories import make_manager, page_bytes, run_prompt, same, serve
 
@@ -167,3 +167,41 @@ def test_commit_draft_needs_the_pages_on_the_device() -> None:
     with pytest.raises(UnknownRequest):
         m.commit_draft("zz", 0, 0)
     assert m.debug_state() == before
+
+
+def decode(m: CacheManager, rid: str, fed_from: int, generated: list[int]) -> None:
+    """Decode ``generated`` one token a step; before each step the drafter catches up on the positions fed since
+    ``fed_from`` (one step behind the target, as the engine's runner does)."""
+    for token in generated:
+        done = m.num_committed_tokens(rid)
+        m.commit_draft(rid, fed_from, done)
+        fed_from = done
+        m.commit(rid, [token])
+
+
+def test_without_draft_reuse_the_reused_prefix_is_zero_filled_and_nothing_is_indexed() -> None:
+    m = make_manager(
+        num_pages=32,
+        num_slots=16,
+        num_draft_pages=24,
+        snapshot_interval=4,
+        max_batch_size=8,
+        enable_draft_reuse=False,
+    )
+    arena, draft = m.arena, m._pools.draft
+    assert arena is not None and draft is not None
+    prompt = list(range(30))
+    serve(m, "a", prompt, [100, 101, 102])
+    s = m.statistics()
+    assert s.pages_cached > 0 and s.draft_pages_cached == 0  # the target's prefix index is as ever
+    m.close("a")
+    arena.fill_garbage("draft", draft.free_page_ids(), seed=3)
+    m.create("b", [*prompt, 100, 101, 5])
+    r = m.resume("b", capacity=40)
+    assert r.reused_tokens == 32 and r.draft_zeroed == (0, 32)
+    assert not any(b.any() for b in pages(m, list(m.draft_block_table("b"))[:4]))
+    m.commit("b", [5])
+    decode(m, "b", 32, [6, 7, 8, 9])
+    assert m.statistics().draft_pages_cached == 0
+    assert m.statistics().draft_hit_tokens == 0
+    m.close("b")
