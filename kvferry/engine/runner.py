@@ -415,6 +415,8 @@ class EngineOptions:
     max_spec_k: int = 0
     snapshot_interval: int = 0
     enable_reuse: bool = True
+    #: reuse the drafter's KV with the target's prefix (False: the reused prefix's draft KV is zero-filled)
+    draft_reuse: bool = True
     step_in_thread: bool = True
     #: bytes of host memory for caches moved off the device (None: no bound; see EngineConfig.host_memory)
     host_memory: int | None = None
@@ -480,6 +482,7 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
             max_batch_size=options.max_running,
             snapshot_interval=options.snapshot_interval,
             enable_reuse=options.enable_reuse,
+            enable_draft_reuse=options.draft_reuse,
         )
         for arena in arenas
     ]

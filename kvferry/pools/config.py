@@ -31,6 +31,9 @@ class CacheManagerConfig:
     #: take a snapshot every this many tokens (a multiple of tokens_per_block); 0: only at the prompt's end
     snapshot_interval: int = 0
     enable_reuse: bool = True
+    #: reuse the drafter's KV through the draft prefix index (False: the reused prefix's draft KV is zero-filled
+    #: and no draft block is indexed; the target's reuse is unchanged). Has no effect without ``enable_reuse``
+    enable_draft_reuse: bool = True
     #: move suspended requests (``Offload.ON_PRESSURE``) to the host when an allocation is short
     offload_under_pressure: bool = True
 

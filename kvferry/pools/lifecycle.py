@@ -100,5 +100,6 @@ class Resumed:
     restored: bool
     #: token range ``[draft_hit, reused_tokens)`` of draft KV that the draft mirror could not reuse and that was
     #: zero-filled ((0, 0) when there is no gap). Draft proposals of the request differ from a fresh run's
-    #: unless the engine recomputes this range (it needs the target's hidden states of it).
+    #: unless the engine recomputes this range (it needs the target's hidden states of it); so may those of a
+    #: request whose match covers blocks an earlier request indexed after its own gap. Tokens never differ.
     draft_zeroed: tuple[int, int]

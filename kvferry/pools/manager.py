@@ -35,6 +35,9 @@ The rules they keep together (docs/design.md, sections "Lifecycle", "Prefix reus
   only when its draft KV is final and the token after it is committed (:meth:`CacheManager.commit_draft`). The
   draft match is clamped to the target's reuse boundary; a straddling block is copied, never shared; what the
   match cannot cover is zero-filled (:attr:`Resumed.draft_zeroed`), so the drafter never reads recycled bytes.
+  The blocks the drafter computes after such a gap are indexed too (the gap's zeros with them), so a next turn
+  matches past it; the proposals of a request that matches them may differ from a fresh run's, its tokens
+  never do.
 - No stale bytes. Offload saves every page, the slot and its replay buffers, and resume restores them into
   whatever pages and slot it gets; nothing a transfer may still write is handed out.
 """
@@ -109,6 +112,7 @@ class CacheManager:
         max_batch_size: int = 64,
         snapshot_interval: int = 0,
         enable_reuse: bool = True,
+        enable_draft_reuse: bool = True,
         offload_under_pressure: bool = True,
     ) -> CacheManager:
         """A manager over every page and slot of ``arena``."""
@@ -123,6 +127,7 @@ class CacheManager:
             max_batch_size=max_batch_size,
             snapshot_interval=snapshot_interval,
             enable_reuse=enable_reuse,
+            enable_draft_reuse=enable_draft_reuse,
             offload_under_pressure=offload_under_pressure,
         )
         return cls(config, arena)
@@ -337,9 +342,11 @@ class CacheManager:
 
         Final: computed from the target's hidden states of those committed tokens and the token after each
         (for the last one the token the target chose next, committed by the following step). The drafter's
-        speculative positions are never final. Draft blocks whose KV is final from position 0 on (a range that
-        starts past the final prefix, e.g. after a zero-filled gap, extends nothing) and whose following token
-        is committed enter the draft prefix index. Without a drafter group this does nothing.
+        speculative positions are never final. Draft blocks whose KV is final from position 0 on and whose
+        following token is committed enter the draft prefix index. The gap the first resume zero-filled counts
+        as final once a range from its end on is recorded: the blocks after it enter the index, keyed by the
+        chained hash of their target tokens, and the gap's blocks with them, as the zeros they hold. A range
+        that starts past the final prefix and the gap extends nothing. Without a drafter group this does nothing.
 
         The request may be SUSPENDED (e.g. a hand-off catches its drafter up after the prefill) as long as its
         pages are on the device.

@@ -68,10 +68,13 @@ class RequestRecord:
     last_snapshot: int = 0
     #: chained hashes of draft blocks whose draft KV is final (block b covers tokens b*d .. (b+1)*d inclusive)
     draft_hashes: list[PageHash] = attrs.field(factory=list)
-    #: draft KV of positions [0, draft_valid) is final and computed without a gap
+    #: draft KV of positions [0, draft_valid) is final: matched, zero-filled on the first resume (counted here
+    #: once the drafter committed KV after the gap) or written by the drafter for committed tokens
     draft_valid: int = 0
     #: prompt tokens the draft match covers (<= reused_tokens)
     draft_hit: int = 0
+    #: the draft token range the first resume zero-filled, ``[draft_hit, reused_tokens)``; (0, 0): none
+    draft_zeroed: tuple[int, int] = (0, 0)
     #: cached draft page whose front is copied into the straddling block on the first resume (a reference held)
     draft_source: int | None = None
     host: HostCopy | None = None
@@ -104,6 +107,7 @@ class RequestRecord:
             tuple(self.draft_hashes),
             self.draft_valid,
             self.draft_hit,
+            self.draft_zeroed,
             self.draft_source,
             self.resumed,
             self.pending_replay,

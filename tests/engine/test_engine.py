@@ -9,8 +9,10 @@ import random
 from collections.abc import Sequence
 
 import anyio
+import attrs
 import pytest
 import torch
+from attrs import define
 
 from kvferry.engine.engine import DraftItem, Engine, ForwardItem
 from kvferry.engine.runner import BuiltEngine, EngineOptions, PagedRunner, build_engine
@@ -420,3 +422,106 @@ async def test_prefix_reuse_gives_the_same_tokens_and_draft_proposals(tp: int) -
     assert all(drafts for _, drafts in reference)
     assert got == [reference[0], reference[0], reference[1]]
     assert_all_free(built, initial)
+
+
+# --- draft reuse over a conversation ---------------------------------------------------------------------------
+
+#: each turn's new prompt; a turn's whole prompt is every earlier prompt and answer, then its new prompt
+TURNS: list[tuple[int, ...]] = [
+    tuple(b"what is a kv cache?"),
+    tuple(b"and draft kv?"),
+    tuple(b"why reuse it"),
+    tuple(b"ok"),
+]
+
+
+def poison_free_draft_pages(built: BuiltEngine, seed: int) -> None:
+    """Garbage in every free draft page that holds no cached block (what a recycled page may hold)."""
+    for manager, arena in zip(built.cache.managers, built.arenas, strict=True):
+        draft = manager._pools.draft
+        assert draft is not None
+        arena.fill_garbage(
+            "draft", [p for p in draft.free_page_ids() if draft.block_hash(p) is None], seed=seed
+        )
+
+
+@define(eq=False)
+class Conversation:
+    """A run of :data:`TURNS`: per turn its prompt, answer and draft proposals, and from rank 0's manager its
+    reused tokens, draft hit tokens and zero-filled draft tokens."""
+
+    prompts: list[tuple[int, ...]] = attrs.field(factory=list)
+    answers: list[list[int]] = attrs.field(factory=list)
+    proposals: list[list[tuple[int, ...]]] = attrs.field(factory=list)
+    reuse: list[tuple[int, int, int]] = attrs.field(factory=list)
+
+
+async def conversation(built: BuiltEngine, k: int, max_tokens: int, *, poison: bool = False) -> Conversation:
+    """Run :data:`TURNS` as a conversation, one request a turn (with ``poison``, garbage in the free draft
+    pages before each turn)."""
+    out = Conversation()
+    manager = built.cache.primary
+    history: tuple[int, ...] = ()
+    with anyio.fail_after(120):
+        async with built.engine as engine:
+            for i, new in enumerate(TURNS):
+                prompt = (*history, *new)
+                if poison:
+                    poison_free_draft_pages(built, seed=i)
+                before = manager.statistics()
+                g = engine.generate(prompt, max_tokens=max_tokens, spec_k=k)
+                answer = await g.collect()
+                after = manager.statistics()
+                out.reuse.append(
+                    (
+                        g.statistics().reused_tokens,
+                        after.draft_hit_tokens - before.draft_hit_tokens,
+                        after.draft_zeroed_tokens - before.draft_zeroed_tokens,
+                    )
+                )
+                out.prompts.append(prompt)
+                out.answers.append(answer)
+                out.proposals.append(g.request.draft_history)
+                history = (*prompt, *answer)
+    return out
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_conversation_gives_fresh_tokens_and_its_draft_match_grows_turn_over_turn(tp: int) -> None:
+    """Each turn of a conversation reuses the turn before; snapshots at every block let the target's reuse
+    reach past the draft KV the turn before could index (its catch-up lags one step), so each turn has a gap.
+    With draft reuse the blocks computed after a gap are indexed and the next turn's draft match covers them;
+    without it the reused prefix's draft KV is zero-filled. Tokens are a fresh run's either way, and garbage
+    in recycled draft pages changes no proposal."""
+    k, max_tokens = 3, 12
+    runs = {}
+    for draft_reuse, poison in ((True, False), (True, True), (False, True)):
+        built = build_engine(
+            "tiny", options(tp=tp, max_spec_k=k, snapshot_interval=4, draft_reuse=draft_reuse)
+        )
+        initial = free_counts(built)
+        runs[draft_reuse, poison] = await conversation(built, k, max_tokens, poison=poison)
+        assert_all_free(built, initial)
+    on, off = runs[True, False], runs[False, True]
+    fresh = await run_all(
+        build_engine("tiny", options(tp=tp, max_spec_k=k, enable_reuse=False)),
+        on.prompts,
+        [max_tokens] * len(on.prompts),
+        spec_k=k,
+        sequential=True,
+    )
+    assert on.answers == fresh
+    assert (off.prompts, off.answers) == (on.prompts, fresh)
+    poisoned = runs[True, True]
+    assert (poisoned.answers, poisoned.proposals, poisoned.reuse) == (on.answers, on.proposals, on.reuse)
+    reused = [r for r, _, _ in on.reuse]
+    hits = [h for _, h, _ in on.reuse]
+    assert all(r > 0 for r in reused[1:])
+    assert any(z for _, _, z in on.reuse)  # gaps happened
+    # the draft match grows turn over turn, past the whole reuse of the turn before (so it covers what that
+    # turn's drafter wrote after its gap), and is never longer than the target's reuse
+    assert all(hits[i] > reused[i - 1] for i in range(2, len(hits)))
+    assert all(h <= r for r, h, _ in on.reuse)
+    # without draft reuse nothing of the draft KV is reused: the whole reused prefix is zero-filled
+    assert [(h, z) for _, h, z in off.reuse] == [(0, r) for r, _, _ in off.reuse]

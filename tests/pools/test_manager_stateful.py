@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvferry.errors import PoolExhausted, RebalanceRefused
+from kvferry.pools.blocks import hash_block
 from kvferry.pools.manager import CacheManager, CacheState, Offload, Quarantine
 from kvferry.pools.slots import DUMMY_SLOT
 from tests.support.pools_factories import DRAFT_TPB, TPB, make_arena
@@ -142,8 +143,10 @@ class ManagerMachine(RuleBasedStateMachine):
         start = data.draw(st.sampled_from(sorted({min(req.draft_valid, committed), req.reused_tokens})))
         end = data.draw(st.integers(start, committed))
         before = req.draft_valid
+        # the zero-filled gap counts as final once KV from its end on is
+        final = max(before, req.draft_zeroed[1])
         self.m.commit_draft(rid, start, end)
-        assert req.draft_valid == (max(before, end) if start <= before else before)
+        assert req.draft_valid == (end if start <= final < end else before)
 
     @rule(data=st.data(), offload=st.sampled_from(Offload))
     def suspend(self, data: st.DataObject, offload: Offload) -> None:
@@ -221,9 +224,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert req.draft_valid <= len(req.tokens)
                 for page in req.draft_pages[req.draft_valid // DRAFT_TPB :]:
                     assert m._pools.draft is not None and m._pools.draft.ref_cnt(page) == 1
-            # the draft match never passes the target's boundary; a gap ends what the request offers
+            # the draft match never passes the target's boundary; only final draft KV is offered, keyed by the
+            # chained hash of the target tokens (through a zero-filled gap too)
             assert req.draft_hit <= req.reused_tokens
             assert len(req.draft_hashes) * DRAFT_TPB <= max(req.draft_valid, req.draft_hit)
+            parent = req.parent
+            for b, key in enumerate(req.draft_hashes):
+                parent = hash_block(parent, req.tokens[b * DRAFT_TPB : (b + 1) * DRAFT_TPB + 1])
+                assert key == parent
         for q in self.quarantines:
             owners.update(q.pages)
             draft_owners.update(q.draft_pages)
