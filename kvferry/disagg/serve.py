@@ -67,13 +67,11 @@ DEFAULT_START_TIMEOUT = 120.0
 def _options(
     tp: int, spec_k: int, seed: int, dtype: str, *, num_pages: int = 512, max_running: int = 16
 ) -> EngineOptions:
-    # the steps run on the event loop: the receiver and the hold touch the managers between them
     return EngineOptions(
         tp=tp,
         dtype=dtype,
         seed=seed,
         max_spec_k=spec_k,
-        step_in_thread=False,
         num_pages=num_pages,
         max_running=max_running,
     )
@@ -107,8 +105,7 @@ async def serve_context(
 
         :raises ~kvferry.errors.ConfigError: a bad model, option or listening address (nothing was started).
     """
-    # its steps run on the event loop: the worker touches the managers between them
-    built = build_engine(model, attrs.evolve(options, step_in_thread=False))
+    built = build_engine(model, options)
     factory = get_transport(transport)
     listen = {"host": host, "port": port, "advertise_host": advertise_host} if transport != "local" else {}
     async with factory(secret=secret, **listen) as tx, built.engine:
@@ -477,7 +474,6 @@ async def disaggregated(
         secret = new_secret()
     if options is None:
         options = _options(gen_tp, spec_k, seed, dtype)
-    options = attrs.evolve(options, step_in_thread=False)
     spec_k, seed, dtype = options.max_spec_k, options.seed, options.dtype
     ctx_options = attrs.evolve(options, tp=ctx_tp, num_pages=ctx_num_pages or options.num_pages)
     gen = build_engine(model, options)

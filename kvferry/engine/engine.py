@@ -674,11 +674,17 @@ class Engine:
                 await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
             return
         t1 = time.perf_counter()
+        prepare = getattr(self.runner, "prepare_step", None)
+        finish = getattr(self.runner, "finish_step", None)
         try:
+            if prepare is not None:
+                prepare()
             if self.config.step_in_thread:
                 drafts, logits, argmax = await anyio.to_thread.run_sync(self._run_model, plan)
             else:
                 drafts, logits, argmax = self._run_model(plan)
+            if finish is not None:
+                finish()
         except Exception as exc:
             # a failed model step fails every request in it; the engine keeps serving the rest
             for item in plan.items:

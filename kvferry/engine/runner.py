@@ -225,13 +225,28 @@ class PagedRunner:
     cache: LockstepCache
     drafter: Drafter | None = None
     _fed: dict[int, list[_Fed]] = attrs.field(factory=dict, init=False)
+    #: the drafter's final KV ranges of the last step, handed to the managers by :meth:`finish_step`
+    _draft_commits: list[tuple[int, int, int]] = attrs.field(factory=list, init=False)
 
     @property
     def vocab_size(self) -> int:
         return self.model.spec.vocab_size
 
+    def prepare_step(self) -> None:
+        """On the engine's loop, before a step that may run in a worker thread: the last step's acceptances
+        reach the arena (the step's replay reads them), so nothing in the step touches the managers'
+        bookkeeping, which the loop may change meanwhile (a transfer, a hold) for requests outside the step."""
+        self._draft_commits.clear()  # of a step that failed: its requests failed with it
+        self.cache.flush_num_accepted()
+
+    def finish_step(self) -> None:
+        """On the engine's loop, after the step: the draft KV it made final enters the draft prefix index."""
+        commits, self._draft_commits = self._draft_commits, []
+        for request_id, start, end in commits:
+            self.cache.commit_draft(request_id, start, end)
+
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        self.cache.flush_num_accepted()  # the last step's acceptances, which this step's replay reads
+        self.cache.flush_num_accepted()  # a no-op after prepare_step; kept for callers that step by hand
         batch = [
             SequenceInput(
                 token_ids=item.token_ids,  # type: ignore[arg-type,unused-ignore]
@@ -285,8 +300,11 @@ class PagedRunner:
                 proposals[index] = proposal.tokens
             for index, draft_input in zip(indices, inputs, strict=True):
                 # the catch-up rows are final draft KV of committed positions: the draft mirror may offer them
+                # (at finish_step, on the engine's loop)
                 start = draft_input.start
-                self.cache.commit_draft(items[index].request_id, start, start + len(draft_input.next_tokens))
+                self._draft_commits.append(
+                    (items[index].request_id, start, start + len(draft_input.next_tokens))
+                )
         return proposals
 
     def record_accepted(self, request_id: int, num_accepted: int) -> None:

@@ -359,9 +359,14 @@ def _judge(system: _System, outcome: _Outcome, expected: list[int]) -> str | Non
     return None
 
 
+#: the name anyio gives the threads of its worker pool (engine steps, scatters, copies)
+_ANYIO_WORKER = "AnyIO worker thread"
+
+
 @frozen
 class Resources:
-    """What the process holds: open descriptors, threads, the generation transport's registrations."""
+    """What the process holds: open descriptors, threads (but anyio's worker threads: a pool bounded by its
+    limiter, which keeps idle threads for a while), the generation transport's registrations."""
 
     fds: int
     threads: int
@@ -371,7 +376,7 @@ class Resources:
     def now(cls, system: _System) -> Resources:
         return cls(
             len(os.listdir("/proc/self/fd")),
-            threading.active_count(),
+            sum(1 for t in threading.enumerate() if t.name != _ANYIO_WORKER),
             system.gen_transport.statistics().registrations,
         )
 
