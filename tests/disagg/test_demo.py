@@ -83,9 +83,8 @@ def test_demo_two_processes(transport: str, ctx_tp: int, gen_tp: int) -> None:
 @pytest.mark.parametrize(
     ("transport", "ctx_tp", "gen_tp"),
     [
-        # slow: under a heavily loaded machine a transfer of this run has been seen stalled past the receiver's
-        # 30 s stall deadline (TransferInDoubt); kept out of CI until that is understood
-        pytest.param("local", 2, 1, marks=pytest.mark.slow),
+        ("local", 2, 1),
+        # the whole matrix: two OS processes each
         pytest.param("nixl", 1, 2, marks=pytest.mark.slow),
         pytest.param("ucx", 2, 1, marks=pytest.mark.slow),
     ],
