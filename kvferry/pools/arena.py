@@ -150,6 +150,24 @@ class CacheArena:
         pool, entry = self.layout.locate(layer_id, role)
         return self._typed(pool, entry, group.dtype(role), group.role_shape(role))
 
+    # --- rows ----------------------------------------------------------------------------------------------
+
+    def page_rows(self, group: str) -> tuple[torch.Tensor, ...]:
+        """Per pool of a PAGED group, its pages as ``[num_pages, slot_bytes]`` uint8 rows (views of the arena)."""
+        return tuple(self._rows(pool) for pool in self._paged(group).pools)
+
+    def state_rows(self) -> tuple[torch.Tensor, ...]:
+        """Per pool of every STATE group, its slots as ``[num_slots, slot_bytes]`` uint8 rows (views)."""
+        return tuple(self._rows(pool) for pool in self._state_pools())
+
+    def replay_rows(self) -> torch.Tensor:
+        """The replay buffers as ``[num_slots, slot_stride]`` uint8 rows (a view)."""
+        return self._replay_rows()
+
+    def num_accepted_rows(self) -> torch.Tensor:
+        """``num_accepted`` as ``[num_slots, 8]`` uint8 rows, one int64 each (a view)."""
+        return self.num_accepted.view(torch.uint8).view(-1, 8)
+
     # --- typed views ---------------------------------------------------------------------------------------
 
     def kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

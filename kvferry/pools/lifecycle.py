@@ -66,6 +66,7 @@ REQUIRED_STATE: dict[str, CacheState] = {
     "resume": CacheState.SUSPENDED,
     "offload": CacheState.SUSPENDED,
     "pin": CacheState.SUSPENDED,
+    "restore": CacheState.SUSPENDED,
     "grow": CacheState.ACTIVE,
     "commit": CacheState.ACTIVE,
     "suspend": CacheState.ACTIVE,

@@ -56,6 +56,7 @@ def operate(m: CacheManager, operation: str) -> None:
         "resume": lambda: m.resume("a"),
         "offload": lambda: m.offload("a"),
         "pin": lambda: m.pin("a"),
+        "restore": lambda: m.start_restore("a"),
         "grow": lambda: m.grow("a", 8),
         "commit": lambda: m.commit("a", [1]),
         "suspend": lambda: m.suspend("a"),
