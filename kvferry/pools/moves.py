@@ -22,12 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvferry.kernels.span_copy.cuda import on_device
+
 if TYPE_CHECKING:
     from kvferry.pools.host_memory import HostBuffer
     from kvferry.pools.quarantine import Quarantine
     from kvferry.pools.record import HostCopy, RequestId, RequestRecord
 
-__all__ = ["CopyFn", "MoveKind", "MoveState", "PendingMove"]
+__all__ = ["BLOCKING_WAIT_BYTES", "CopyFn", "MoveKind", "MoveState", "PendingMove"]
+
+#: On CUDA a move of at least this many bytes waits for its copy asleep, a smaller one spinning.
+BLOCKING_WAIT_BYTES = 64 << 20
 
 #: A move's copy: ``copy(stop) -> True`` when every byte was copied, False when ``stop()`` ended it early.
 CopyFn = Callable[[Callable[[], bool]], bool]
@@ -167,11 +172,12 @@ class PendingMove:
         if device is None or device.type != "cuda":
             return copy(self._stopped)
         stream = self._stream
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        with on_device(device), torch.cuda.stream(stream):
             stream.wait_event(self._ready)
             completed = copy(self._stopped)
-            # a blocking event: the waiting thread sleeps instead of spinning
-            copied = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            # a large copy's thread sleeps on the event instead of spinning a core; a small one spins (waking a
+            # sleeping thread costs more than the copy)
+            copied = torch.cuda.Event(blocking=self.nbytes >= BLOCKING_WAIT_BYTES)  # type: ignore[no-untyped-call]
             copied.record(stream)
         self._copied = copied
         copied.synchronize()

@@ -48,20 +48,16 @@ _ALIGN = 64
 
 @define(eq=False)
 class _Piece:
-    """Rows ``ids`` of ``rows`` at ``offset`` of a host buffer."""
+    """Rows ``ids`` of ``rows`` at ``offset`` of a host buffer (``host``: their view of it, once made)."""
 
     rows: torch.Tensor
     ids: np.ndarray
     offset: int
+    host: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         return int(self.ids.size) * int(self.rows.shape[1])
-
-    def host(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self.offset : self.offset + self.nbytes].view(
-            int(self.ids.size), int(self.rows.shape[1])
-        )
 
 
 @define(eq=False)
@@ -80,21 +76,32 @@ class _HostLayout:
         part.append(piece)
         self.nbytes = -(-(self.nbytes + piece.nbytes) // _ALIGN) * _ALIGN
 
-    def pieces(self) -> list[_Piece]:
-        return [*self.attention, *self.draft, *self.state, *self.replay]
+    def sections(self, buffer: torch.Tensor) -> list[RowSection]:
+        """What the offload copies, each piece's view of ``buffer`` made (and kept for :meth:`host_copy`)."""
+        base = buffer.storage_offset()
+        sections = []
+        for piece in (*self.attention, *self.draft, *self.state, *self.replay):
+            count, width = int(piece.ids.size), int(piece.rows.shape[1])
+            piece.host = buffer.as_strided((count, width), (width, 1), base + piece.offset)
+            sections.append(RowSection(piece.rows, piece.ids, piece.host))
+        return sections
 
     def host_copy(self, buffer: HostBuffer, num_pages: int, num_draft_pages: int) -> HostCopy:
-        tensor = buffer.tensor
+        """The host copy over the views :meth:`sections` made."""
+
+        def views(part: list[_Piece]) -> tuple[torch.Tensor, ...]:
+            out = tuple(p.host for p in part if p.host is not None)
+            assert len(out) == len(part), "the offload's copy did not run"
+            return out
+
         copy = HostCopy(None, None, None, num_pages, num_draft_pages, buffer)
         if self.attention:
-            copy.pages = HostPages(ATTENTION, num_pages, tuple(p.host(tensor) for p in self.attention))
+            copy.pages = HostPages(ATTENTION, num_pages, views(self.attention))
         if self.draft:
-            copy.draft_pages = HostPages(DRAFT, num_draft_pages, tuple(p.host(tensor) for p in self.draft))
+            copy.draft_pages = HostPages(DRAFT, num_draft_pages, views(self.draft))
         if self.state:
-            replay, accepted = (p.host(tensor) for p in self.replay)
-            copy.slots = HostSlots(
-                1, tuple(p.host(tensor) for p in self.state), replay, accepted.view(torch.int64)
-            )
+            replay, accepted = views(self.replay)
+            copy.slots = HostSlots(1, views(self.state), replay, accepted.view(torch.int64))
         return copy
 
 
@@ -290,9 +297,8 @@ class HostOffload:
 
         def copy(stop: Callable[[], bool]) -> bool:
             assert buffer is not None
-            tensor = buffer.materialize()  # in the copy's thread: pinning a new block takes a while
-            sections = [RowSection(p.rows, p.ids, p.host(tensor)) for p in layout.pieces()]
-            return to_host(sections, stop=stop)
+            # in the copy's thread: allocating (and pinning) a new block takes a while
+            return to_host(layout.sections(buffer.materialize()), stop=stop)
 
         pending = self._move(MoveKind.OFFLOAD, record, layout.nbytes, copy if buffer is not None else None)
         pending.pages, pending.draft_pages, pending.slot = (

@@ -25,7 +25,13 @@ pytestmark = pytest.mark.anyio
 DEADLINE_S = 30.0
 
 
-def lockstep(tp: int = 2, num_pages: int = 16) -> LockstepCache:
+DEVICES = [
+    "cpu",
+    pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+def lockstep(tp: int = 2, num_pages: int = 16, device: str = "cpu") -> LockstepCache:
     """One manager per rank of ``tiny`` over arenas whose every byte differs (rank by rank too)."""
     managers = []
     for rank in range(tp):
@@ -36,7 +42,7 @@ def lockstep(tp: int = 2, num_pages: int = 16) -> LockstepCache:
             num_draft_pages=10,
             max_replay_tokens=3,
         )
-        arena = CacheArena(layout, "cpu")
+        arena = CacheArena(layout, device)
         seed = 100 * rank
         for group, count in (("attention", num_pages), ("draft", 10), ("mamba2", 6), (REPLAY, 6)):
             arena.fill_garbage(group, list(range(count)), seed=seed)
@@ -104,8 +110,9 @@ def all_back(cache: LockstepCache) -> None:
         assert s.slots_live == 0 and s.requests_moving == 0 and s.requests_offloaded == 0
 
 
-async def test_a_request_moves_to_the_host_and_back_on_every_rank() -> None:
-    cache = lockstep()
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_request_moves_to_the_host_and_back_on_every_rank(device: str) -> None:
+    cache = lockstep(device=device)
     expected = suspended(cache, 1, list(range(10)))
     assert await offload_request(cache, 1) is True
     assert all(m.is_offloaded(1) for m in cache.managers) and not cache.is_moving(1)

@@ -37,7 +37,14 @@ def arena_rows(device: str, count: int = 40, row_bytes: int = 4096, stride: int 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("stride", [4096, 4160])
-def test_rows_go_to_the_host_and_back_byte_for_byte(device: str, layout: str, stride: int) -> None:
+@pytest.mark.parametrize("staging", ["packed", "chunked"])
+def test_rows_go_to_the_host_and_back_byte_for_byte(
+    device: str, layout: str, stride: int, staging: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA: through one staging buffer for the whole host span (packed), or section by section in chunks
+    of 3 rows (a staging buffer smaller than the span)."""
+    if staging == "chunked":
+        monkeypatch.setattr(host_copy, "DEVICE_CHUNK_BYTES", 3 * 4096)
     rows = arena_rows(device, stride=stride)
     ids = LAYOUTS[layout].astype(np.int64)
     host = torch.empty((ids.size, rows.shape[1]), dtype=torch.uint8)
@@ -59,17 +66,46 @@ def test_rows_go_to_the_host_and_back_byte_for_byte(device: str, layout: str, st
     assert torch.equal(after[torch.from_numpy(untouched)], before.cpu()[torch.from_numpy(untouched)])
 
 
-def test_several_sections_pack_into_one_buffer() -> None:
-    a, b = arena_rows("cpu", row_bytes=1024, stride=1024), arena_rows("cpu", row_bytes=64, stride=128)
-    buffer = torch.zeros(5 * 1024 + 3 * 64, dtype=torch.uint8)
-    ids_a, ids_b = np.array([3, 1, 4, 0, 2]), np.array([9, 8, 7])
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_sections_pack_into_one_buffer_and_back(device: str) -> None:
+    """Sections of one host buffer with a gap between them (as an offload lays them out), scattered and single
+    rows and a run: one staging span on CUDA."""
+    a, b = arena_rows(device, row_bytes=1024, stride=1024), arena_rows(device, row_bytes=64, stride=128)
+    buffer = torch.zeros(5 * 1024 + 64 + 3 * 64 + 64 + 1024, dtype=torch.uint8)
+    ids_a, ids_b, ids_c, ids_d = np.array([3, 1, 4, 0, 2]), np.array([9, 8, 7]), np.array([6]), np.array([20])
+    views = [
+        buffer[:5120].view(5, 1024),
+        buffer[5184:5376].view(3, 64),  # 64 bytes apart from the first
+        buffer[5376:5440].view(1, 64),
+        buffer[5440:].view(1, 1024),
+    ]
     sections = [
-        RowSection(a, ids_a, buffer[: 5 * 1024].view(5, 1024)),
-        RowSection(b, ids_b, buffer[5 * 1024 :].view(3, 64)),
+        RowSection(a, ids_a, views[0]),
+        RowSection(b, ids_b, views[1]),
+        RowSection(b, ids_c, views[2]),
+        RowSection(a, ids_d, views[3]),
     ]
     assert to_host(sections)
-    assert torch.equal(buffer[: 5 * 1024].view(5, 1024), a[torch.from_numpy(ids_a)])
-    assert torch.equal(buffer[5 * 1024 :].view(3, 64), b[torch.from_numpy(ids_b)])
+    if device != "cpu":
+        torch.cuda.synchronize()
+    expected = [
+        rows.cpu()[torch.from_numpy(ids)] for rows, ids in ((a, ids_a), (b, ids_b), (b, ids_c), (a, ids_d))
+    ]
+    assert all(torch.equal(view, e) for view, e in zip(views, expected, strict=True))
+    # and back into other rows
+    for view in views:
+        view.add_(3)
+    back = [
+        RowSection(a, ids_a + 5, views[0]),
+        RowSection(b, ids_b + 10, views[1]),
+        RowSection(a, ids_d + 1, views[3]),
+    ]
+    assert from_host(back)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    assert torch.equal(a.cpu()[torch.from_numpy(ids_a + 5)], views[0])
+    assert torch.equal(b.cpu()[torch.from_numpy(ids_b + 10)], views[1])
+    assert torch.equal(a.cpu()[torch.from_numpy(ids_d + 1)], views[3])
 
 
 @pytest.mark.parametrize(("layout", "run_bytes"), [("one run", 4096), ("every other", 1 << 20)])
@@ -78,6 +114,7 @@ def test_stop_ends_a_copy_between_chunks(
 ) -> None:
     """Run by run (a run in chunks) or by index in chunks: two chunks of 4 rows land, then the copy stops."""
     monkeypatch.setattr(host_copy, "HOST_CHUNK_BYTES", 4 * 4096)
+    monkeypatch.setattr(host_copy, "HOST_RUN_CHUNK_BYTES", 4 * 4096)
     monkeypatch.setattr(host_copy, "RUN_BYTES", run_bytes)
     rows = arena_rows("cpu")
     ids = LAYOUTS[layout].astype(np.int64)
