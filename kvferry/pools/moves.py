@@ -110,7 +110,7 @@ class PendingMove:
         self.pages: list[int] = []
         self.draft_pages: list[int] = []
         self.slot: int | None = None
-        #: the host buffer the move writes (OFFLOAD) and the host copy it installs
+        #: OFFLOAD: the host buffer it writes; RESTORE: the host copy it reads (dropped when it commits)
         self.buffer: HostBuffer | None = None
         self.host: HostCopy | None = None
         #: OFFLOAD: where each part lies in the buffer (the offload's own description)

@@ -31,6 +31,7 @@ from attrs import define
 
 from kvferry.errors import PoolExhausted, UnknownRequest
 from kvferry.kernels.host_copy import RowSection, from_host, to_host
+from kvferry.kernels.span_copy.cuda import ordinal
 from kvferry.pools.arena import CacheArena, HostPages, HostSlots
 from kvferry.pools.config import ATTENTION, DRAFT
 from kvferry.pools.host_memory import HostBuffer, HostMemory
@@ -269,9 +270,11 @@ class HostOffload:
         arena = self._pools.arena
         if arena is None or arena.device.type != "cuda":
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(arena.device)  # type: ignore[no-untyped-call]
-        return self._stream
+        stream = self._stream
+        if stream is None or stream.device.index != ordinal(arena.device):  # type: ignore[attr-defined]
+            # one per device (a rebalance may hand over an arena of another)
+            stream = self._stream = torch.cuda.Stream(arena.device)  # type: ignore[no-untyped-call]
+        return stream
 
     def _move(self, kind: MoveKind, record: RequestRecord, nbytes: int, copy: CopyFn | None) -> PendingMove:
         arena = self._pools.arena
