@@ -120,3 +120,11 @@ def test_a_request_that_differs_after_its_moves_fails_the_run(
     assert main([*BENCH, "--sizes", "64K", "--page-kib", "16"]) == 1
     captured = capsys.readouterr()
     assert "NOT VERIFIED" in captured.out and "differs after its offload and restore" in captured.err
+
+
+def test_the_command_and_the_tool_share_their_default_sizes() -> None:
+    from kvferry.commands.bench_offload import SIZES
+    from kvferry.tools import offload_bench
+
+    assert SIZES == offload_bench.SIZES == tuple(64 << (10 + 2 * i) for i in range(8))
+    assert SIZES[0] == 64 << 10 and SIZES[-1] == 1 << 30

@@ -19,14 +19,16 @@ from typing import Any
 from kvferry.commands._common import byte_count, parse_bytes, positive_int, say
 from kvferry.errors import ConfigError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["SIZES", "add_arguments", "run"]
+
+#: the default request sizes, 64 KiB to 1 GiB in powers of 4 (:data:`kvferry.tools.offload_bench.SIZES`; not
+#: imported from there: ``--help`` must not import torch)
+SIZES = tuple(64 << (10 + 2 * i) for i in range(8))
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, json_path: bool = False) -> None:
     """The flags; with ``json_path`` (``benchmarks/offload.py``) ``--json PATH`` writes the stamped result there
     and there is no ``--output``."""
-    from kvferry.tools.offload_bench import SIZES
-
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the cache lives")
     parser.add_argument(
         "--sizes",
