@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationFailed",
+    "CacheMoving",
     "ClosedResourceError",
     "ConfigError",
     "EngineClosed",
@@ -71,6 +72,11 @@ class UnknownRequest(KvferryError, KeyError):
 
 class InvalidTransition(KvferryError):
     """A lifecycle or request-state transition that is not allowed from the current state."""
+
+
+class CacheMoving(InvalidTransition):
+    """The request's cache is being copied to the host or back (a two-phase offload or restore was started and
+    not finished): finish the move first. Nothing was changed."""
 
 
 class StaleGeneration(KvferryError):

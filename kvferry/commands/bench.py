@@ -1,5 +1,7 @@
 """``kvferry bench transfer``: transfer throughput between two processes against same-run ceilings;
-``kvferry bench serve``: load on the serving API or a running server (:mod:`kvferry.commands.bench_serve`)."""
+``kvferry bench serve``: load on the serving API or a running server (:mod:`kvferry.commands.bench_serve`);
+``kvferry bench offload``: a suspended request's offload to the host and restore, and the event loop meanwhile
+(:mod:`kvferry.commands.bench_offload`)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=bench_serve.__doc__.split("\n\n")[0] if bench_serve.__doc__ else None,
     )
     bench_serve.add_arguments(serve)
+    from kvferry.commands import bench_offload
+
+    offload = sub.add_parser(
+        "offload",
+        help="offload and restore of a suspended request (GB/s per size) and the event loop meanwhile",
+        description=bench_offload.__doc__.split("\n\n")[0] if bench_offload.__doc__ else None,
+    )
+    bench_offload.add_arguments(offload)
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -200,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         from kvferry.commands import bench_serve
 
         return bench_serve.run(args)
+    if args.benchmark == "offload":
+        from kvferry.commands import bench_offload
+
+        return bench_offload.run(args)
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
 
     quiet_library_env()  # before nixl or ucxx loads; the peer processes inherit it

@@ -1,7 +1,8 @@
 """Serving: requests and their states, the scheduler, sampling, the anyio engine, and the runner that builds an
 engine over the reference model (:func:`build_engine`).
 
-Import direction: request -> scheduler / sampling -> engine -> runner (which brings in the model and the pools).
+Import direction: request -> scheduler / sampling -> engine -> runner (which brings in the model and the pools)
+-> host_moves (offload and restore of a request off the event loop).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from kvferry.engine.engine import ModelRunner as ModelRunner
     from kvferry.engine.generation import Generation as Generation
     from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
+    from kvferry.engine.host_moves import offload_request as offload_request
+    from kvferry.engine.host_moves import restore_request as restore_request
     from kvferry.engine.request import Request as Request
     from kvferry.engine.request import RequestState as RequestState
     from kvferry.engine.request import SamplingParams as SamplingParams
@@ -52,6 +55,8 @@ _LAZY: dict[str, str] = {
     "BuiltEngine": "kvferry.engine.runner",
     "EngineOptions": "kvferry.engine.runner",
     "build_engine": "kvferry.engine.runner",
+    "offload_request": "kvferry.engine.host_moves",
+    "restore_request": "kvferry.engine.host_moves",
 }
 
 __all__ = sorted(_LAZY)

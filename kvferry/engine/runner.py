@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import attrs
 import torch
@@ -28,7 +28,7 @@ from kvferry.model.nemotron_h import Model, SequenceInput
 from kvferry.model.weights import ModelWeights, tiny_args
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
-from kvferry.pools.manager import CacheManager, CacheManagerStatistics, Resumed
+from kvferry.pools.manager import CacheManager, CacheManagerStatistics, PendingMove, Resumed
 from kvferry.pools.spec import ModelSpec, dtype_from_name, dtype_name, preset
 
 __all__ = ["DrafterHandoff", "EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
@@ -151,6 +151,59 @@ class LockstepCache:
         """Write every rank's deferred ``num_accepted`` (before a model step reads them)."""
         for m in self.managers:
             m.flush_num_accepted()
+
+    # --- two-phase moves to the host and back (kvferry.engine.host_moves drives them) --------------------------
+
+    def start_offload(self, request_id: int) -> tuple[PendingMove, ...]:
+        """:meth:`CacheManager.start_offload <kvferry.pools.manager.CacheManager.start_offload>` on every rank
+        (rank 0 first: a refusal there changes nothing anywhere); one move per rank, for :meth:`finish`."""
+        return self._start(lambda m: m.start_offload(request_id))
+
+    def start_restore(self, request_id: int, *, pin: bool = False) -> tuple[PendingMove, ...]:
+        """:meth:`CacheManager.start_restore <kvferry.pools.manager.CacheManager.start_restore>` on every rank,
+        as :meth:`start_offload`."""
+        return self._start(lambda m: m.start_restore(request_id, pin=pin))
+
+    def _start(self, start: Callable[[CacheManager], PendingMove]) -> tuple[PendingMove, ...]:
+        moves = [start(self.primary)]
+        try:
+            moves.extend(start(m) for m in self.managers[1:])  # appended one by one: a failure keeps the rest
+        except BaseException:
+            for m, move in zip(self.managers, moves, strict=False):
+                m.finish(move, commit=False)
+            raise
+        return tuple(moves)
+
+    def finish(self, moves: Sequence[PendingMove], *, commit: bool = True) -> bool:
+        """End the moves of :meth:`start_offload` / :meth:`start_restore` on every rank alike: each rank's copy
+        is waited for (run here when nobody ran it), then every rank commits when every rank copied every byte
+        and ``commit``, else every rank rolls back. Returns whether they committed.
+
+        :raises Exception: a rank's copy error when it failed and ``commit`` (every rank rolled back first).
+        """
+        if len(moves) != len(self.managers):
+            raise ConfigError(f"{len(moves)} moves for {len(self.managers)} ranks")
+        for move in moves:
+            move.run()
+        together = commit and all(move.copied for move in moves)
+        committed = [m.finish(move, commit=together) for m, move in zip(self.managers, moves, strict=True)]
+        failed = next((move.error for move in moves if move.error is not None), None)
+        if commit and failed is not None:
+            raise failed
+        if len(set(committed)) > 1:
+            raise KvferryError(f"bug: ranks disagree on the move of request {moves[0].request_id}")
+        return committed[0]
+
+    def restore_victims(self, request_id: int) -> list[int]:
+        """:meth:`CacheManager.restore_victims <kvferry.pools.manager.CacheManager.restore_victims>` (the same
+        on every rank)."""
+        return [cast(int, v) for v in self.primary.restore_victims(request_id)]
+
+    def is_offloaded(self, request_id: int) -> bool:
+        return self.primary.is_offloaded(request_id)
+
+    def is_moving(self, request_id: int) -> bool:
+        return self.primary.is_moving(request_id)
 
     def block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.block_table(request_id))

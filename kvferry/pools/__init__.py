@@ -2,8 +2,8 @@
 and slot (the cache manager and the bookkeeping under it), and the page table a peer reads.
 
 Import direction inside the package: spec -> layout -> arena / blocks / slots -> the manager's parts
-(config, rank_pools, lifecycle, record, prefix, draft_mirror, offload, ...) -> manager; pagetable reads
-spec and layout.
+(config, rank_pools, lifecycle, record, prefix, draft_mirror, host_memory, moves, offload, ...) -> manager;
+pagetable reads spec and layout.
 
 The public names below are imported on first use, so importing one module of the package (``pools.spec``
 for a wire message, say) never imports the others, and no import cycle can pass through this file.
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from kvferry.pools.manager import Offload as Offload
     from kvferry.pools.manager import Quarantine as Quarantine
     from kvferry.pools.manager import Resumed as Resumed
+    from kvferry.pools.moves import MoveKind as MoveKind
+    from kvferry.pools.moves import MoveState as MoveState
+    from kvferry.pools.moves import PendingMove as PendingMove
     from kvferry.pools.pagetable import PageTable as PageTable
     from kvferry.pools.slots import SlotPool as SlotPool
     from kvferry.pools.spec import ModelSpec as ModelSpec
@@ -52,6 +55,9 @@ _LAZY: dict[str, str] = {
     "Resumed": "kvferry.pools.lifecycle",
     "Quarantine": "kvferry.pools.quarantine",
     "CacheManagerStatistics": "kvferry.pools.statistics",
+    "MoveKind": "kvferry.pools.moves",
+    "MoveState": "kvferry.pools.moves",
+    "PendingMove": "kvferry.pools.moves",
     "CacheManager": "kvferry.pools.manager",
 }
 

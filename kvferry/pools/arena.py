@@ -86,6 +86,8 @@ class CacheArena:
     num_accepted: torch.Tensor = attrs.field(init=False)
     """``[num_slots]`` int64: tokens of each slot's last verify step still to replay onto the slot (the verified
     token plus its accepted drafts); 0 means nothing is pending."""
+    #: the row views of :meth:`page_rows` and the others, made once (a view costs more than a small copy)
+    _row_views: dict[str, tuple[torch.Tensor, ...]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         for _group, pool in self.layout.pools():
@@ -149,6 +151,30 @@ class CacheArena:
             raise ConfigError(f"layer {layer_id} ({group.name}) has no {role.value} buffer")
         pool, entry = self.layout.locate(layer_id, role)
         return self._typed(pool, entry, group.dtype(role), group.role_shape(role))
+
+    # --- rows ----------------------------------------------------------------------------------------------
+
+    def _cached_rows(self, key: str, make: Any) -> tuple[torch.Tensor, ...]:
+        views = self._row_views.get(key)
+        if views is None:
+            views = self._row_views[key] = tuple(make())
+        return views
+
+    def page_rows(self, group: str) -> tuple[torch.Tensor, ...]:
+        """Per pool of a PAGED group, its pages as ``[num_pages, slot_bytes]`` uint8 rows (views of the arena)."""
+        return self._cached_rows(group, lambda: (self._rows(pool) for pool in self._paged(group).pools))
+
+    def state_rows(self) -> tuple[torch.Tensor, ...]:
+        """Per pool of every STATE group, its slots as ``[num_slots, slot_bytes]`` uint8 rows (views)."""
+        return self._cached_rows("\0state", lambda: (self._rows(pool) for pool in self._state_pools()))
+
+    def replay_rows(self) -> torch.Tensor:
+        """The replay buffers as ``[num_slots, slot_stride]`` uint8 rows (a view)."""
+        return self._cached_rows("\0replay", lambda: (self._replay_rows(),))[0]
+
+    def num_accepted_rows(self) -> torch.Tensor:
+        """``num_accepted`` as ``[num_slots, 8]`` uint8 rows, one int64 each (a view)."""
+        return self._cached_rows("\0accepted", lambda: (self.num_accepted.view(torch.uint8).view(-1, 8),))[0]
 
     # --- typed views ---------------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ REQUIRED_STATE: dict[str, CacheState] = {
     "offload": CacheState.SUSPENDED,
     "pin": CacheState.SUSPENDED,
     "extend": CacheState.SUSPENDED,
+    "restore": CacheState.SUSPENDED,
     "grow": CacheState.ACTIVE,
     "commit": CacheState.ACTIVE,
     "suspend": CacheState.ACTIVE,

@@ -12,7 +12,8 @@ manager composes them:
 - :mod:`~kvferry.pools.draft_mirror`: reuse of the drafter's KV, clamped to the target's reuse boundary;
 - :mod:`~kvferry.pools.capacity` and :mod:`~kvferry.pools.commits`: one engine step's grows and commits, all
   or nothing;
-- :mod:`~kvferry.pools.offload`: suspended requests moved to the host and back;
+- :mod:`~kvferry.pools.offload`: suspended requests moved to the host and back, at once or in two phases
+  (:mod:`~kvferry.pools.moves`, :mod:`~kvferry.pools.host_memory`);
 - :mod:`~kvferry.pools.rebalance`: new pool sizes;
 - :mod:`~kvferry.pools.batch_rows`, :mod:`~kvferry.pools.replay`, :mod:`~kvferry.pools.quarantine` and
   :mod:`~kvferry.pools.statistics`.
@@ -40,6 +41,10 @@ The rules they keep together (docs/design.md, sections "Lifecycle", "Prefix reus
   never do.
 - No stale bytes. Offload saves every page, the slot and its replay buffers, and resume restores them into
   whatever pages and slot it gets; nothing a transfer may still write is handed out.
+- Moves. A two-phase offload or restore (:meth:`CacheManager.start_offload`, :meth:`CacheManager.start_restore`,
+  :meth:`CacheManager.finish`) copies outside the manager's thread; while it is in flight the request is
+  *moving*: never a pressure victim, and nothing may resume, pin, offload, draft into or record replay state
+  of it (:class:`~kvferry.errors.CacheMoving`); a close frees its memory only once the copy ended.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvferry.errors import ConfigError, InvalidTransition, PoolExhausted
+from kvferry.errors import CacheMoving, ConfigError, InvalidTransition, PoolExhausted, RebalanceRefused
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.batch_rows import BatchRows
 from kvferry.pools.blocks import root_hash
@@ -60,6 +65,7 @@ from kvferry.pools.commits import Commit, check_commits, record_commits
 from kvferry.pools.config import ATTENTION, DRAFT, CacheManagerConfig
 from kvferry.pools.draft_mirror import DraftMirror
 from kvferry.pools.lifecycle import CacheState, Offload, Resumed, require_state
+from kvferry.pools.moves import MoveKind, MoveState, PendingMove
 from kvferry.pools.offload import HostOffload
 from kvferry.pools.prefix import PrefixReuse
 from kvferry.pools.quarantine import Quarantine, Quarantines
@@ -76,7 +82,10 @@ __all__ = [
     "CacheManagerConfig",
     "CacheManagerStatistics",
     "CacheState",
+    "MoveKind",
+    "MoveState",
     "Offload",
+    "PendingMove",
     "Quarantine",
     "Resumed",
 ]
@@ -201,10 +210,12 @@ class CacheManager:
 
         :raises ~kvferry.errors.PoolExhausted: if pages, slots or batch rows do not suffice even after moving
             every movable suspended request; nothing changed (nothing was moved either).
-        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED.
+        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED (:class:`~kvferry.errors.
+            CacheMoving` while it is moving).
         """
         record = self._get(request_id)
         require_state(request_id, record.state, "resume")
+        _still(record, "resume")
         pools = self._pools
         target = resume_capacity(record, capacity)
         need_pages = pools.blocks(target) - len(record.pages)
@@ -355,7 +366,9 @@ class CacheManager:
             resumed, or on the host) or the range is not within its committed tokens; nothing changed.
         :raises ~kvferry.errors.UnknownRequest: if the request does not exist.
         """
-        self._draft_mirror.commit(self._get(request_id), start, end)
+        record = self._get(request_id)
+        _still(record, "commit_draft")
+        self._draft_mirror.commit(record, start, end)
 
     def suspend(self, request_id: RequestId, *, offload: Offload = Offload.ON_PRESSURE) -> None:
         """ACTIVE -> SUSPENDED: give up the batch row; keep (or with ``Offload.NOW`` move to host) the memory.
@@ -378,10 +391,12 @@ class CacheManager:
 
         A request that was never resumed holds only shared prefix pages and is left alone.
 
-        :raises ~kvferry.errors.InvalidTransition: if the request is ACTIVE.
+        :raises ~kvferry.errors.InvalidTransition: if the request is ACTIVE (:class:`~kvferry.errors.CacheMoving`
+            while it is moving).
         """
         record = self._get(request_id)
         require_state(request_id, record.state, "offload")
+        _still(record, "offload")
         self._replay.flush()
         self._host.offload(record)
 
@@ -393,17 +408,17 @@ class CacheManager:
 
         :raises ~kvferry.errors.PoolExhausted: the pages or the slot do not suffice even after moving every
             movable suspended request; nothing changed.
-        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED.
+        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED (:class:`~kvferry.errors.
+            CacheMoving` while it is moving).
         """
         record = self._get(request_id)
         require_state(request_id, record.state, "pin")
+        _still(record, "pin")
         if record.host is None:
             record.offload = Offload.NEVER
             return False
         pools = self._pools
-        need_pages = pools.blocks(record.capacity) - len(record.pages)
-        need_draft = pools.draft_blocks(record.capacity) - len(record.draft_pages)
-        need_slot = 1 if pools.slots is not None and record.slot is None else 0
+        need_pages, need_draft, need_slot = self._restore_need(record)
         victims = self._host.plan(self._requests.values(), need_pages, need_draft, need_slot, exclude=record)
         self._replay.flush()
         for victim in victims:
@@ -418,10 +433,124 @@ class CacheManager:
         record.offload = Offload.NEVER
         return True
 
+    # --- two-phase moves to the host and back ------------------------------------------------------------
+
+    def start_offload(self, request_id: RequestId) -> PendingMove:
+        """Begin moving a SUSPENDED request's pages, slot and replay state to the host; the bytes move in the
+        returned move's :meth:`~kvferry.pools.moves.PendingMove.run` (a worker thread's job), and
+        :meth:`finish` commits: only then are the device pages and slot freed.
+
+        Reserves the host buffer (pinned with an arena on CUDA; a block kept from an earlier offload when one
+        fits, else it is allocated by ``run``) and marks the request moving. A request on the host already or
+        never resumed gets a move with nothing to do (``finish`` returns False; it is not marked moving).
+
+        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED
+            (:class:`~kvferry.errors.CacheMoving` while it is moving already); nothing changed.
+        :raises ~kvferry.errors.UnknownRequest: if it does not exist.
+        """
+        record = self._get(request_id)
+        require_state(request_id, record.state, "offload")
+        _still(record, "offload")
+        self._replay.flush()
+        return self._host.begin_offload(record)
+
+    def start_restore(self, request_id: RequestId, *, pin: bool = False) -> PendingMove:
+        """Begin bringing an offloaded SUSPENDED request back to the device; the bytes move in the returned
+        move's ``run``, and :meth:`finish` commits: only then does the request hold its new pages and slot
+        (read the block tables again) and is its host copy dropped. It stays SUSPENDED (resume it next).
+
+        Allocates the pages and the slot for its capacity from what is free now, all or nothing: nothing is
+        moved to the host to make room (that would copy here; :meth:`restore_victims` names what to offload
+        first). A request on the device gets a move with nothing to do (with ``pin`` it is pinned).
+
+        :param pin: keep it on the device from then on (``Offload.NEVER``, as :meth:`pin`) until its next
+            resume or close, so that no pressure moves it out again before it runs or is read.
+        :raises ~kvferry.errors.PoolExhausted: if the free pages or slots do not suffice; nothing changed.
+        :raises ~kvferry.errors.InvalidTransition: if the request is not SUSPENDED
+            (:class:`~kvferry.errors.CacheMoving` while it is moving); nothing changed.
+        :raises ~kvferry.errors.UnknownRequest: if it does not exist.
+        """
+        record = self._get(request_id)
+        require_state(request_id, record.state, "restore")
+        _still(record, "restore")
+        if record.host is None:
+            if pin:
+                record.offload = Offload.NEVER
+            return PendingMove(MoveKind.RESTORE, record, owner=self._host, nbytes=0, copy=None, device=None)
+        need_pages, need_draft, need_slot = self._restore_need(record)
+        pools = self._pools
+        free_slots = pools.slots.num_available if pools.slots is not None else 0
+        if (
+            need_pages > pools.pages.num_free_pages
+            or (pools.draft is not None and need_draft > pools.draft.num_free_pages)
+            or need_slot > free_slots
+        ):
+            raise PoolExhausted(
+                f"restore of {request_id!r}: needs {need_pages} pages ({pools.pages.num_free_pages} free), "
+                f"{need_draft} draft pages, {need_slot} slot ({free_slots} available); offload the suspended "
+                "requests restore_victims() names first"
+            )
+        self._replay.flush()
+        pages = pools.pages.allocate(need_pages)
+        draft_pages = pools.draft.allocate(need_draft) if pools.draft is not None else []
+        slot = pools.slots.allocate(need_slot)[0] if pools.slots is not None and need_slot else None
+        return self._host.begin_restore(record, pages, draft_pages, slot, pin=pin)
+
+    def restore_victims(self, request_id: RequestId) -> list[RequestId]:
+        """The suspended requests to offload (least recently suspended first) so that :meth:`start_restore` of
+        ``request_id`` fits; empty when it fits already or the request is not on the host. Changes nothing.
+
+        :raises ~kvferry.errors.PoolExhausted: if it cannot fit even with every movable request offloaded.
+        :raises ~kvferry.errors.UnknownRequest: if it does not exist.
+        """
+        record = self._get(request_id)
+        if record.host is None or record.moving is not None:
+            return []
+        victims = self._host.plan(self._requests.values(), *self._restore_need(record), exclude=record)
+        return [v.request_id for v in victims]
+
+    def finish(self, pending: PendingMove, *, commit: bool = True) -> bool:
+        """End a two-phase move: commit it when its copy copied every byte and ``commit``, else roll it back.
+        Returns whether it committed. Call it exactly once per started move, whatever happened (a later call
+        returns False and changes nothing).
+
+        It waits for the copy to end first (runs it here, blocking, when nobody ran it: the synchronous
+        path), so call it after :attr:`~kvferry.pools.moves.PendingMove.done` when the caller must not block.
+        Commit: an offload frees the device pages and slot and keeps the host copy; a restore gives the
+        request its new pages and slot, offers its blocks for reuse again and drops the host copy. Roll back
+        (``commit=False``, an aborted or failed copy): the request is where it was before the start (an
+        offload's host buffer and a restore's new pages and slot go back). A request closed meanwhile has
+        everything the move held freed now (its pages left to its quarantine, if the close took one).
+
+        :raises ~kvferry.errors.UnknownRequest: if the move is another manager's; nothing changed.
+        :raises Exception: the copy's own error (e.g. host memory exhausted) when it failed and ``commit``;
+            the move is rolled back first.
+        """
+        self._replay.flush()
+        committed = self._host.complete(pending, commit=commit)
+        if committed and pending.kind is MoveKind.RESTORE:
+            self._prefix.reoffer(pending.record)
+            self._draft_mirror.reoffer(pending.record)
+        return committed
+
+    def trim_host_memory(self) -> int:
+        """Free the host buffers kept for reuse by later offloads (offloaded requests keep theirs); returns
+        the bytes freed."""
+        return self._host.memory.trim()
+
+    def close_host_memory(self) -> None:
+        """Free the host buffers kept for reuse, and from now on every buffer given back (at the end of the
+        manager's life; offloaded requests keep theirs until restored or closed). Offloads still work."""
+        self._host.memory.close()
+
     def close(self, request_id: RequestId, *, quarantine: bool = False) -> Quarantine | None:
         """Any state -> CLOSED: every page, slot, pin, batch row and host copy of the request is released.
 
         Idempotent: closing an unknown or closed request does nothing and returns None.
+
+        A request that is moving is forgotten at once, but the memory its move holds (device pages and slot,
+        host buffer) goes back only when the move is finished (:meth:`finish`, which the caller of the start
+        still calls): no page is handed out while the copy may read or write it.
 
         :param quarantine: keep the request's pages, draft pages and slot out of the pools until
             :meth:`release` (a transfer may still write or read them); the returned handle says which.
@@ -434,9 +563,12 @@ class CacheManager:
         self._prefix.unpin(record)
         self._draft_mirror.drop_source(record)
         ticket = None
+        ours = self._host.close(record)
         if quarantine:
             ticket = self._quarantines.hold(record)
-        else:
+            if record.moving is not None and record.moving.kind is MoveKind.OFFLOAD:
+                record.moving.quarantine = ticket  # the same pages: freed once released and copied
+        elif ours:
             self._pools.free(record.pages, record.draft_pages, record.slot)
         record.pages, record.draft_pages, record.slot, record.host = [], [], None, None
         record.transition(CacheState.CLOSED)
@@ -448,9 +580,13 @@ class CacheManager:
         :raises ~kvferry.errors.UnknownRequest: if the quarantine is not this manager's.
         """
         if self._quarantines.take_back(quarantine):
+            quarantine.released = True
+            for move in self._host.moves():
+                if move.quarantine is quarantine:  # its copy still reads the pages: its finish frees them
+                    move.quarantine_released = True
+                    return
             self._replay.flush()
             self._pools.free(quarantine.pages, quarantine.draft_pages, quarantine.slot)
-            quarantine.released = True
 
     # --- replay state ------------------------------------------------------------------------------------------
 
@@ -462,7 +598,9 @@ class CacheManager:
             which runs before anything of this manager that moves, copies, frees or resets a slot; call it
             before a model step reads ``num_accepted``.
         """
-        self._replay.set_num_accepted(self._get(request_id), num_accepted, defer=defer)
+        record = self._get(request_id)
+        _still(record, "set_num_accepted")
+        self._replay.set_num_accepted(record, num_accepted, defer=defer)
 
     def flush_num_accepted(self) -> None:
         """Write every ``set_num_accepted(..., defer=True)`` still queued into the arena (one tensor write)."""
@@ -470,7 +608,9 @@ class CacheManager:
 
     def drop_replay(self, request_id: RequestId) -> None:
         """Forget the request's replay state (it continues as a fresh context): ``num_accepted = 0``."""
-        self._replay.drop(self._get(request_id))
+        record = self._get(request_id)
+        _still(record, "drop_replay")
+        self._replay.drop(record)
 
     # --- attention-DP dummies --------------------------------------------------------------------------------
 
@@ -503,8 +643,10 @@ class CacheManager:
         With an arena, the new one (``arena``, or one built here on the same device) must have exactly the new
         counts, and its replay buffers must cover every state slot.
 
-        :raises ~kvferry.errors.RebalanceRefused: if any condition fails; nothing changed.
+        :raises ~kvferry.errors.RebalanceRefused: if any condition fails (a move in flight too); nothing changed.
         """
+        if self._host.num_moving:
+            raise RebalanceRefused(f"{self._host.num_moving} moves to or from the host are not finished")
         plan = plan_rebalance(
             self._pools,
             self._requests.values(),
@@ -561,7 +703,12 @@ class CacheManager:
         return self._get(request_id).reused_tokens
 
     def is_offloaded(self, request_id: RequestId) -> bool:
+        """True while the request's bytes are on the host (a restore in flight included)."""
         return self._get(request_id).host is not None
+
+    def is_moving(self, request_id: RequestId) -> bool:
+        """True between the start of a two-phase offload or restore of the request and its finish."""
+        return self._get(request_id).moving is not None
 
     def next_snapshot_boundary(self, request_id: RequestId) -> int | None:
         """The next token position past the live slot's where a snapshot is wanted (end prefill chunks there)."""
@@ -574,7 +721,13 @@ class CacheManager:
 
     def statistics(self) -> CacheManagerStatistics:
         return collect_statistics(
-            self._pools, self._requests.values(), self._quarantines, self._rows.num_dummies, self._counters
+            self._pools,
+            self._requests.values(),
+            self._quarantines,
+            self._rows.num_dummies,
+            self._counters,
+            moving=self._host.num_moving,
+            host_bytes=self._host.host_bytes,
         )
 
     def __repr__(self) -> str:
@@ -590,6 +743,7 @@ class CacheManager:
             tuple(r.debug_state() for r in self._requests.values()),
             self._rows.debug_state(),
             self._quarantines.debug_state(),
+            self._host.num_moving,
             self._replay.debug_state(),
         )
 
@@ -597,6 +751,14 @@ class CacheManager:
 
     def _get(self, request_id: RequestId) -> RequestRecord:
         return find_record(self._requests, request_id)
+
+    def _restore_need(self, record: RequestRecord) -> tuple[int, int, int]:
+        """Pages, draft pages and slots a request on the host needs back for its capacity."""
+        pools = self._pools
+        need_pages = pools.blocks(record.capacity) - len(record.pages)
+        need_draft = pools.draft_blocks(record.capacity) - len(record.draft_pages)
+        need_slot = 1 if pools.slots is not None and record.slot is None else 0
+        return need_pages, need_draft, need_slot
 
     def _restore(self, record: RequestRecord) -> None:
         self._host.restore(record)
@@ -607,3 +769,12 @@ class CacheManager:
         if record.row is not None:
             self._rows.give_back(record.row)
             record.row = None
+
+
+def _still(record: RequestRecord, operation: str) -> None:
+    """Raise :class:`~kvferry.errors.CacheMoving` while the request is moving."""
+    if record.moving is not None:
+        raise CacheMoving(
+            f"{operation} of {record.request_id!r}: its {record.moving.kind.value} to the host or back is in "
+            "flight; finish it first"
+        )

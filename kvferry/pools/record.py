@@ -14,7 +14,7 @@ owner); ``slot`` is the request's own live slot, never shared.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
 import numpy as np
@@ -26,6 +26,10 @@ from kvferry.pools.blocks import PageHash
 from kvferry.pools.lifecycle import CacheState, Offload, check_transition
 from kvferry.wire import INT64_MAX, INT64_MIN
 
+if TYPE_CHECKING:
+    from kvferry.pools.host_memory import HostBuffer
+    from kvferry.pools.moves import PendingMove
+
 __all__ = ["HostCopy", "RequestId", "RequestRecord", "find_record", "token_list"]
 
 RequestId: TypeAlias = Hashable
@@ -34,13 +38,15 @@ RequestId: TypeAlias = Hashable
 @define(eq=False)
 class HostCopy:
     """A suspended request's bytes on the host: its pages, draft pages, slot and replay state (None: no bytes,
-    a manager without an arena or nothing of that kind held)."""
+    a manager without an arena or nothing of that kind held), each a view of one host buffer."""
 
     pages: HostPages | None
     draft_pages: HostPages | None
     slots: HostSlots | None
     num_pages: int
     num_draft_pages: int
+    #: the buffer the views above lie in (None: no bytes); given back when the copy is dropped
+    buffer: HostBuffer | None = None
 
 
 @define(eq=False)
@@ -81,6 +87,8 @@ class RequestRecord:
     offload: Offload = Offload.ON_PRESSURE
     #: order of the last suspend: offload under pressure takes the least recent first
     suspend_seq: int = 0
+    #: the copy to the host or back in flight (a two-phase move between its start and its finish)
+    moving: PendingMove | None = None
 
     @property
     def state_tokens(self) -> int:
@@ -113,10 +121,13 @@ class RequestRecord:
             self.pending_replay,
             self.host is not None,
             self.offload,
+            self.moving is not None,
         )
 
     def __repr__(self) -> str:
         where = "host" if self.host is not None else "device"
+        if self.moving is not None:
+            where += f" ({self.moving.kind.value} in flight)"
         return (
             f"<RequestRecord {self.request_id!r} {self.state.value} on {where}: {len(self.tokens)} tokens, "
             f"capacity {self.capacity}, {len(self.pages)} pages, {len(self.draft_pages)} draft pages, "

@@ -75,6 +75,10 @@ class CacheManagerStatistics(NamedTuple):
     #: reused prompt tokens whose draft KV the draft mirror covered / had to zero-fill (the gap)
     draft_hit_tokens: int = 0
     draft_zeroed_tokens: int = 0
+    #: two-phase moves to the host or back started and not finished (of closed requests too)
+    requests_moving: int = 0
+    #: host memory held for offloaded requests and kept for reuse (pinned with an arena on CUDA)
+    host_bytes: int = 0
 
 
 @define(eq=False)
@@ -87,6 +91,10 @@ class Counters:
     reuse_hit_tokens: int = 0
     draft_hit_tokens: int = 0
     draft_zeroed_tokens: int = 0
+    #: two-phase moves to the host or back started and not finished (of closed requests too)
+    requests_moving: int = 0
+    #: host memory held for offloaded requests and kept for reuse (pinned with an arena on CUDA)
+    host_bytes: int = 0
     snapshots_taken: int = 0
     offloads: int = 0
     restores: int = 0
@@ -98,6 +106,9 @@ def collect_statistics(
     quarantines: Quarantines,
     num_dummies: int,
     counters: Counters,
+    *,
+    moving: int = 0,
+    host_bytes: int = 0,
 ) -> CacheManagerStatistics:
     """The counts of one manager now."""
     pages = pools.pages.statistics()
@@ -147,6 +158,8 @@ def collect_statistics(
         draft_pages_cached=draft.cached if draft else 0,
         draft_hit_tokens=c.draft_hit_tokens,
         draft_zeroed_tokens=c.draft_zeroed_tokens,
+        requests_moving=moving,
+        host_bytes=host_bytes,
     )
 
 
@@ -161,6 +174,8 @@ def describe_statistics(s: CacheManagerStatistics, *, has_state: bool, has_draft
     parts.append(
         f"requests: {s.requests_active} active, {s.requests_suspended} suspended ({s.requests_offloaded} on host)"
     )
+    if s.requests_moving:
+        parts.append(f"{s.requests_moving} moving")
     if s.quarantines:
         parts.append(f"{s.quarantines} quarantined")
     parts.append(f"{s.bytes_per_token:g} B/token")

@@ -57,6 +57,7 @@ def operate(m: CacheManager, operation: str) -> None:
         "offload": lambda: m.offload("a"),
         "pin": lambda: m.pin("a"),
         "extend": lambda: m.extend("a", [1, 2, 3, 4]),
+        "restore": lambda: m.start_restore("a"),
         "grow": lambda: m.grow("a", 8),
         "commit": lambda: m.commit("a", [1]),
         "suspend": lambda: m.suspend("a"),

@@ -30,6 +30,7 @@ def make_arena(
     *,
     max_replay_tokens: int = 3,
     garbage_seed: int | None = None,
+    device: str = "cpu",
 ) -> CacheArena:
     """A CPU arena of ``tiny``; with ``garbage_seed`` every page, slot and replay buffer holds distinct bytes, so a
     snapshot or offload of the wrong slot or page shows."""
@@ -40,7 +41,7 @@ def make_arena(
         num_draft_pages=num_draft_pages,
         max_replay_tokens=max_replay_tokens,
     )
-    arena = CacheArena(layout, "cpu")
+    arena = CacheArena(layout, device)
     if garbage_seed is not None:
         arena.fill_garbage(STATE, list(range(num_slots)), seed=garbage_seed)
         arena.fill_garbage("attention", list(range(num_pages)), seed=garbage_seed + 1)
@@ -49,11 +50,17 @@ def make_arena(
 
 
 def make_manager(
-    num_pages: int = 16, num_slots: int = 6, num_draft_pages: int = 8, **kwargs: object
+    num_pages: int = 16,
+    num_slots: int = 6,
+    num_draft_pages: int = 8,
+    *,
+    device: str = "cpu",
+    **kwargs: object,
 ) -> CacheManager:
-    """A manager over a fresh :func:`make_arena` (``max_batch_size`` 4 unless given)."""
+    """A manager over a fresh :func:`make_arena` on ``device`` (``max_batch_size`` 4 unless given)."""
     kwargs.setdefault("max_batch_size", 4)
-    return CacheManager.for_arena(make_arena(num_pages, num_slots, num_draft_pages), **kwargs)  # type: ignore[arg-type]
+    arena = make_arena(num_pages, num_slots, num_draft_pages, device=device)
+    return CacheManager.for_arena(arena, **kwargs)  # type: ignore[arg-type]
 
 
 def page_bytes(m: CacheManager, group: str, ids: list[int]) -> list[torch.Tensor]:
