@@ -25,7 +25,7 @@ import attrs
 from attrs import define
 
 from kvferry.engine.request import Request, RequestState
-from kvferry.errors import ConfigError, EngineClosed
+from kvferry.errors import ConfigError, EngineClosed, PoolExhausted
 
 if TYPE_CHECKING:
     from kvferry.engine.engine import Engine
@@ -220,14 +220,28 @@ class Conversation:
         if self._turn is not None:
             await self._turn.offload()
         elif self._cache.holds(self.conversation_id):
-            self._cache.offload(self.conversation_id)
-        self._engine._check_host_memory()
+            await self._engine._move(self.conversation_id, to_host=True)
 
     def resume(self) -> None:
         """Resume a suspended turn. Between turns nothing waits: the next turn's admission brings the cache back
-        from the host (its ``restored_bytes``)."""
+        from the host (its ``restored_bytes``), or :meth:`restore` does it ahead."""
         if self._turn is not None:
             self._turn.resume()
+
+    async def restore(self) -> bool:
+        """Between turns, bring the cache back from the host now, off the event loop (the next turn then starts
+        without that copy); whether it came back. Not when the device has no free room for it (the next turn's
+        admission makes room), nor while a turn runs. A cancel rolls it back (the cache stays on the host).
+
+        :raises ~kvferry.errors.CacheMoving: its cache is moving already.
+        """
+        rid = self.conversation_id
+        if self._turn is not None or not self._cache.holds(rid) or not self._cache.host_nbytes(rid):
+            return False
+        try:
+            return await self._engine._move(rid, to_host=False)
+        except PoolExhausted:
+            return False
 
     def drop(self) -> None:
         """Free the cache between turns, keeping the tokens: the next turn computes them again (what the engine

@@ -44,10 +44,12 @@ from attrs import define, frozen
 
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
+from kvferry.engine.moves import move_cache
 from kvferry.engine.request import Request, RequestState, SamplingParams
+from kvferry.engine.resize import RebalanceCall, rebalance_pools
 from kvferry.engine.sampling import accept_drafts, sample_tokens
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, SchedulerConfig, StepItem, StepPlan
-from kvferry.errors import ConfigError, EngineClosed, KvferryError, RebalanceRefused, RequestAborted
+from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
 __all__ = [
     "DraftItem",
@@ -208,15 +210,6 @@ def _greedy_rows(logits: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
-@define(eq=False)
-class _Rebalance:
-    """A rebalance asked for, done at the next step boundary."""
-
-    sizes: dict[str, int | None]
-    done: anyio.Event = attrs.field(factory=anyio.Event)
-    error: BaseException | None = None
-
-
 # --- the engine --------------------------------------------------------------------------------------------
 
 
@@ -238,7 +231,7 @@ class Engine:
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
-    _rebalances: list[_Rebalance] = attrs.field(factory=list, init=False)
+    _rebalances: list[RebalanceCall] = attrs.field(factory=list, init=False)
     #: why this engine's pools must keep their memory (None: a rebalance may replace it)
     rebalance_forbidden: str | None = attrs.field(default=None, init=False)
     _rebalance_callbacks: list[Callable[[Sequence[Any]], None]] = attrs.field(factory=list, init=False)
@@ -454,7 +447,7 @@ class Engine:
             raise ConfigError("this engine's cache or runner cannot be rebalanced")
         if self.rebalance_forbidden is not None:
             raise RebalanceRefused(self.rebalance_forbidden)
-        call = _Rebalance(
+        call = RebalanceCall(
             {"num_pages": num_pages, "num_slots": num_slots, "num_draft_pages": num_draft_pages}
         )
         self._rebalances.append(call)
@@ -480,22 +473,10 @@ class Engine:
         on the new pools. A callback that raises fails that rebalance's caller (the pools are already new)."""
         self._rebalance_callbacks.append(callback)
 
-    def _rebalance_now(self, call: _Rebalance) -> None:
+    def _rebalance_now(self, call: RebalanceCall) -> None:
         """One rebalance at a step boundary (see :meth:`rebalance`)."""
-        if self.scheduler.num_transferring:
-            call.error = RebalanceRefused(
-                f"{self.scheduler.num_transferring} requests wait for their cache from another engine"
-            )
-            return
-        self.scheduler.preempt_all()
-        try:
-            arenas = self.cache.rebalance(**call.sizes)  # type: ignore[attr-defined]
-            self.runner.rebind(arenas)  # type: ignore[attr-defined]
+        if rebalance_pools(self.cache, self.runner, self.scheduler, call, self._rebalance_callbacks):
             self._counts["rebalances"] += 1
-            for callback in self._rebalance_callbacks:
-                callback(arenas)
-        except KvferryError as exc:
-            call.error = exc  # refused: nothing changed, the preempted requests are admitted again
         if self.config.host_memory is not None:
             self._check_host_memory()
 
@@ -573,12 +554,21 @@ class Engine:
         self._holds.append((request, suspend))
         self._busy()
 
-    def _offload(self, request: Request) -> None:
+    async def _offload(self, request: Request) -> None:
         if request.state is not RequestState.SUSPENDED:
             raise ConfigError(
                 f"request {request.request_id} is {request.state.name}: suspend it before offloading it"
             )
-        self.scheduler.offload(request)
+        if self.scheduler.holds_cache(request):
+            await self._move(request.request_id, to_host=True)
+
+    async def _move(self, request_id: int, *, to_host: bool) -> bool:
+        """Move a suspended cache to the host (or back) with its copies off the event loop; whether it moved.
+        Meanwhile the scheduler leaves the request waiting (a cancel rolls the move back)."""
+        moved = await move_cache(self.cache, request_id, to_host=to_host)
+        if self.config.host_memory is not None:
+            self._check_host_memory()
+        return moved
 
     def _busy(self) -> None:
         if self._idle.is_set():

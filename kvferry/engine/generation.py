@@ -102,9 +102,12 @@ class Generation:
         """Move the suspended request's cache (pages, state slot, replay state, draft pages) to host memory now;
         :meth:`resume` brings it back. A request that holds no cache yet has nothing to move.
 
+        The copy runs off the event loop; a cancel while it runs rolls it back (the cache stays on the device).
+
         :raises ~kvferry.errors.ConfigError: the request is not suspended (:meth:`suspend` first).
+        :raises ~kvferry.errors.CacheMoving: its cache is moving already.
         """
-        self._engine._offload(self.request)
+        await self._engine._offload(self.request)
 
     async def _tokens(self) -> AsyncIterator[int]:
         engine, request = self._engine, self.request

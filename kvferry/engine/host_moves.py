@@ -25,12 +25,9 @@ What the caller (the engine, between steps) must keep:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import anyio
-
+from kvferry.engine.moves import run_moves
 from kvferry.engine.runner import LockstepCache
-from kvferry.pools.manager import CacheManager, PendingMove
+from kvferry.pools.manager import CacheManager
 
 __all__ = ["offload_request", "restore_request"]
 
@@ -53,7 +50,7 @@ async def offload_request(cache: LockstepCache | CacheManager, request_id: int) 
     :raises ~kvferry.errors.UnknownRequest: it does not exist.
     """
     lockstep = _lockstep(cache)
-    return await _move(lockstep, lockstep.start_offload(request_id))
+    return await run_moves(lockstep, lockstep.start_offload(request_id))
 
 
 async def restore_request(cache: LockstepCache | CacheManager, request_id: int, *, pin: bool = False) -> bool:
@@ -73,27 +70,4 @@ async def restore_request(cache: LockstepCache | CacheManager, request_id: int, 
     :raises ~kvferry.errors.UnknownRequest: it does not exist.
     """
     lockstep = _lockstep(cache)
-    return await _move(lockstep, lockstep.start_restore(request_id, pin=pin))
-
-
-async def _move(cache: LockstepCache, moves: Sequence[PendingMove]) -> bool:
-    try:
-        async with anyio.create_task_group() as tg:
-            for move in moves:
-                if not move.done:
-                    tg.start_soon(_copy, move)
-    except BaseException:
-        for move in moves:
-            move.abort()
-        with anyio.CancelScope(shield=True):
-            # the threads go on after a cancel: nothing is freed before every copy ended
-            for move in moves:
-                await anyio.to_thread.run_sync(move.wait)
-            cache.finish(moves, commit=False)
-        raise
-    return cache.finish(moves)
-
-
-async def _copy(move: PendingMove) -> None:
-    # abandoned on cancel: the caller waits for the copy's end itself, shielded, after asking it to stop
-    await anyio.to_thread.run_sync(move.run, abandon_on_cancel=True)
+    return await run_moves(lockstep, lockstep.start_restore(request_id, pin=pin))

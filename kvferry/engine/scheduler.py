@@ -363,17 +363,9 @@ class Scheduler:
         """Requests that wait for their cache from another engine (their pages may be written any time)."""
         return self._num_transferring
 
-    def offload(self, request: Request) -> None:
-        """Move a SUSPENDED request's cache to the host now (nothing when it holds none yet).
-
-        :raises ~kvferry.errors.ConfigError: the cache cannot move caches to the host.
-        """
-        if request.request_id not in self._created:
-            return
-        offload = getattr(self.cache, "offload", None)
-        if offload is None:
-            raise ConfigError("this engine's cache cannot move caches to the host")
-        offload(request.request_id)
+    def holds_cache(self, request: Request) -> bool:
+        """Whether the request has a cache in the manager (created and not closed)."""
+        return request.request_id in self._created
 
     # --- planning -------------------------------------------------------------------------------------
 
@@ -426,6 +418,7 @@ class Scheduler:
             planned.add(request.request_id)
             budget -= chunk.num_tokens
 
+        is_moving = getattr(self.cache, "is_moving", None)
         while (
             self._waiting
             and budget > 0
@@ -433,6 +426,8 @@ class Scheduler:
             and not self.admissions_paused
         ):
             head = self._waiting[0]
+            if is_moving is not None and head.request_id in self._created and is_moving(head.request_id):
+                break  # its cache is on its way to or from the host: admitted once there, in its place
             if head.awaits_transfer and head.state is RequestState.WAITING:
                 if not self._admit_transfer(head):
                     break

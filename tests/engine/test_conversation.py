@@ -48,16 +48,19 @@ async def expected_turns(spec_k: int, **kwargs: object) -> list[list[int]]:
 
 
 async def between_turns(conversation: Conversation, mode: str) -> None:
-    if mode == "offload":
+    if mode in ("offload", "restore"):
         await conversation.offload()
         assert conversation.host_nbytes > 0
+    if mode == "restore":  # back on the device before the turn: the turn restores nothing
+        assert await conversation.restore()
+        assert conversation.host_nbytes == 0
     elif mode == "drop":
         conversation.drop()
         assert conversation.cached_tokens == 0
 
 
 @pytest.mark.parametrize("spec_k", [0, 2])
-@pytest.mark.parametrize("mode", ["device", "offload", "drop"])
+@pytest.mark.parametrize("mode", ["device", "offload", "restore", "drop"])
 async def test_turns_equal_fresh_runs(spec_k: int, mode: str) -> None:
     kwargs: dict[str, object] = {"max_spec_k": 2} if spec_k else {}
     expected = await expected_turns(spec_k, **kwargs)
@@ -230,3 +233,35 @@ async def test_misuse_is_refused_with_typed_errors() -> None:
         await plain.collect()
         with pytest.raises(RequestAborted):
             await plain.suspend()
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+async def test_a_request_resumed_while_its_offload_copies_waits_for_the_copy(spec_k: int) -> None:
+    kwargs: dict[str, object] = {"max_spec_k": 2} if spec_k else {}
+    prompt = tuple(b"a request that moves")
+    expected = await fresh(engine(enable_reuse=False, **kwargs), prompt, 14, spec_k)
+    built = engine(**kwargs)
+    initial = free_counts(built)
+    tokens: list[int] = []
+    with anyio.fail_after(60):
+        async with built.engine:
+            generation = built.engine.generate(prompt, max_tokens=14, spec_k=spec_k)
+            three = anyio.Event()
+
+            async def read() -> None:
+                async for token in generation:
+                    tokens.append(token)
+                    if len(tokens) == 3:
+                        three.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await three.wait()
+                await generation.suspend()
+                async with anyio.create_task_group() as moves:
+                    moves.start_soon(generation.offload)
+                    await anyio.lowlevel.checkpoint()
+                    generation.resume()  # queued while the copy may still run: admitted once it landed
+    assert tokens == expected
+    assert built.cache.primary.statistics().offloads >= 1
+    assert_all_free(built, initial)
