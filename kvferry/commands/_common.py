@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,24 @@ def check_tp(model: str, flag: str, tp: int) -> None:
             spec.shard(tp, rank)
     except ConfigError as exc:
         raise ConfigError(f"{flag} {tp}: {exc}") from None
+
+
+def write_result(
+    result: dict[str, Any], output: str | None, plot_path: str | None, plot: Callable[[], Callable[..., None]]
+) -> None:
+    """Write a benchmark's JSON to ``output`` and its plot to ``plot_path`` (``plot()`` imports the plotter:
+    matplotlib only when a plot is asked for).
+
+    :raises ~kvferry.errors.ConfigError: a file cannot be written (the message names the option).
+    """
+    try:
+        if output:
+            with open(output, "w") as f:
+                json.dump(result, f, indent=2)
+    except OSError as exc:
+        raise ConfigError(f"--output {output}: {exc.strerror or exc}") from None
+    try:
+        if plot_path:
+            plot()(result, plot_path)
+    except OSError as exc:
+        raise ConfigError(f"--plot {plot_path}: {exc.strerror or exc}") from None

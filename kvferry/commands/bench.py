@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvferry.commands._common import byte_count, positive_int, say
+from kvferry.commands._common import byte_count, positive_int, say, write_result
 from kvferry.errors import ConfigError, MissingExtraError
 
 __all__ = ["add_arguments", "run"]
@@ -223,19 +223,13 @@ def run(args: argparse.Namespace) -> int:
         result = _bench(args, names)
     # the result first: a file that cannot be written after all (a full disk) must not lose the run
     print(json.dumps(result, indent=2) if args.json else _table(result), flush=True)
-    try:
-        if args.output:
-            with open(args.output, "w") as f:
-                json.dump(result, f, indent=2)
-    except OSError as exc:
-        raise ConfigError(f"--output {args.output}: {exc.strerror or exc}") from None
-    try:
-        if args.plot:
-            from kvferry.tools.transfer_bench import plot
 
-            plot(result, args.plot)
-    except OSError as exc:
-        raise ConfigError(f"--plot {args.plot}: {exc.strerror or exc}") from None
+    def plotter() -> Any:
+        from kvferry.tools.transfer_bench import plot
+
+        return plot
+
+    write_result(result, args.output, args.plot, plotter)
     failed = [r for r in result["rows"] if not r.get("verified", True)]
     for r in failed:
         say(

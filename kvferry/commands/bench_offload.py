@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from kvferry.commands._common import byte_count, parse_bytes, positive_int, say
+from kvferry.commands._common import byte_count, parse_bytes, positive_int, say, write_result
 from kvferry.errors import ConfigError
 
 __all__ = ["SIZES", "add_arguments", "run"]
@@ -122,16 +122,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    try:
-        if args.output:
-            with open(args.output, "w") as f:
-                json.dump(result, f, indent=2)
-    except OSError as exc:
-        raise ConfigError(f"--output {args.output}: {exc.strerror or exc}") from None
-    try:
-        if args.plot:
-            from kvferry.tools.offload_bench import plot
+    def plotter() -> Any:
+        from kvferry.tools.offload_bench import plot
 
-            plot(result, args.plot)
-    except OSError as exc:
-        raise ConfigError(f"--plot {args.plot}: {exc.strerror or exc}") from None
+        return plot
+
+    write_result(result, args.output, args.plot, plotter)
