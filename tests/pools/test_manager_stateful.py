@@ -228,9 +228,11 @@ class ManagerMachine(RuleBasedStateMachine):
             # chained hash of the target tokens (through a zero-filled gap too)
             assert req.draft_hit <= req.reused_tokens
             assert len(req.draft_hashes) * DRAFT_TPB <= max(req.draft_valid, req.draft_hit)
+            # a matched block's key takes the token after it from the prompt, not committed yet on a fresh match
+            known = req.tokens + req.prompt[len(req.tokens) :]
             parent = req.parent
             for b, key in enumerate(req.draft_hashes):
-                parent = hash_block(parent, req.tokens[b * DRAFT_TPB : (b + 1) * DRAFT_TPB + 1])
+                parent = hash_block(parent, known[b * DRAFT_TPB : (b + 1) * DRAFT_TPB + 1])
                 assert key == parent
         for q in self.quarantines:
             owners.update(q.pages)
@@ -299,3 +301,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
 ManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestManagerLifecycle = ManagerMachine.TestCase
+
+
+def test_a_fresh_draft_match_is_keyed_by_the_prompt_token_after_it() -> None:
+    """A request created over a prefix whose draft blocks were indexed: its matched draft keys include the prompt
+    token after each block, which it has not committed yet (a case the machine found)."""
+    machine = ManagerMachine()
+    machine.serve_prompt(draft=True, prompt=[0, 0, 0, 0, 0, 0, 1, 1], rid="r0", then="close")
+    machine.create(prompt=[0, 0, 0, 0, 0, 0, 1, 1, 1], reuse=True, rid="r0")
+    machine.ownership_is_consistent()
+    machine.teardown()
