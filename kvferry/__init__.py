@@ -19,10 +19,10 @@ from kvferry.errors import *  # noqa: F403
 from kvferry.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
+    from kvferry.engine.config import EngineStatistics as EngineStatistics
     from kvferry.engine.conversation import Conversation as Conversation
     from kvferry.engine.conversation import TurnStatistics as TurnStatistics
     from kvferry.engine.engine import Engine as Engine
-    from kvferry.engine.engine import EngineStatistics as EngineStatistics
     from kvferry.engine.generation import Generation as Generation
     from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
     from kvferry.engine.runner import BuiltEngine as BuiltEngine
@@ -61,7 +61,7 @@ _LAZY: dict[str, str] = {
     "get_transport": "kvferry.transports.registry",
     "Engine": "kvferry.engine.engine",
     "Generation": "kvferry.engine.generation",
-    "EngineStatistics": "kvferry.engine.engine",
+    "EngineStatistics": "kvferry.engine.config",
     "GenerationStatistics": "kvferry.engine.generation",
     "Conversation": "kvferry.engine.conversation",
     "TurnStatistics": "kvferry.engine.conversation",

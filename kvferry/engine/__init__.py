@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 from kvferry._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from kvferry.engine.config import EngineConfig as EngineConfig
+    from kvferry.engine.config import EngineStatistics as EngineStatistics
     from kvferry.engine.conversation import Conversation as Conversation
     from kvferry.engine.conversation import TurnStatistics as TurnStatistics
     from kvferry.engine.engine import Engine as Engine
-    from kvferry.engine.engine import EngineConfig as EngineConfig
-    from kvferry.engine.engine import EngineStatistics as EngineStatistics
     from kvferry.engine.engine import ModelRunner as ModelRunner
     from kvferry.engine.generation import Generation as Generation
     from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
@@ -45,8 +45,8 @@ _LAZY: dict[str, str] = {
     "accept_drafts": "kvferry.engine.sampling",
     "sample_tokens": "kvferry.engine.sampling",
     "Engine": "kvferry.engine.engine",
-    "EngineConfig": "kvferry.engine.engine",
-    "EngineStatistics": "kvferry.engine.engine",
+    "EngineConfig": "kvferry.engine.config",
+    "EngineStatistics": "kvferry.engine.config",
     "Generation": "kvferry.engine.generation",
     "GenerationStatistics": "kvferry.engine.generation",
     "Conversation": "kvferry.engine.conversation",

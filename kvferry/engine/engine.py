@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import anyio
 import attrs
@@ -42,13 +42,14 @@ import torch
 from anyio.abc import TaskGroup, TaskStatus
 from attrs import define, frozen
 
+from kvferry.engine.config import EngineConfig, EngineStatistics, StepTiming
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
 from kvferry.engine.moves import move_cache
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
 from kvferry.engine.sampling import accept_drafts, sample_tokens
-from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, SchedulerConfig, StepItem, StepPlan
+from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepItem, StepPlan
 from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
 __all__ = [
@@ -119,62 +120,6 @@ class ModelRunner(Protocol):
     def release(self, request_id: int) -> None:
         """Forget per-request host state (the drafter's hidden state). Idempotent."""
         ...
-
-
-# --- configuration and statistics ------------------------------------------------------------------------
-
-
-@frozen
-class EngineConfig:
-    """Scheduler limits plus how the loop runs model steps."""
-
-    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    #: run model steps in a worker thread (the event loop keeps serving while torch computes)
-    step_in_thread: bool = True
-    #: bytes of host memory for caches moved off the device (None: no bound); past it, the idle conversations
-    #: on the host are dropped, least recently used first (their next turn recomputes them)
-    host_memory: int | None = None
-
-
-class EngineStatistics(NamedTuple):
-    #: engine steps that ran the model
-    num_steps: int
-    #: tokens handed to callers
-    num_generated: int
-    #: draft tokens proposed / accepted, over every request
-    num_drafted: int
-    num_accepted: int
-    #: requests now waiting / running / finished so far / cancelled so far / failed so far
-    num_waiting: int
-    num_running: int
-    num_finished: int
-    num_cancelled: int
-    num_failed: int
-    #: total seconds spent in the host side (schedule + sample/commit) and in model steps
-    host_seconds: float
-    model_seconds: float
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-
-class StepTiming(NamedTuple):
-    """Where one engine step's time went (host: schedule + apply; the model step in between)."""
-
-    num_items: int
-    num_tokens: int
-    num_decodes: int
-    #: scheduling, including the cache manager's create/resume/grow/suspend
-    schedule_seconds: float
-    #: drafter + target model (building their inputs, and the greedy argmax that waits for the results)
-    model_seconds: float
-    #: seeded sampling, draft acceptance, manager commits, request bookkeeping
-    apply_seconds: float
-
-    @property
-    def host_seconds(self) -> float:
-        return self.schedule_seconds + self.apply_seconds
 
 
 def start_owned_task(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> object:

@@ -185,23 +185,15 @@ class AggregatedBackend(Backend):
         conversation: Any = None,
         turn_prompt: tuple[int, ...] = (),
     ) -> AsyncIterator[int]:
+        sampling = {
+            "max_tokens": handle.max_tokens,
+            "stop_ids": stop_ids,
+            "seed": seed,
+            "temperature": temperature,
+        }
         if conversation is not None:
-            generation = conversation.turn(
-                turn_prompt,
-                max_tokens=handle.max_tokens,
-                stop_ids=stop_ids,
-                seed=seed,
-                temperature=temperature,
-            )
-            return self._tokens(handle, generation)
-        generation = self.built.engine.generate(
-            handle.prompt_ids,
-            max_tokens=handle.max_tokens,
-            stop_ids=stop_ids,
-            seed=seed,
-            temperature=temperature,
-            spec_k=spec_k,
-        )
+            return self._tokens(handle, conversation.turn(turn_prompt, **sampling))  # submitted by turn()
+        generation = self.built.engine.generate(handle.prompt_ids, spec_k=spec_k, **sampling)  # type: ignore[arg-type]
         generation.submit()
         return self._tokens(handle, generation)
 
@@ -251,23 +243,15 @@ class DisaggregatedBackend(Backend):
         conversation: Any = None,
         turn_prompt: tuple[int, ...] = (),
     ) -> AsyncIterator[int]:
+        sampling = {
+            "max_tokens": handle.max_tokens,
+            "stop_ids": stop_ids,
+            "seed": seed,
+            "temperature": temperature,
+        }
         if conversation is not None:
-            routed = conversation.turn(
-                turn_prompt,
-                max_tokens=handle.max_tokens,
-                stop_ids=stop_ids,
-                seed=seed,
-                temperature=temperature,
-            )
-            return self._tokens(handle, routed)
-        routed = self.router.generate(
-            handle.prompt_ids,
-            max_tokens=handle.max_tokens,
-            stop_ids=stop_ids,
-            seed=seed,
-            temperature=temperature,
-            spec_k=spec_k,
-        )
+            return self._tokens(handle, conversation.turn(turn_prompt, **sampling))
+        routed = self.router.generate(handle.prompt_ids, spec_k=spec_k, **sampling)  # type: ignore[arg-type]
         return self._tokens(handle, routed)
 
     def conversation(self, spec_k: int) -> Any:
