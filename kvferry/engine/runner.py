@@ -493,6 +493,9 @@ class EngineOptions:
     host_memory: int | None = None
     #: build the drafter when max_spec_k > 0 (False: the caller brings its own proposals via the runner)
     drafter: bool = True
+    #: pure decode rows through fused kernels captured as CUDA graphs (None: on CUDA devices only; True on the
+    #: CPU runs the same path eagerly)
+    decode_graphs: bool | None = None
 
 
 class BuiltEngine(NamedTuple):
@@ -560,6 +563,11 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
     cache = LockstepCache(tuple(managers))
     weights = weights.to(dtype_from_name(options.dtype), options.device)
     target = Model.build(weights, spec, arenas)
+    decode_graphs = options.decode_graphs
+    if decode_graphs is None:
+        decode_graphs = torch.device(options.device).type == "cuda"
+    if decode_graphs:
+        target.enable_decode_graphs(options.max_running)
     drafter = None
     if speculative:
         assert spec.drafter is not None

@@ -25,6 +25,7 @@ __all__ = [
     "causal_conv1d",
     "discretize_dt",
     "mamba2_replay",
+    "mamba2_replay_steps",
     "ssm_chunk_scan",
     "ssm_step",
 ]
@@ -221,6 +222,30 @@ def mamba2_replay(
     steps = int(num_tokens.max())
     if steps == 0:
         return
+    mamba2_replay_steps(
+        conv_states, ssm_states, replay, slots, num_tokens, steps, conv_weight, conv_bias, A, D, dt_bias,
+        dt_min=dt_min,
+    )  # fmt: skip
+
+
+def mamba2_replay_steps(
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    replay: torch.Tensor,
+    slots: torch.Tensor,
+    num_tokens: torch.Tensor,
+    steps: int,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    dt_min: float,
+) -> None:
+    """:func:`mamba2_replay` over ``steps`` tokens, without its checks and host reads: a row replays its first
+    ``min(num_tokens, steps)`` tokens (none when ``num_tokens <= 0``), masked token by token, so a captured
+    decode graph can hold it (the decode path passes ``steps = max_replay_tokens``)."""
     conv_dim = conv_states.shape[1]
     _, heads, head_dim, state_size = ssm_states.shape
     x_dim = heads * head_dim

@@ -21,7 +21,7 @@ Cache memory is whatever the caller hands in, one :class:`CacheViews` per tensor
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
@@ -30,10 +30,14 @@ from attrs import define, frozen
 
 from kvferry.errors import ConfigError
 from kvferry.model.attention import attention_step
+from kvferry.model.decode_graph import is_decode_row
 from kvferry.model.mamba2 import causal_conv1d, mamba2_replay, ssm_chunk_scan, ssm_step
 from kvferry.model.tensor_parallel import RankWeights, all_reduce, shard_weights
 from kvferry.model.weights import ModelWeights
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT, LayerKind, ModelSpec, RankSpec, dtype_from_name
+
+if TYPE_CHECKING:
+    from kvferry.model.decode_graph import DecodeGraphs
 
 __all__ = ["CacheViews", "DenseCache", "Model", "SequenceInput", "StepOutput", "rms_norm"]
 
@@ -259,6 +263,7 @@ class Model:
     _tokens: int = 0
     _verify_tokens: int = 0
     _replayed_tokens: int = 0
+    _decode: DecodeGraphs | None = None
 
     @classmethod
     def build(cls, weights: ModelWeights, spec: ModelSpec, caches: Sequence[CacheViews]) -> Model:
@@ -302,6 +307,8 @@ class Model:
             _check_cache(self.spec.shard(self.tp_size, r), cache)
         for rank, cache in zip(self._ranks, caches, strict=True):
             rank.cache = cache
+        if self._decode is not None:
+            self._decode.reset()  # its graphs hold the old caches
 
     def __repr__(self) -> str:
         return (
@@ -341,11 +348,12 @@ class Model:
             "verify_tokens": self._verify_tokens,
             "replayed_tokens": self._replayed_tokens,
             "tp_size": self.tp_size,
+            "decode_graphs": self._decode.statistics() if self._decode is not None else None,
         }
 
     # --- validation ------------------------------------------------------------------------------------------
 
-    def _validate(self, batch: Sequence[SequenceInput]) -> None:
+    def _validate(self, batch: Sequence[SequenceInput], *, check_replay: bool = True) -> None:
         if not batch:
             raise ConfigError("empty batch")
         tpb = self.spec.tokens_per_block
@@ -376,7 +384,7 @@ class Model:
             if s.verify and has_state and n > self.max_replay_tokens:
                 raise ConfigError(f"verify of {n} tokens exceeds max_replay_tokens {self.max_replay_tokens}")
         resumed = [s.slot for s in batch if s.start > 0]
-        if has_state and resumed:
+        if has_state and resumed and check_replay:
             # one gather (one device sync) for the whole batch
             accepted = self._ranks[0].cache.num_accepted
             pending = accepted[torch.tensor(resumed, device=accepted.device)].tolist()
@@ -396,7 +404,44 @@ class Model:
         An exception from inside the arithmetic (none expected) may leave this step's K/V positions and the
         named slots partly written; slots of other sequences are never touched.
         """
-        self._validate(batch)
+        decode = self._decode
+        rows = [i for i, s in enumerate(batch) if is_decode_row(s)] if decode is not None else []
+        # the decode path masks replay by the counts on the device: only the rest needs them read and checked
+        self._validate(batch, check_replay=len(rows) < len(batch))
+        if decode is None or not rows or len(rows) > decode.buckets[-1]:
+            out = self._step_eager(batch)
+        elif len(rows) == len(batch):
+            out = decode.run(batch)
+        else:
+            # one step, two launches over disjoint slots and pages: the decode rows, then the rest
+            fast = decode.run([batch[i] for i in rows])
+            rest_index = [i for i in range(len(batch)) if i not in set(rows)]
+            slow = self._step_eager([batch[i] for i in rest_index])
+            logits: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+            hidden: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+            for index, part in ((rows, fast), (rest_index, slow)):
+                for i, row_logits, row_hidden in zip(index, part.logits, part.hidden, strict=True):
+                    logits[i], hidden[i] = row_logits, row_hidden
+            out = StepOutput(logits=tuple(logits), hidden=tuple(hidden))
+        self._steps += 1
+        self._tokens += sum(len(s.token_ids) for s in batch)
+        self._verify_tokens += sum(len(s.token_ids) for s in batch if s.verify)
+        return out
+
+    def enable_decode_graphs(self, max_batch: int, *, capture: bool = True) -> None:
+        """Run pure decode rows through :class:`~kvferry.model.decode_graph.DecodeGraphs` from the next step:
+        fused kernels, captured as CUDA graphs per batch bucket on CUDA (``capture``), eager elsewhere.
+        Rows of a step that are not decode rows (prefill chunks, verify steps) run the general step."""
+        from kvferry.model.decode_graph import DecodeGraphs
+
+        self._decode = DecodeGraphs(self, max_batch, capture)
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The decode path, when enabled."""
+        return self._decode
+
+    def _step_eager(self, batch: Sequence[SequenceInput]) -> StepOutput:
         dev = self.device
         groups = _plan_groups(
             [(len(s.token_ids), s.start, s.block_table, s.slot, s.verify) for s in batch], dev
@@ -441,9 +486,6 @@ class Model:
             wanted = rows if s.all_logits else rows[-1:]
             logits.append(rms_norm(wanted, norm_f, eps) @ self.weights.lm_head.T)
             offset += n
-        self._steps += 1
-        self._tokens += offset
-        self._verify_tokens += sum(len(s.token_ids) for s in batch if s.verify)
         self._replayed_tokens += int(replay_counts.sum()) if replay_counts.numel() else 0
         return StepOutput(logits=tuple(logits), hidden=tuple(hidden))
 
@@ -470,6 +512,10 @@ class Model:
             self.weights.args.head_dim,
         )  # fmt: skip
 
+    def mlp(self, rank: int, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Rank ``rank``'s share of MLP block ``layer`` for the rows ``h`` (summed over ranks by the caller)."""
+        return self._mlp(self._ranks[rank], layer, h)
+
     def _mlp(self, rank: _Rank, layer: int, h: torch.Tensor) -> torch.Tensor:
         m = f"model.layers.{layer}.mixer."
         return (
@@ -489,8 +535,7 @@ class Model:
         assert mamba is not None
         m = f"model.layers.{layer}.mixer."
         p, n_state = mamba.head_dim, mamba.state_size
-        group_size = mamba.intermediate_size // mamba.num_groups
-        gated, norm_groups = [], []
+        mixed = []
         for rank in self._ranks:
             w, cache = rank.weights, rank.cache
             heads = rank.weights.rank.mamba2_heads
@@ -543,11 +588,25 @@ class Model:
                         dt_min=args.time_step_min, commit=commit,
                     )  # fmt: skip
                 y[g.rows.reshape(-1)] = ys.reshape(b * n, -1)
-            # gated RMSNorm over groups of `group_size` channels; a group may span ranks
+            mixed.append((y, z))
+        return self.mamba_out(layer, mixed)
+
+    def mamba_out(self, layer: int, mixed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """A Mamba2 block's output from each rank's scan output ``y`` and gate input ``z`` (``[rows, x_dim]``):
+        gated RMSNorm over groups of channels (a group may span ranks), then ``out_proj``, summed over ranks.
+        Allocates and runs only on the device (a decode graph holds it)."""
+        mamba = self.spec.mamba2
+        assert mamba is not None
+        m = f"model.layers.{layer}.mixer."
+        group_size = mamba.intermediate_size // mamba.num_groups
+        gated, norm_groups = [], []
+        for rank, (y, z) in zip(self._ranks, mixed, strict=True):
+            heads = rank.weights.rank.mamba2_heads
+            assert heads is not None
             gate = y * F.silu(z)
-            first_channel = heads.first * p
-            group_of = (torch.arange(x_dim, device=h.device) + first_channel) // group_size
-            sums = torch.zeros(h.shape[0], mamba.num_groups, dtype=h.dtype, device=h.device)
+            first_channel = heads.first * mamba.head_dim
+            group_of = (torch.arange(y.shape[1], device=y.device) + first_channel) // group_size
+            sums = torch.zeros(y.shape[0], mamba.num_groups, dtype=y.dtype, device=y.device)
             sums.index_add_(1, group_of, gate.pow(2))
             gated.append((gate, group_of))
             norm_groups.append(sums)
@@ -556,7 +615,9 @@ class Model:
         for rank, (gate, group_of) in zip(self._ranks, gated, strict=True):
             w = rank.weights
             variance = totals[:, group_of] / group_size
-            normed = w[m + "norm.weight"] * (gate * torch.rsqrt(variance + args.layer_norm_epsilon))
+            normed = w[m + "norm.weight"] * (
+                gate * torch.rsqrt(variance + self.weights.args.layer_norm_epsilon)
+            )
             partial.append(normed @ w[m + "out_proj.weight"].T)
         return all_reduce(partial)
 

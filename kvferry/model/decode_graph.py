@@ -1,0 +1,280 @@
+"""The decode step as CUDA graphs: one token per sequence, fused kernels, no host work inside the step.
+
+A pure decode batch (every sequence brings one token, continues a cached sequence, and is not a verify step)
+runs here instead of the general :meth:`Model.step`. The step reads its inputs from one device buffer, packed per
+row as ``[token, position, slot, block table...]``, runs every layer with kernels that read the cache in place
+(:mod:`kvferry.kernels.mamba_decode`, :mod:`kvferry.kernels.paged_decode`) and ends in logits and hidden states
+of fixed shape. On CUDA it is captured once per batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32) and
+replayed: the host copies one packed buffer in and the logits out. Elsewhere (the CPU) the same step runs
+eagerly, with the torch forms of the kernels, which is how the CPU tests prove the path token for token.
+
+A batch smaller than its bucket is padded with rows of the reserved slot 0 and page 0 at position 0: they
+compute garbage there and nowhere else. With speculative decoding the step first replays each slot's
+accepted tokens, masked over ``max_replay_tokens`` steps (no host read of the counts).
+
+Captured graphs hold the cache tensors they were captured over: :meth:`DecodeGraphs.reset` drops them (a pool
+rebalance does, through :meth:`Model.rebind`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from attrs import define
+
+from kvferry.kernels.mamba_decode import conv_update, ssm_update
+from kvferry.kernels.paged_decode import paged_decode_attention
+from kvferry.model.attention import page_coordinates, write_kv
+from kvferry.model.mamba2 import mamba2_replay_steps
+from kvferry.model.tensor_parallel import all_reduce
+from kvferry.pools.spec import LayerKind
+
+if TYPE_CHECKING:
+    from kvferry.model.nemotron_h import Model, SequenceInput, StepOutput
+
+__all__ = ["DecodeGraphs", "decode_buckets", "is_decode_row"]
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a decode graph is captured for: 1, 2, 4, 8, 16, 32, then multiples of 32, up to the
+    first that holds ``max_batch`` rows."""
+    buckets: list[int] = []
+    for size in (1, 2, 4, 8, 16, 32):
+        buckets.append(size)
+        if size >= max_batch:
+            return tuple(buckets)
+    while buckets[-1] < max_batch:
+        buckets.append(buckets[-1] + 32)
+    return tuple(buckets)
+
+
+def is_decode_row(row: SequenceInput) -> bool:
+    """Whether a sequence's share of a step can run on the decode path: one token continuing a cached sequence."""
+    return len(row.token_ids) == 1 and row.start > 0 and not row.verify
+
+
+@define(eq=False)
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@define(eq=False)
+class DecodeGraphs:
+    """Pure decode steps of one :class:`Model`, captured as CUDA graphs per batch bucket (eager off CUDA).
+
+    :param max_batch: the most rows one step brings (the engine's ``max_running``).
+    :param capture: capture CUDA graphs (CUDA only); False runs the same step eagerly.
+    Not thread-safe; one step at a time, as the model.
+    """
+
+    model: Model
+    max_batch: int
+    capture: bool
+    buckets: tuple[int, ...] = attrs.field(init=False)
+    _packed: torch.Tensor = attrs.field(init=False)
+    _captured: dict[int, _Captured] = attrs.field(init=False, factory=dict)
+    _pool: Any = attrs.field(init=False, default=None)
+    _replays: int = attrs.field(init=False, default=0)
+    _eager_steps: int = attrs.field(init=False, default=0)
+    _rows: int = attrs.field(init=False, default=0)
+    _padded_rows: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self.buckets = decode_buckets(self.max_batch)
+        # the widest block table a sequence can have: every page of the pool
+        width = 3 + max(1, self.model.num_pages)
+        self._packed = torch.zeros(self.buckets[-1], width, dtype=torch.int64, device=self.model.device)
+        self.capture = self.capture and self.model.device.type == "cuda"
+
+    def __repr__(self) -> str:
+        return (
+            f"<DecodeGraphs buckets={list(self.buckets)} captured={sorted(self._captured)} "
+            f"replays={self._replays} eager={self._eager_steps}>"
+        )
+
+    def statistics(self) -> dict[str, Any]:
+        """Captured buckets, graph replays and eager steps, rows run and padding rows added."""
+        return {
+            "buckets": list(self.buckets),
+            "captured": sorted(self._captured),
+            "replays": self._replays,
+            "eager_steps": self._eager_steps,
+            "rows": self._rows,
+            "padded_rows": self._padded_rows,
+        }
+
+    def accepts(self, batch: Sequence[SequenceInput]) -> bool:
+        """Whether ``batch`` (already validated by the model) can run here."""
+        return 0 < len(batch) <= self.buckets[-1] and all(is_decode_row(row) for row in batch)
+
+    def reset(self) -> None:
+        """Drop the captured graphs (the next steps capture again); between steps only."""
+        self._captured.clear()
+        self._pool = None
+        self._packed = torch.zeros(
+            self.buckets[-1], 3 + max(1, self.model.num_pages), dtype=torch.int64, device=self.model.device
+        )
+
+    def run(self, batch: Sequence[SequenceInput]) -> StepOutput:
+        """One decode step for ``batch`` (see :meth:`accepts`): K/V written, state advanced, outputs cloned."""
+        from kvferry.model.nemotron_h import StepOutput
+
+        n = len(batch)
+        bucket = next(b for b in self.buckets if b >= n)
+        tpb = self.model.spec.tokens_per_block
+        rows = []
+        for row in batch:
+            table = row.block_table[: row.start // tpb + 1] if self.model.num_pages else (0,)
+            rows.append([row.token_ids[0], row.start, row.slot, *table])
+        width = max(len(r) for r in rows)
+        host = torch.zeros(bucket, width, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            host[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        self._packed[:bucket, :width].copy_(host)
+        if self.capture:
+            captured = self._captured.get(bucket) or self._capture(bucket)
+            captured.graph.replay()
+            logits, hidden = captured.logits, captured.hidden
+            self._replays += 1
+        else:
+            logits, hidden = self._forward(bucket)
+            self._eager_steps += 1
+        logits, hidden = logits[:n].clone(), hidden[:n].clone()
+        self._rows += n
+        self._padded_rows += bucket - n
+        return StepOutput(
+            logits=tuple(logits[i : i + 1] for i in range(n)),
+            hidden=tuple(hidden[i : i + 1] for i in range(n)),
+        )
+
+    def _capture(self, bucket: int) -> _Captured:
+        # Warm up (Triton compiles its kernels) on padding rows only: slot 0, page 0.
+        self._packed[:bucket].zero_()
+        stream = torch.cuda.Stream(device=self.model.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, hidden = self._forward(bucket)
+        captured = _Captured(graph, logits, hidden)
+        self._captured[bucket] = captured
+        return captured
+
+    # --- the step's arithmetic (device work only) ---------------------------------------------------------
+
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.model
+        spec = model.spec
+        packed = self._packed[:bucket]
+        tokens, positions, slots = packed[:, 0], packed[:, 1], packed[:, 2]
+        tables = packed[:, 3:]
+        weights = model.weights
+        eps = weights.args.layer_norm_epsilon
+        replay_steps = model.max_replay_tokens if model.max_replay_tokens > 1 else 0
+        mamba_layers = spec.layer_ids(LayerKind.MAMBA2)
+        counts = model.caches[0].num_accepted[slots] if mamba_layers and replay_steps else None
+
+        from kvferry.model.nemotron_h import rms_norm
+
+        x = weights["model.embeddings.weight"][tokens]
+        for layer, kind in enumerate(spec.layer_kinds):
+            h = rms_norm(x, weights[f"model.layers.{layer}.norm.weight"], eps)
+            if kind == LayerKind.ATTENTION:
+                out = self._attention(layer, h, positions, slots, tables)
+            elif kind == LayerKind.MAMBA2:
+                out = self._mamba(layer, h, slots, counts, replay_steps)
+            else:
+                out = all_reduce([model.mlp(r, layer, h) for r in range(model.tp_size)])
+            x = x + out
+        if counts is not None:
+            for cache in model.caches:
+                cache.num_accepted[slots] = 0
+        logits = rms_norm(x, weights["model.norm_f.weight"], eps) @ weights.lm_head.T
+        return logits, x
+
+    def _attention(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
+        model = self.model
+        d = model.weights.args.head_dim
+        prefix = f"model.layers.{layer}.mixer."
+        tpb = model.spec.tokens_per_block
+        page_ids, offsets = page_coordinates(tables, positions[:, None], tpb)
+        parts = []
+        for weights, cache in zip(model.rank_weights, model.caches, strict=True):
+            w = weights.tensors
+            key_cache, value_cache = cache.kv(layer)
+            q = h @ w[prefix + "q_proj.weight"].T
+            k = h @ w[prefix + "k_proj.weight"].T
+            v = h @ w[prefix + "v_proj.weight"].T
+            rows = h.shape[0]
+            write_kv(
+                key_cache,
+                value_cache,
+                k.view(rows, -1, d),
+                v.view(rows, -1, d),
+                page_ids[:, 0],
+                offsets[:, 0],
+            )
+            attn = paged_decode_attention(
+                q.view(rows, -1, d), key_cache, value_cache, tables, positions + 1, d**-0.5
+            )
+            parts.append(attn.reshape(rows, -1) @ w[prefix + "o_proj.weight"].T)
+        return all_reduce(parts)
+
+    def _mamba(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor | None,
+        replay_steps: int,
+    ) -> torch.Tensor:
+        model = self.model
+        args = model.weights.args
+        mamba = model.spec.mamba2
+        assert mamba is not None
+        m = f"model.layers.{layer}.mixer."
+        rows = h.shape[0]
+        mixed = []
+        for weights, cache in zip(model.rank_weights, model.caches, strict=True):
+            heads = weights.rank.mamba2_heads
+            assert heads is not None
+            x_dim, bc_dim, _ = weights.rank.mamba2_conv_sections
+            conv_dim = x_dim + 2 * bc_dim
+            conv_w, conv_b = weights[m + "conv1d.weight"], weights.get(m + "conv1d.bias")
+            A = -torch.exp(weights[m + "A_log"])
+            D, dt_bias = weights[m + "D"], weights[m + "dt_bias"]
+            conv_states, ssm_states = cache.conv(layer), cache.ssm(layer)
+            if counts is not None:
+                mamba2_replay_steps(
+                    conv_states, ssm_states, cache.replay(layer), slots, counts, replay_steps,
+                    conv_w, conv_b, A, D, dt_bias, dt_min=args.time_step_min,
+                )  # fmt: skip
+            proj = h @ weights[m + "in_proj.weight"].T
+            z, xbc, dt = torch.split(proj, [x_dim, conv_dim, heads.count], dim=-1)
+            conv = conv_update(xbc, conv_states, slots, conv_w, conv_b)
+            y = ssm_update(
+                conv[:, :x_dim].view(rows, heads.count, mamba.head_dim),
+                dt,
+                A,
+                conv[:, x_dim : x_dim + bc_dim].view(rows, -1, mamba.state_size),
+                conv[:, x_dim + bc_dim :].view(rows, -1, mamba.state_size),
+                D,
+                dt_bias,
+                ssm_states,
+                slots,
+                dt_min=args.time_step_min,
+            )
+            mixed.append((y.view(rows, x_dim), z))
+        return model.mamba_out(layer, mixed)
