@@ -14,7 +14,13 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["conv_kernel", "paged_decode_kernel", "ssm_kernel"]
+__all__ = [
+    "add_rms_norm_kernel",
+    "conv_kernel",
+    "gated_group_norm_kernel",
+    "paged_decode_kernel",
+    "ssm_kernel",
+]
 
 
 @functools.cache
@@ -190,3 +196,66 @@ def paged_decode_kernel() -> Any:
         )
 
     return paged_decode_attention_kernel
+
+
+@functools.cache
+def add_rms_norm_kernel() -> Any:
+    @triton.jit  # type: ignore[untyped-decorator]
+    def add_rms_norm(  # type: ignore[no-untyped-def]
+        x_ptr,
+        delta_ptr,
+        weight_ptr,
+        sum_ptr,
+        normed_ptr,
+        width,
+        eps,
+        HAS_DELTA: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # one program per row: sum = x + delta (the residual stream), normed = weight * sum / rms(sum)
+        row = tl.program_id(0).to(tl.int64)
+        column = tl.arange(0, BLOCK)
+        mask = column < width
+        x = tl.load(x_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            x += tl.load(delta_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
+            tl.store(sum_ptr + row * width + column, x.to(sum_ptr.dtype.element_ty), mask=mask)
+        inverse = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
+        weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            normed_ptr + row * width + column,
+            (x * inverse * weight).to(normed_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    return add_rms_norm
+
+
+@functools.cache
+def gated_group_norm_kernel() -> Any:
+    @triton.jit  # type: ignore[untyped-decorator]
+    def gated_group_norm(  # type: ignore[no-untyped-def]
+        y_ptr,
+        z_ptr,
+        z_row_stride,
+        weight_ptr,
+        out_ptr,
+        width,
+        group_size,
+        eps,
+        BLOCK: tl.constexpr,
+    ):
+        # one program per (row, group of channels): gate = y * silu(z), out = weight * gate / rms over the group
+        row = tl.program_id(0).to(tl.int64)
+        column = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+        mask = tl.arange(0, BLOCK) < group_size
+        y = tl.load(y_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * z_row_stride + column, mask=mask, other=0.0).to(tl.float32)
+        gate = y * z / (1.0 + tl.exp(-z))
+        inverse = 1.0 / tl.sqrt(tl.sum(gate * gate, axis=0) / group_size + eps)
+        weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + row * width + column, (gate * inverse * weight).to(out_ptr.dtype.element_ty), mask=mask
+        )
+
+    return gated_group_norm

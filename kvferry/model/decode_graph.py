@@ -25,7 +25,8 @@ import attrs
 import torch
 from attrs import define
 
-from kvferry.kernels.mamba_decode import conv_update, ssm_update
+from kvferry.kernels.mamba_decode import conv_update, ssm_update, triton_available
+from kvferry.kernels.norms import add_rms_norm, gated_group_norm
 from kvferry.kernels.paged_decode import paged_decode_attention
 from kvferry.model.attention import page_coordinates, write_kv
 from kvferry.model.mamba2 import mamba2_replay_steps
@@ -127,14 +128,17 @@ class DecodeGraphs:
         n = len(batch)
         bucket = next(b for b in self.buckets if b >= n)
         tpb = self.model.spec.tokens_per_block
-        rows = []
+        has_pages = self.model.num_pages > 0
+        width = 3 + (max(row.start for row in batch) // tpb + 1 if has_pages else 1)
+        # one host tensor, one copy: rows as [token, position, slot, block table...], zero-padded; the padding
+        # rows are all zeros (slot 0, page 0, position 0)
+        flat = []
         for row in batch:
-            table = row.block_table[: row.start // tpb + 1] if self.model.num_pages else (0,)
-            rows.append([row.token_ids[0], row.start, row.slot, *table])
-        width = max(len(r) for r in rows)
-        host = torch.zeros(bucket, width, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            host[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            table = row.block_table[: row.start // tpb + 1] if has_pages else (0,)
+            flat.extend((row.token_ids[0], row.start, row.slot, *table))
+            flat.extend((0,) * (width - 3 - len(table)))
+        flat.extend((0,) * ((bucket - n) * width))
+        host = torch.tensor(flat, dtype=torch.int64).view(bucket, width)
         self._packed[:bucket, :width].copy_(host)
         if self.capture:
             captured = self._captured.get(bucket) or self._capture(bucket)
@@ -184,23 +188,22 @@ class DecodeGraphs:
         mamba_layers = spec.layer_ids(LayerKind.MAMBA2)
         counts = model.caches[0].num_accepted[slots] if mamba_layers and replay_steps else None
 
-        from kvferry.model.nemotron_h import rms_norm
-
         x = weights["model.embeddings.weight"][tokens]
+        out: torch.Tensor | None = None
         for layer, kind in enumerate(spec.layer_kinds):
-            h = rms_norm(x, weights[f"model.layers.{layer}.norm.weight"], eps)
+            # the residual add of the last block and this block's norm: one kernel
+            x, h = add_rms_norm(x, out, weights[f"model.layers.{layer}.norm.weight"], eps)
             if kind == LayerKind.ATTENTION:
                 out = self._attention(layer, h, positions, slots, tables)
             elif kind == LayerKind.MAMBA2:
                 out = self._mamba(layer, h, slots, counts, replay_steps)
             else:
                 out = all_reduce([model.mlp(r, layer, h) for r in range(model.tp_size)])
-            x = x + out
         if counts is not None:
             for cache in model.caches:
                 cache.num_accepted[slots] = 0
-        logits = rms_norm(x, weights["model.norm_f.weight"], eps) @ weights.lm_head.T
-        return logits, x
+        x, normed = add_rms_norm(x, out, weights["model.norm_f.weight"], eps)
+        return normed @ weights.lm_head.T, x
 
     def _attention(
         self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor
@@ -277,4 +280,10 @@ class DecodeGraphs:
                 dt_min=args.time_step_min,
             )
             mixed.append((y.view(rows, x_dim), z))
+        if model.tp_size == 1 and triton_available(h.device):
+            # every norm group lies in the one rank: the gated norm as one kernel
+            (y, z), weights = mixed[0], model.rank_weights[0]
+            group_size = mamba.intermediate_size // mamba.num_groups
+            normed = gated_group_norm(y, z, weights[m + "norm.weight"], group_size, args.layer_norm_epsilon)
+            return normed @ weights[m + "out_proj.weight"].T
         return model.mamba_out(layer, mixed)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from attrs import define, frozen
 
 from kvferry.errors import ConfigError
+from kvferry.kernels.norms import rms_norm
 from kvferry.model.attention import attention_step
 from kvferry.model.decode_graph import is_decode_row
 from kvferry.model.mamba2 import causal_conv1d, mamba2_replay, ssm_chunk_scan, ssm_step
@@ -195,11 +196,6 @@ class StepOutput:
 
     logits: tuple[torch.Tensor, ...]
     hidden: tuple[torch.Tensor, ...]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """NemotronH's RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)``."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 @frozen
