@@ -132,7 +132,7 @@ class DecodeGraphs:
         width = 3 + (max(row.start for row in batch) // tpb + 1 if has_pages else 1)
         # one host tensor, one copy: rows as [token, position, slot, block table...], zero-padded; the padding
         # rows are all zeros (slot 0, page 0, position 0)
-        flat = []
+        flat: list[int] = []
         for row in batch:
             table = row.block_table[: row.start // tpb + 1] if has_pages else (0,)
             flat.extend((row.token_ids[0], row.start, row.slot, *table))
