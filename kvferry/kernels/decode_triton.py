@@ -138,8 +138,12 @@ def paged_decode_kernel() -> Any:
         q_row_stride,
         k_ptr,
         v_ptr,
-        page_stride,
-        head_stride,
+        k_page_stride,
+        k_head_stride,
+        k_token_stride,
+        v_page_stride,
+        v_head_stride,
+        v_token_stride,
         tables_ptr,
         table_row_stride,
         lengths_ptr,
@@ -175,11 +179,12 @@ def paged_decode_kernel() -> Any:
         for block in range(0, tl.cdiv(length, TOKENS_PER_BLOCK)):
             page = tl.load(tables_ptr + row * table_row_stride + block).to(tl.int64)
             visible = (t < TOKENS_PER_BLOCK) & (block * TOKENS_PER_BLOCK + t < length)
-            cell = page * page_stride + kv_head * head_stride + t[:, None] * head_dim + d[None, :]
+            k_cell = page * k_page_stride + kv_head * k_head_stride + t[:, None] * k_token_stride + d[None, :]
+            v_cell = page * v_page_stride + kv_head * v_head_stride + t[:, None] * v_token_stride + d[None, :]
             kv_mask = visible[:, None] & d_mask[None, :]
             # positions a query may not see are never loaded: garbage (NaN, inf) in them stays out
-            k = tl.load(k_ptr + cell, mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + cell, mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(k_ptr + k_cell, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + v_cell, mask=kv_mask, other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             scores = tl.where(visible[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))

@@ -91,6 +91,7 @@ def conv_update(
         raise ValueError("conv_update needs contiguous channels, windows and weight")
     from kvferry.kernels import decode_triton
 
+    slots = slots.contiguous()  # the kernel reads slot i at slots_ptr + i
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     block = min(256, _next_power_of_2(channels))
     grid = (batch, -(-channels // block))
@@ -179,6 +180,7 @@ def ssm_update(
         raise ValueError("ssm_update needs rows contiguous within and each slot's state contiguous")
     from kvferry.kernels import decode_triton
 
+    slots = slots.contiguous()  # the kernel reads slot i at slots_ptr + i
     y = torch.empty(batch, heads, head_dim, dtype=x.dtype, device=x.device)
     block_n = _next_power_of_2(state_size)
     block_p = min(_next_power_of_2(head_dim), max(1, 4096 // block_n))

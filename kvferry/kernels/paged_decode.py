@@ -63,7 +63,8 @@ def paged_decode_attention(
 
     :param query: ``[batch, q_heads, head_dim]`` (rows may be strided; heads and channels contiguous);
         query head ``h`` reads kv head ``h // (q_heads // kv_heads)``.
-    :param key_cache: ``[num_pages, kv_heads, tokens_per_block, head_dim]`` contiguous (``value_cache`` alike).
+    :param key_cache: ``[num_pages, kv_heads, tokens_per_block, head_dim]``, channels contiguous, any other
+        strides (an arena interleaves K and V by page); ``value_cache`` alike.
     :param block_tables: ``[batch, max_blocks]`` int page ids; only the first ``ceil(length / tokens_per_block)``
         of a row are read. :param lengths: ``[batch]`` visible positions per sequence (>= 1).
     :param use_triton: None: Triton where available on the device; True/False forces the choice.
@@ -77,10 +78,11 @@ def paged_decode_attention(
     _, kv_heads, tokens_per_block, _ = key_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         raise ValueError("paged_decode_attention needs each query row's heads and channels contiguous")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or block_tables.stride(1) != 1:
-        raise ValueError("paged_decode_attention needs contiguous caches and block table rows")
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("paged_decode_attention needs contiguous channels and block table rows")
     from kvferry.kernels import decode_triton
 
+    lengths = lengths.contiguous()  # the kernel reads length i at lengths_ptr + i
     out = torch.empty(batch, q_heads, head_dim, dtype=query.dtype, device=query.device)
     group = q_heads // kv_heads
     decode_triton.paged_decode_kernel()[(batch, kv_heads)](
@@ -90,6 +92,10 @@ def paged_decode_attention(
         value_cache,
         key_cache.stride(0),
         key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables,
         block_tables.stride(0),
         lengths,

@@ -70,12 +70,14 @@ class DecodeGraphs:
 
     :param max_batch: the most rows one step brings (the engine's ``max_running``).
     :param capture: capture CUDA graphs (CUDA only); False runs the same step eagerly.
+    :param use_triton: the Triton kernels (None: where they can run, on CUDA); False: their torch forms.
     Not thread-safe; one step at a time, as the model.
     """
 
     model: Model
     max_batch: int
     capture: bool
+    use_triton: bool | None = None
     buckets: tuple[int, ...] = attrs.field(init=False)
     _packed: torch.Tensor = attrs.field(init=False)
     _captured: dict[int, _Captured] = attrs.field(init=False, factory=dict)
@@ -91,6 +93,8 @@ class DecodeGraphs:
         width = 3 + max(1, self.model.num_pages)
         self._packed = torch.zeros(self.buckets[-1], width, dtype=torch.int64, device=self.model.device)
         self.capture = self.capture and self.model.device.type == "cuda"
+        if self.use_triton is None:
+            self.use_triton = triton_available(self.model.device)
 
     def __repr__(self) -> str:
         return (
@@ -192,7 +196,9 @@ class DecodeGraphs:
         out: torch.Tensor | None = None
         for layer, kind in enumerate(spec.layer_kinds):
             # the residual add of the last block and this block's norm: one kernel
-            x, h = add_rms_norm(x, out, weights[f"model.layers.{layer}.norm.weight"], eps)
+            x, h = add_rms_norm(
+                x, out, weights[f"model.layers.{layer}.norm.weight"], eps, use_triton=self.use_triton
+            )
             if kind == LayerKind.ATTENTION:
                 out = self._attention(layer, h, positions, slots, tables)
             elif kind == LayerKind.MAMBA2:
@@ -202,7 +208,7 @@ class DecodeGraphs:
         if counts is not None:
             for cache in model.caches:
                 cache.num_accepted[slots] = 0
-        x, normed = add_rms_norm(x, out, weights["model.norm_f.weight"], eps)
+        x, normed = add_rms_norm(x, out, weights["model.norm_f.weight"], eps, use_triton=self.use_triton)
         return normed @ weights.lm_head.T, x
 
     def _attention(
@@ -230,7 +236,13 @@ class DecodeGraphs:
                 offsets[:, 0],
             )
             attn = paged_decode_attention(
-                q.view(rows, -1, d), key_cache, value_cache, tables, positions + 1, d**-0.5
+                q.view(rows, -1, d),
+                key_cache,
+                value_cache,
+                tables,
+                positions + 1,
+                d**-0.5,
+                use_triton=self.use_triton,
             )
             parts.append(attn.reshape(rows, -1) @ w[prefix + "o_proj.weight"].T)
         return all_reduce(parts)
@@ -266,7 +278,7 @@ class DecodeGraphs:
                 )  # fmt: skip
             proj = h @ weights[m + "in_proj.weight"].T
             z, xbc, dt = torch.split(proj, [x_dim, conv_dim, heads.count], dim=-1)
-            conv = conv_update(xbc, conv_states, slots, conv_w, conv_b)
+            conv = conv_update(xbc, conv_states, slots, conv_w, conv_b, use_triton=self.use_triton)
             y = ssm_update(
                 conv[:, :x_dim].view(rows, heads.count, mamba.head_dim),
                 dt,
@@ -278,12 +290,15 @@ class DecodeGraphs:
                 ssm_states,
                 slots,
                 dt_min=args.time_step_min,
+                use_triton=self.use_triton,
             )
             mixed.append((y.view(rows, x_dim), z))
-        if model.tp_size == 1 and triton_available(h.device):
+        if model.tp_size == 1 and self.use_triton:
             # every norm group lies in the one rank: the gated norm as one kernel
             (y, z), weights = mixed[0], model.rank_weights[0]
             group_size = mamba.intermediate_size // mamba.num_groups
-            normed = gated_group_norm(y, z, weights[m + "norm.weight"], group_size, args.layer_norm_epsilon)
+            normed = gated_group_norm(
+                y, z, weights[m + "norm.weight"], group_size, args.layer_norm_epsilon, use_triton=True
+            )
             return normed @ weights[m + "out_proj.weight"].T
         return model.mamba_out(layer, mixed)

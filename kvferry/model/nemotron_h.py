@@ -424,13 +424,16 @@ class Model:
         self._verify_tokens += sum(len(s.token_ids) for s in batch if s.verify)
         return out
 
-    def enable_decode_graphs(self, max_batch: int, *, capture: bool = True) -> None:
+    def enable_decode_graphs(
+        self, max_batch: int, *, capture: bool = True, use_triton: bool | None = None
+    ) -> None:
         """Run pure decode rows through :class:`~kvferry.model.decode_graph.DecodeGraphs` from the next step:
         fused kernels, captured as CUDA graphs per batch bucket on CUDA (``capture``), eager elsewhere.
-        Rows of a step that are not decode rows (prefill chunks, verify steps) run the general step."""
+        Rows of a step that are not decode rows (prefill chunks, verify steps) run the general step.
+        ``use_triton`` None: the Triton kernels where they run (CUDA), else their torch forms."""
         from kvferry.model.decode_graph import DecodeGraphs
 
-        self._decode = DecodeGraphs(self, max_batch, capture)
+        self._decode = DecodeGraphs(self, max_batch, capture, use_triton)
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None:

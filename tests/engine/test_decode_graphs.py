@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kvferry.engine.runner import EngineOptions, build_engine
+from tests.support.triton_modes import INTERPRETED, run_interpreted
 
-CUDA = torch.cuda.is_available()
+CUDA = torch.cuda.is_available() and not INTERPRETED
 pytestmark = pytest.mark.anyio
 
 
@@ -25,9 +26,11 @@ def _prompts(count: int, *, vocab: int = 200) -> list[list[int]]:
 
 
 async def _serve(
-    options: EngineOptions, prompts: list[list[int]], *, spec_k: int = 0
+    options: EngineOptions, prompts: list[list[int]], *, spec_k: int = 0, triton: bool = False
 ) -> tuple[list[list[int]], Any]:
     built = build_engine("tiny", options)
+    if triton:  # the Triton kernels on the CPU (in the interpreter), eagerly
+        built.runner.model.enable_decode_graphs(options.max_running, capture=False, use_triton=True)
     out: dict[int, list[int]] = {}
     async with built.engine as engine:
 
@@ -99,3 +102,22 @@ async def test_cuda_graphs_off_gives_the_same_tokens() -> None:
     on, _ = await _serve(EngineOptions(device="cuda", dtype="float32"), prompts)
     off, stats = await _serve(EngineOptions(device="cuda", dtype="float32", decode_graphs=False), prompts)
     assert on == off and stats["decode_graphs"] is None
+
+
+def test_the_triton_decode_path_interpreted() -> None:
+    run_interpreted(__file__)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted process")
+@pytest.mark.parametrize("extra", [{}, {"max_spec_k": 2}, {"tp": 2}], ids=["plain", "speculative", "tp2"])
+async def test_interpreted_triton_kernels_give_the_reference_tokens(extra: dict[str, Any]) -> None:
+    # The Triton kernels of the decode path, run by Triton's interpreter on the CPU, inside the engine.
+    prompts = _prompts(5)
+    spec_k = int(extra.get("max_spec_k", 0))
+    reference, _ = await _serve(
+        EngineOptions(dtype="float64", max_running=4, **extra), prompts, spec_k=spec_k
+    )
+    options = EngineOptions(dtype="float64", max_running=4, decode_graphs=False, **extra)
+    fast, stats = await _serve(options, prompts, spec_k=spec_k, triton=True)
+    assert fast == reference
+    assert stats["decode_graphs"]["rows"] > 0

@@ -57,7 +57,7 @@ def test_conv_update_matches_the_reference_conv(mode: str, bias: bool) -> None:
     # rows strided as the in_proj split leaves them
     proj = torch.randn(3, channels + 5, generator=gen).to(dev)
     x = proj[:, 2 : 2 + channels]
-    slots = torch.tensor([5, 1, 3], device=dev)
+    slots = torch.tensor([[5, 0], [1, 0], [3, 0]], device=dev)[:, 0]  # strided, as a packed buffer gives them
 
     expected_states = states.clone()
     expected = causal_conv1d(x[:, None, :], expected_states, slots, weight, b)[:, 0]
@@ -82,7 +82,7 @@ def _ssm_inputs(
     dt_bias = torch.randn(heads, generator=gen)
     dt[0, 0] = 30.0  # past softplus's threshold
     states = torch.randn(slots_n, heads, head_dim, state, generator=gen)
-    slots = torch.tensor([4, 0, 2])
+    slots = torch.tensor([[4, 9], [0, 9], [2, 9]])[:, 0]  # strided, as a packed buffer gives them
     return [t.to(dev) for t in (x, dt, A, B, C, D, dt_bias, states, slots)]
 
 

@@ -23,9 +23,11 @@ def _case(
 ) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     pages = 12
-    keys = torch.randn(pages, kv_heads, tokens_per_block, head_dim, generator=gen)
-    values = torch.randn(pages, kv_heads, tokens_per_block, head_dim, generator=gen)
-    lengths = torch.tensor([1, 3 * tokens_per_block, 2 * tokens_per_block + 3])
+    # K and V interleaved by page, as an arena lays them out
+    both = torch.randn(pages, 2, kv_heads, tokens_per_block, head_dim, generator=gen)
+    keys, values = both[:, 0], both[:, 1]
+    # strided, as a packed buffer gives them
+    lengths = torch.tensor([[1, 3 * tokens_per_block, 2 * tokens_per_block + 3], [0, 0, 0]]).T[:, 0]
     tables = torch.tensor([[7, 0, 0, 0], [2, 9, 4, 0], [11, 1, 5, 0]])
     # garbage a query may not see: past each length in its own pages (no page is shared), and in page 0, which
     # pads the tables
@@ -37,7 +39,8 @@ def _case(
     keys[0] = float("nan")
     values[0] = float("nan")
     query = torch.randn(3, q_heads + 1, head_dim, generator=gen)[:, 1:]  # strided rows
-    return [t.to(dev) for t in (query, keys, values, tables, lengths)]
+    both = both.to(dev)
+    return [query.to(dev), both[:, 0], both[:, 1], tables.to(dev), lengths.to(dev)]
 
 
 @pytest.mark.parametrize(
