@@ -34,7 +34,8 @@ def sample_tokens(request: Request, logits: torch.Tensor, first_output_index: in
         return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
     generator = request.generator
     assert generator is not None and request.sampling.seed is not None
-    scaled = logits.to(torch.float64) / request.sampling.temperature
+    # drawn on the CPU, where the request's generator lives: the same token on every device
+    scaled = logits.to("cpu", torch.float64) / request.sampling.temperature
     tokens: list[int] = []
     for i in range(scaled.shape[0]):
         generator.manual_seed(_position_seed(request.sampling.seed, first_output_index + i))

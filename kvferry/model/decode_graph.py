@@ -18,7 +18,7 @@ rebalance does, through :meth:`Model.rebind`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -86,6 +86,7 @@ class DecodeGraphs:
     _eager_steps: int = attrs.field(init=False, default=0)
     _rows: int = attrs.field(init=False, default=0)
     _padded_rows: int = attrs.field(init=False, default=0)
+    _constants: dict[tuple[str, int, int], torch.Tensor] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.buckets = decode_buckets(self.max_batch)
@@ -184,8 +185,16 @@ class DecodeGraphs:
         model = self.model
         spec = model.spec
         packed = self._packed[:bucket]
-        tokens, positions, slots = packed[:, 0], packed[:, 1], packed[:, 2]
+        tokens, positions = packed[:, 0], packed[:, 1]
+        slots = packed[:, 2].contiguous()  # once per step: every kernel indexes it as a vector
         tables = packed[:, 3:]
+        # where each row's new K/V goes, and how far it attends: the same for every attention layer
+        pages = (
+            page_coordinates(tables, positions[:, None], spec.tokens_per_block)
+            if self.model.num_pages
+            else None
+        )
+        lengths = positions + 1
         weights = model.weights
         eps = weights.args.layer_norm_epsilon
         replay_steps = model.max_replay_tokens if model.max_replay_tokens > 1 else 0
@@ -200,7 +209,8 @@ class DecodeGraphs:
                 x, out, weights[f"model.layers.{layer}.norm.weight"], eps, use_triton=self.use_triton
             )
             if kind == LayerKind.ATTENTION:
-                out = self._attention(layer, h, positions, slots, tables)
+                assert pages is not None
+                out = self._attention(layer, h, pages, lengths, tables)
             elif kind == LayerKind.MAMBA2:
                 out = self._mamba(layer, h, slots, counts, replay_steps)
             else:
@@ -212,20 +222,22 @@ class DecodeGraphs:
         return normed @ weights.lm_head.T, x
 
     def _attention(
-        self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor
+        self,
+        layer: int,
+        h: torch.Tensor,
+        pages: tuple[torch.Tensor, torch.Tensor],
+        lengths: torch.Tensor,
+        tables: torch.Tensor,
     ) -> torch.Tensor:
         model = self.model
         d = model.weights.args.head_dim
         prefix = f"model.layers.{layer}.mixer."
-        tpb = model.spec.tokens_per_block
-        page_ids, offsets = page_coordinates(tables, positions[:, None], tpb)
+        page_ids, offsets = pages
         parts = []
-        for weights, cache in zip(model.rank_weights, model.caches, strict=True):
+        for rank, (weights, cache) in enumerate(zip(model.rank_weights, model.caches, strict=True)):
             w = weights.tensors
             key_cache, value_cache = cache.kv(layer)
-            q = h @ w[prefix + "q_proj.weight"].T
-            k = h @ w[prefix + "k_proj.weight"].T
-            v = h @ w[prefix + "v_proj.weight"].T
+            q, k, v = self._qkv(rank, layer, h)
             rows = h.shape[0]
             write_kv(
                 key_cache,
@@ -240,12 +252,27 @@ class DecodeGraphs:
                 key_cache,
                 value_cache,
                 tables,
-                positions + 1,
+                lengths,
                 d**-0.5,
                 use_triton=self.use_triton,
             )
             parts.append(attn.reshape(rows, -1) @ w[prefix + "o_proj.weight"].T)
         return all_reduce(parts)
+
+    def _constant(self, key: tuple[str, int, int], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        # per-layer tensors derived from the weights once, not in every step
+        value = self._constants.get(key)
+        if value is None:
+            value = self._constants[key] = make()
+        return value
+
+    def _qkv(self, rank: int, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # one GEMM for the three projections (their rows stacked once)
+        prefix = f"model.layers.{layer}.mixer."
+        w = self.model.rank_weights[rank].tensors
+        names = [prefix + f"{p}_proj.weight" for p in "qkv"]
+        stacked = self._constant(("qkv", rank, layer), lambda: torch.cat([w[n] for n in names]).contiguous())
+        return torch.split(h @ stacked.T, [w[n].shape[0] for n in names], dim=-1)  # type: ignore[return-value]
 
     def _mamba(
         self,
@@ -262,13 +289,14 @@ class DecodeGraphs:
         m = f"model.layers.{layer}.mixer."
         rows = h.shape[0]
         mixed = []
-        for weights, cache in zip(model.rank_weights, model.caches, strict=True):
+        for rank, (weights, cache) in enumerate(zip(model.rank_weights, model.caches, strict=True)):
             heads = weights.rank.mamba2_heads
             assert heads is not None
             x_dim, bc_dim, _ = weights.rank.mamba2_conv_sections
             conv_dim = x_dim + 2 * bc_dim
             conv_w, conv_b = weights[m + "conv1d.weight"], weights.get(m + "conv1d.bias")
-            A = -torch.exp(weights[m + "A_log"])
+            A_log = weights[m + "A_log"]
+            A = self._constant(("A", rank, layer), lambda: -torch.exp(A_log))  # noqa: B023 (called at once)
             D, dt_bias = weights[m + "D"], weights[m + "dt_bias"]
             conv_states, ssm_states = cache.conv(layer), cache.ssm(layer)
             if counts is not None:

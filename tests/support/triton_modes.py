@@ -27,6 +27,8 @@ def run_interpreted(test_file: str) -> None:
     output when one fails, skip where Triton is missing or this already is that process."""
     if INTERPRETED:
         pytest.skip("this process is the interpreted run")
+    if torch.cuda.is_available():
+        pytest.skip("the compiled kernels are tested on this machine's GPU")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     args = [
@@ -42,7 +44,7 @@ def run_interpreted(test_file: str) -> None:
         "interpreted",
     ]
     done = subprocess.run(
-        [*args, test_file], env=env, capture_output=True, text=True, timeout=300, check=False
+        [*args, test_file], env=env, capture_output=True, text=True, timeout=360, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
