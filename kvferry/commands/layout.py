@@ -18,9 +18,9 @@ if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not i
 
 #: the presets of kvferry.pools.spec (its preset_names(); listed here so that building the parser imports no
 #: torch; tests/test_cli.py checks that they agree)
-PRESETS = ("tiny", "nemotron-h-8b")
+PRESETS = ("tiny", "nemotron-h-1b", "nemotron-h-8b")
 #: Full request length per preset when --max-tokens is not given (the model's max position).
-DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-8b": 8192}
+DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-1b": 8192, "nemotron-h-8b": 8192}
 
 
 def _non_negative_int(text: str) -> int:
