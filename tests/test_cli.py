@@ -62,8 +62,8 @@ def test_help_imports_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_layout_presets_match_the_specs() -> None:
-    from kvferry.commands.layout import PRESETS
+def test_command_presets_match_the_specs() -> None:
+    from kvferry.commands._common import PRESETS
     from kvferry.pools.spec import preset_names
 
     assert tuple(PRESETS) == tuple(preset_names())

@@ -488,12 +488,24 @@ def save_safetensors(file: str | Path, tensors: Mapping[str, torch.Tensor]) -> N
 # --- the transformers twin (test oracle) -------------------------------------------------------------------
 
 
-def hf_model(weights: ModelWeights) -> Any:
-    """A transformers ``NemotronHForCausalLM`` holding exactly ``weights`` (in their dtype), in eval mode."""
+def hf_model(weights: ModelWeights, *, share: bool = False) -> Any:
+    """A transformers ``NemotronHForCausalLM`` holding exactly ``weights`` (in their dtype), in eval mode.
+
+    :param share: the model's parameters are ``weights``' own tensors, on their device (the model is built
+        on the meta device: no copy and no initialisation of a large model); else it holds CPU copies.
+    """
     transformers = _transformers()
     config = _hf_config(weights.args)
-    model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
-    missing, unexpected = model.load_state_dict(dict(weights.tensors), strict=False)
+    if share:
+        with torch.device("meta"):
+            model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+    else:
+        model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+    missing, unexpected = model.load_state_dict(dict(weights.tensors), strict=False, assign=share)
+    if share:
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ConfigError(f"transformers' model keeps tensors that weights do not hold: {left[:5]}")
     if unexpected or [
         m for m in missing if not m.startswith("lm_head") or not weights.args.tie_word_embeddings
     ]:
