@@ -89,6 +89,7 @@ def test_what_cannot_work_is_refused_in_one_line(tmp_path: Path, capsys: pytest.
     assert "no such preset or directory" in _refused(capsys, "--model", "nemotron-h-2b")
     assert "expected cpu, cuda or cuda:N" in _refused(capsys, "--device", "tpu")
     assert "does not exist" in _refused(capsys, "--json", str(tmp_path / "missing" / "out.json"))
+    assert "--new-tokens must be at least 2" in _refused(capsys, "--new-tokens", "1")
     if not torch.cuda.is_available():
         assert "CUDA is not available" in _refused(capsys, "--device", "cuda")
 

@@ -50,7 +50,7 @@ from attrs import frozen
 
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import EngineOptions, build_engine
-from kvferry.errors import ConfigError
+from kvferry.errors import ConfigError, KvferryError
 from kvferry.model.device import resolve_device
 from kvferry.model.weights import ModelWeights
 from kvferry.pools.spec import LayerKind, ModelSpec, dtype_from_name
@@ -202,12 +202,10 @@ async def _measure_decode(
     tokens = await _serve(engine, prompts, config.new_tokens)
     wall = time.perf_counter() - t0
     if any(len(t) != config.new_tokens for t in tokens):
-        raise ConfigError(f"a request of the batch of {batch} ended early")
+        raise KvferryError(f"a request of the batch of {batch} ended early")
     steps = [s for s in engine.step_timings if s.num_decodes == s.num_items == batch]
     if not steps:
-        raise ConfigError(
-            f"no step decoded the whole batch of {batch} at once (raise --new-tokens or --max-prefill-chunk)"
-        )
+        raise KvferryError(f"no step decoded the whole batch of {batch} at once")
     total = sum(s.schedule_seconds + s.model_seconds + s.apply_seconds for s in steps)
     model = sum(s.model_seconds for s in steps)
     return {"step": total / len(steps), "model": model / len(steps), "steps": len(steps), "wall": wall}
@@ -249,7 +247,7 @@ def _hf_run(weights: ModelWeights, batch: int, config: DecodeBenchConfig, device
         _sync(device)
         seconds = time.perf_counter() - t0
     if out.shape[1] != config.prompt_tokens + config.new_tokens:
-        raise ConfigError(
+        raise KvferryError(
             f"transformers generated {out.shape[1] - config.prompt_tokens} tokens, not {config.new_tokens}"
         )
     return seconds
@@ -327,6 +325,8 @@ def run_decode_bench(config: DecodeBenchConfig, progress: Callable[[str], None])
     device = resolve_device(config.device)
     if not config.batches or min(config.batches) < 1:
         raise ConfigError("batch sizes must be at least 1")
+    if config.new_tokens < 2:
+        raise ConfigError("--new-tokens must be at least 2 (the first token comes from the prefill)")
     progress(f"building {config.model} ({config.dtype}) on {device}")
     built = build_engine(config.model, _options(config, _tokens_per_block(config)))
     weights = built.runner.model.weights
@@ -476,7 +476,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     rows = result["rows"]
     batches = [r["batch"] for r in rows]
-    ax.plot(batches, [r["tokens_per_s"] for r in rows], marker="o", label="kvferry decode")
+    ax.plot(batches, [r["tokens_per_s"] for r in rows], marker="o", label="kvferry decode steps")
+    ax.plot(
+        batches, [r["e2e_tokens_per_s"] for r in rows], marker=".", linestyle=":", label="kvferry end to end"
+    )
     ax.plot(
         batches,
         [r["batch"] / (r["roofline_ms"] / 1e3) for r in rows],
@@ -485,7 +488,12 @@ def plot(result: dict[str, Any], path: str) -> None:
         label="memory roofline",
     )
     if all("hf_tokens_per_s" in r for r in rows):
-        ax.plot(batches, [r["hf_tokens_per_s"] for r in rows], marker="s", label="transformers generate")
+        ax.plot(
+            batches,
+            [r["hf_tokens_per_s"] for r in rows],
+            marker="s",
+            label="transformers generate, end to end",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch")
