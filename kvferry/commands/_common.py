@@ -215,19 +215,25 @@ def check_tp(model: str, flag: str, tp: int) -> None:
 
 
 def write_result(
-    result: dict[str, Any], output: str | None, plot_path: str | None, plot: Callable[[], Callable[..., None]]
+    result: dict[str, Any],
+    output: str | None,
+    plot_path: str | None,
+    plot: Callable[[], Callable[..., None]],
+    *,
+    output_flag: str = "--output",
 ) -> None:
     """Write a benchmark's JSON to ``output`` and its plot to ``plot_path`` (``plot()`` imports the plotter:
     matplotlib only when a plot is asked for).
 
-    :raises ~kvferry.errors.ConfigError: a file cannot be written (the message names the option).
+    :raises ~kvferry.errors.ConfigError: a file cannot be written (the message names the option,
+        ``output_flag`` for the JSON).
     """
     try:
         if output:
             with open(output, "w") as f:
                 json.dump(result, f, indent=2)
     except OSError as exc:
-        raise ConfigError(f"--output {output}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{output_flag} {output}: {exc.strerror or exc}") from None
     try:
         if plot_path:
             plot()(result, plot_path)

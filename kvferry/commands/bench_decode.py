@@ -121,5 +121,5 @@ def run(args: argparse.Namespace) -> int:
 
         return plot
 
-    write_result(result, args.json, args.plot, plotter)
+    write_result(result, args.json, args.plot, plotter, output_flag="--json")
     return 0
