@@ -164,3 +164,18 @@ def test_cuda_is_refused_in_one_line_where_torch_sees_no_gpu() -> None:
         build_engine("tiny", EngineOptions(device="cuda"))
     with pytest.raises(ConfigError, match="expected cpu, cuda or cuda:N"):
         build_engine("tiny", EngineOptions(device="tpu"))
+
+
+def test_transformers_shares_the_preset_tensors_and_agrees() -> None:
+    pytest.importorskip("transformers")
+    from kvferry.model.weights import hf_model
+
+    weights, _spec = load_preset("nemotron-h-1b", seed=2, dtype="float32", scale=16)
+    shared = hf_model(weights, share=True)
+    copied = hf_model(weights)
+    head = shared.get_output_embeddings().weight
+    assert head.data_ptr() == weights["lm_head.weight"].data_ptr()  # no copy
+    assert copied.get_output_embeddings().weight.data_ptr() != head.data_ptr()
+    ids = torch.randint(0, weights.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(shared(ids).logits, copied(ids).logits, rtol=0, atol=0)
