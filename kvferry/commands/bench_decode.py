@@ -23,6 +23,7 @@ from kvferry.commands._common import (
     non_negative_int,
     positive_int,
     say,
+    seed_int,
     write_result,
 )
 from kvferry.errors import MissingExtraError
@@ -57,9 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-prefill-chunk", type=positive_int, default=512, metavar="N", help="prompt tokens per step"
     )
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
-    parser.add_argument(
-        "--weights-seed", type=non_negative_int, default=0, metavar="S", help="seed of the weights"
-    )
+    parser.add_argument("--weights-seed", type=seed_int, default=0, metavar="S", help="seed of the weights")
     parser.add_argument(
         "--preset-scale",
         type=positive_int,
