@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate tokens with the reference model (or a local NemotronH checkpoint)"),
     "layout": ("layout", "show each rank's pool groups and layer groups for a model and TP size"),
     "info": ("info", "versions, loadable transports and the UCX transports they actually use"),
-    "bench": ("bench", "benchmarks: bench transfer | bench serve | bench offload"),
+    "bench": ("bench", "benchmarks: bench transfer | bench serve | bench offload | bench decode"),
     "serve": ("serve", "an OpenAI-compatible HTTP server (/v1/completions) over one engine or disaggregated"),
 }
 

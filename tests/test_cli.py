@@ -62,8 +62,8 @@ def test_help_imports_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_layout_presets_match_the_specs() -> None:
-    from kvferry.commands.layout import PRESETS
+def test_command_presets_match_the_specs() -> None:
+    from kvferry.commands._common import PRESETS
     from kvferry.pools.spec import preset_names
 
     assert tuple(PRESETS) == tuple(preset_names())
@@ -100,7 +100,9 @@ def test_demo_refuses_a_short_secret_before_it_runs(
     ]
 
 
-@pytest.mark.parametrize("command", ["demo", "layout", "generate", "info", "bench transfer"])
+@pytest.mark.parametrize(
+    "command", ["demo", "layout", "generate", "info", "bench transfer", "bench decode", "serve"]
+)
 def test_the_readme_usage_of_each_command_lists_all_its_flags(command: str) -> None:
     import argparse
     import re
@@ -141,3 +143,24 @@ def test_demo_max_tokens_below_two_names_the_one_rule(value: str, capsys: pytest
     assert f"argument --max-tokens: must be at least 2 (the first token and one decoded), got {value}" in (
         capsys.readouterr().err
     )
+
+
+def test_demo_runs_on_the_device_and_dtype_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    argv = ["demo", "--transport", "local", "--requests", "2", "--spec-k", "1", "--max-tokens", "3", "--json"]
+    assert main([*argv, "--device", "cpu", "--dtype", "float32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["identical"] is True and result["requests"] == 2
+
+
+def test_demo_refuses_a_device_torch_cannot_use_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    assert main(["demo", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected cpu, cuda or cuda:N" in err[0]
+    if not torch.cuda.is_available():
+        assert main(["demo", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "CUDA is not available here" in err[0]

@@ -67,8 +67,8 @@ def test_a_missing_model_directory_says_so(tmp_path: Path, capsys: pytest.Captur
     assert main(["generate", "--model", str(missing), "--prompt", "hi", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"kvferry generate: error: --model {missing}: no such directory (give 'tiny' or a checkpoint "
-        "directory) (ConfigError)\n"
+        f"kvferry generate: error: --model {missing}: no such preset or directory (presets: tiny, "
+        "nemotron-h-1b, nemotron-h-8b) (ConfigError)\n"
     )
 
 
@@ -114,7 +114,8 @@ def test_an_empty_model_is_refused_not_read_as_the_current_directory(
 ) -> None:
     assert main(["generate", "--model", "", "--prompt", "hi", "--max-tokens", "2"]) == 2
     assert capsys.readouterr().err == (
-        "kvferry generate: error: --model is empty (give 'tiny' or a checkpoint directory) (ConfigError)\n"
+        "kvferry generate: error: --model is empty (give a preset: tiny, nemotron-h-1b, nemotron-h-8b; or a "
+        "checkpoint directory) (ConfigError)\n"
     )
 
 
@@ -173,3 +174,86 @@ def test_chat_misuse_says_what_to_change(
 ) -> None:
     assert main(["generate", "--max-tokens", "2", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+# --- --device and --dtype ----------------------------------------------------------------------------------
+
+
+def test_device_cpu_and_each_dtype_generate(capsys: pytest.CaptureFixture[str]) -> None:
+    ids = ["--ids", "1", "2", "3", "--max-tokens", "3", "--json", "--device", "cpu"]
+    for dtype in ("float64", "float32", "bfloat16"):
+        assert main(["generate", *ids, "--dtype", dtype]) == 0
+        tokens = json.loads(capsys.readouterr().out)["tokens"]
+        assert len(tokens) == 3 and all(0 <= t < 256 for t in tokens)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device 'tpu': expected cpu, cuda or cuda:N"),
+        ("cpu:1", "--device 'cpu:1': expected cpu, cuda or cuda:N"),
+        ("cuda:64", "--device cuda:64: "),
+    ],
+)
+def test_a_device_torch_cannot_use_is_refused_in_one_line(
+    device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", "--ids", "1", "--max-tokens", "2", "--device", device]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvferry generate: error: {message}"), lines
+    assert lines[0].endswith("(ConfigError)")
+
+
+def test_cuda_without_a_gpu_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here")
+    assert main(["generate", "--ids", "1", "--max-tokens", "2", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "kvferry generate: error: --device cuda: CUDA is not available here (torch sees no GPU) (ConfigError)\n"
+    )
+
+
+def test_a_preset_has_no_tokenizer_but_takes_ids_and_an_unknown_one_is_listed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["generate", "--model", "nemotron-h-1b", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert "nemotron-h-1b has no tokenizer: give token ids with --ids" in capsys.readouterr().err
+    assert main(["generate", "--model", "nemotron-h-9b", "--ids", "1", "--max-tokens", "2"]) == 2
+    assert (
+        "no such preset or directory (presets: tiny, nemotron-h-1b, nemotron-h-8b)" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_generate_on_cuda_gives_the_cpu_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    ids = ["--ids", "5", "6", "7", "8", "--max-tokens", "6", "--json", "--dtype", "float64"]
+    assert main(["generate", *ids, "--device", "cpu"]) == 0
+    on_cpu = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(["generate", *ids, "--device", "cuda"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == on_cpu
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "nemotron-h-1b",
+                "--ids",
+                "5",
+                "6",
+                "--max-tokens",
+                "4",
+                "--json",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 4

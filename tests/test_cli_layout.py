@@ -77,6 +77,18 @@ def test_nemotron_80gib(capsys: pytest.CaptureFixture[str]) -> None:
     assert dtypes["mamba2"] == ["bfloat16", "float32"]
 
 
+def test_nemotron_1b_tp4(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--model", "nemotron-h-1b", "--tp", "4", "--memory", "8GiB", "--max-tokens", "8192")
+    rank = data["ranks"][0]
+    # per rank: 1 kv head of 128 over 4 attention layers (32-token pages), the drafter's 1 kv head (64-token
+    # pages), 8 Mamba2 heads and 2 groups over 20 layers (bfloat16 conv window of 3, float32 SSM state)
+    conv = 20 * 3 * (8 * 64 + 2 * 2 * 128) * 2
+    ssm = 20 * 8 * 64 * 128 * 4
+    per_request = 256 * (4 * 2 * 128 * 2 * 32) + 128 * (2 * 128 * 2 * 64) + conv + ssm + 8
+    assert rank["fit"]["bytes_per_request"] == per_request
+    assert rank["fit"]["requests"] == (8 << 30) // per_request
+
+
 def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["layout", "--model", "tiny", "--tp", "2", "--memory", "1000000"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvferry.errors import ConfigError
 
-__all__ = ["Progress", "positive_int", "progress", "say", "seed_int"]
+__all__ = ["DTYPES", "PRESETS", "Progress", "check_device", "positive_int", "progress", "say", "seed_int"]
 
 
 def say(text: str) -> None:
@@ -149,15 +149,31 @@ def byte_count(text: str) -> int:
     return value
 
 
+#: the presets of kvferry.pools.spec (listed here so that parsing imports no torch; tests check they agree)
+PRESETS = ("tiny", "nemotron-h-1b", "nemotron-h-8b")
+#: the dtypes a command's ``--dtype`` offers (weights and cache)
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def check_model(model: str) -> None:
-    """Refuse an empty ``--model`` or one that is neither ``tiny`` nor a directory, in one line."""
+    """Refuse an empty ``--model`` or one that is neither a preset nor a directory, in one line."""
+    presets = ", ".join(PRESETS)
     if not model.strip():
         # Path("") is the current directory: an empty value must not load whatever lies there
-        raise ConfigError("--model is empty (give 'tiny' or a checkpoint directory)")
-    if model != "tiny" and not Path(model).exists():
-        raise ConfigError(f"--model {model}: no such directory (give 'tiny' or a checkpoint directory)")
-    if model != "tiny" and not Path(model).is_dir():
-        raise ConfigError(f"--model {model}: not a directory (give 'tiny' or a checkpoint directory)")
+        raise ConfigError(f"--model is empty (give a preset: {presets}; or a checkpoint directory)")
+    if model in PRESETS:
+        return
+    if not Path(model).exists():
+        raise ConfigError(f"--model {model}: no such preset or directory (presets: {presets})")
+    if not Path(model).is_dir():
+        raise ConfigError(f"--model {model}: not a directory (presets: {presets})")
+
+
+def check_device(device: str) -> None:
+    """Refuse a ``--device`` torch cannot use here (``cuda`` without a GPU), in one line (imports torch)."""
+    from kvferry.model.device import resolve_device
+
+    resolve_device(device)
 
 
 def resolve_transport(name: str) -> tuple[str, bool]:
@@ -184,13 +200,13 @@ def resolve_transport(name: str) -> tuple[str, bool]:
 
 
 def check_tp(model: str, flag: str, tp: int) -> None:
-    """Refuse a TP size the tiny model's heads do not split over before anything runs (a checkpoint's is
-    checked when its engine is built)."""
-    if model != "tiny":
+    """Refuse a TP size a preset's heads do not split over before anything runs (a checkpoint's is checked
+    when its engine is built)."""
+    if model not in PRESETS:
         return
     from kvferry.pools.spec import preset
 
-    spec = preset("tiny")
+    spec = preset(model)
     try:
         for rank in range(tp):
             spec.shard(tp, rank)
@@ -199,19 +215,25 @@ def check_tp(model: str, flag: str, tp: int) -> None:
 
 
 def write_result(
-    result: dict[str, Any], output: str | None, plot_path: str | None, plot: Callable[[], Callable[..., None]]
+    result: dict[str, Any],
+    output: str | None,
+    plot_path: str | None,
+    plot: Callable[[], Callable[..., None]],
+    *,
+    output_flag: str = "--output",
 ) -> None:
     """Write a benchmark's JSON to ``output`` and its plot to ``plot_path`` (``plot()`` imports the plotter:
     matplotlib only when a plot is asked for).
 
-    :raises ~kvferry.errors.ConfigError: a file cannot be written (the message names the option).
+    :raises ~kvferry.errors.ConfigError: a file cannot be written (the message names the option,
+        ``output_flag`` for the JSON).
     """
     try:
         if output:
             with open(output, "w") as f:
                 json.dump(result, f, indent=2)
     except OSError as exc:
-        raise ConfigError(f"--output {output}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{output_flag} {output}: {exc.strerror or exc}") from None
     try:
         if plot_path:
             plot()(result, plot_path)

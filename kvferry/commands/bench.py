@@ -1,7 +1,8 @@
 """``kvferry bench transfer``: transfer throughput between two processes against same-run ceilings;
 ``kvferry bench serve``: load on the serving API or a running server (:mod:`kvferry.commands.bench_serve`);
 ``kvferry bench offload``: a suspended request's offload to the host and restore, and the event loop meanwhile
-(:mod:`kvferry.commands.bench_offload`)."""
+(:mod:`kvferry.commands.bench_offload`); ``kvferry bench decode``: decode and prefill throughput of the engine
+against same-run ceilings (:mod:`kvferry.commands.bench_decode`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=bench_offload.__doc__.split("\n\n")[0] if bench_offload.__doc__ else None,
     )
     bench_offload.add_arguments(offload)
+    from kvferry.commands import bench_decode
+
+    decode = sub.add_parser(
+        "decode",
+        help="decode tokens/s per batch size against the memory roofline and transformers; prefill vs matmul",
+        description=bench_decode.__doc__.split("\n\n")[0] if bench_decode.__doc__ else None,
+    )
+    bench_decode.add_arguments(decode)
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -214,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         from kvferry.commands import bench_offload
 
         return bench_offload.run(args)
+    if args.benchmark == "decode":
+        from kvferry.commands import bench_decode
+
+        return bench_decode.run(args)
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
 
     quiet_library_env()  # before nixl or ucxx loads; the peer processes inherit it

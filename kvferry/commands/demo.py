@@ -26,6 +26,8 @@ from typing import Any
 
 from kvferry._percentile import nearest_rank
 from kvferry.commands._common import (
+    DTYPES,
+    check_device,
     check_tp,
     non_negative_int,
     positive_int,
@@ -90,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-draft-transfer", action="store_true", help="leave the draft KV behind")
     parser.add_argument("--max-tokens", type=_at_least_two, default=MAX_TOKENS, metavar="N")
+    parser.add_argument(
+        "--device", default="cpu", help="where both engines' weights and caches live: cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float64",
+        help="weights and caches of every engine (default float64)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--secret-file",
@@ -152,7 +163,7 @@ async def _aggregated(
     from kvferry.disagg.serve import _options
     from kvferry.engine.runner import build_engine
 
-    built = build_engine("tiny", _options(1, spec_k, args.seed, "float64"))
+    built = build_engine("tiny", _options(1, spec_k, args.seed, args.dtype, device=args.device))
     out: list[dict[str, Any]] = [{}] * len(prompts)
     with progress("aggregated reference", len(prompts)) as bar:
         async with built.engine:
@@ -192,6 +203,8 @@ async def _disaggregated(
         gen_tp=args.gen_tp,
         spec_k=spec_k,
         seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
         separate_process=separate_process,
         secret=args.secret,
     ) as (router, parts):
@@ -356,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
     from kvferry._stdio import quiet_library_env, stdout_to_stderr
     from kvferry.transports.handshake import load_secret
 
+    check_device(args.device)
     check_tp("tiny", "--ctx-tp", args.ctx_tp)
     check_tp("tiny", "--gen-tp", args.gen_tp)
     _check_fits(args)

@@ -18,7 +18,15 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvferry.commands._common import check_model, non_negative_int, positive_int, seed_int
+from kvferry.commands._common import (
+    DTYPES,
+    check_device,
+    check_model,
+    check_tp,
+    non_negative_int,
+    positive_int,
+    seed_int,
+)
 from kvferry.errors import ConfigError, PoolExhausted
 
 if TYPE_CHECKING:
@@ -40,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (the built-in seeded reference model) or a local transformers NemotronH checkpoint directory",
+        help="a preset: tiny (the seeded reference model), nemotron-h-1b, nemotron-h-8b (seeded weights at real "
+        "proportions); or a local transformers NemotronH checkpoint directory",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -59,7 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=positive_int, default=1, metavar="N", help="simulated tensor-parallel ranks"
     )
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights and the cache live: cpu, cuda or cuda:N (default cpu)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weights and cache (default float32)"
+    )
     parser.add_argument(
         "--seed", type=seed_int, default=None, metavar="S", help="sample with this seed (default: greedy)"
     )
@@ -74,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stop-ids", nargs="+", type=non_negative_int, default=[], metavar="N", help="stop after these ids"
     )
     parser.add_argument(
-        "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of the tiny model's weights"
+        "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of a preset's weights"
     )
     parser.add_argument(
         "--num-pages", type=positive_int, default=512, metavar="N", help="attention pages per rank"
@@ -202,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and args.prompt is None:
         raise ConfigError("--chat takes its turns as --prompt TEXT (one per turn)")
     check_model(args.model)
+    check_tp(args.model, "--tp", args.tp)
+    check_device(args.device)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
@@ -214,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         EngineOptions(
             tp=args.tp,
             dtype=args.dtype,
+            device=args.device,
             seed=args.weights_seed,
             num_pages=args.num_pages,
             max_running=max(1, len(prompts)),

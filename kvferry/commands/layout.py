@@ -10,17 +10,14 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvferry.commands._common import byte_count, positive_int
+from kvferry.commands._common import PRESETS, byte_count, positive_int
 
 if TYPE_CHECKING:  # imported when the command runs: `kvferry --help` does not import torch
     from kvferry.pools.layout import Fit
     from kvferry.pools.spec import ModelSpec
 
-#: the presets of kvferry.pools.spec (its preset_names(); listed here so that building the parser imports no
-#: torch; tests/test_cli.py checks that they agree)
-PRESETS = ("tiny", "nemotron-h-8b")
 #: Full request length per preset when --max-tokens is not given (the model's max position).
-DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-8b": 8192}
+DEFAULT_MAX_TOKENS = {"tiny": 512, "nemotron-h-1b": 8192, "nemotron-h-8b": 8192}
 
 
 def _non_negative_int(text: str) -> int:

@@ -7,7 +7,8 @@ request is cancelled (an open stream ends with an error event and ``data: [DONE]
 transports close; the exit status is then 0. A second signal stops waiting for responses to end.
 
 With ``--disagg``, ``--gen-tp`` sizes the generation engine (this process) and ``--ctx-tp`` the context engine;
-``--tp`` is refused there, so that a flag means one thing.
+``--tp`` is refused there, so that a flag means one thing. ``--device`` and ``--dtype`` apply to every engine
+(the context engine's process too).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from kvferry.commands import serve_roles
 from kvferry.commands._common import (
+    DTYPES,
+    check_device,
     check_model,
     non_negative_int,
     positive_int,
@@ -43,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (the built-in seeded reference model) or a local transformers NemotronH checkpoint directory",
+        help="a preset: tiny (the seeded reference model), nemotron-h-1b, nemotron-h-8b (seeded weights at real "
+        "proportions); or a local transformers NemotronH checkpoint directory",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument(
@@ -72,9 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests waiting for admission past which new ones get 503",
     )
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument(
-        "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of the tiny model's weights"
+        "--device",
+        default="cpu",
+        help="where the weights and the cache live: cpu, cuda or cuda:N (default cpu)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weights and cache (default float32)"
+    )
+    parser.add_argument(
+        "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of a preset's weights"
     )
     disagg = parser.add_argument_group("disaggregated serving")
     disagg.add_argument(
@@ -108,6 +119,7 @@ def engine_options(args: argparse.Namespace, tp: int) -> EngineOptions:
     return EngineOptions(
         tp=tp,
         dtype=args.dtype,
+        device=args.device,
         seed=args.weights_seed,
         num_pages=args.num_pages,
         max_running=args.max_running,
@@ -125,6 +137,7 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
     from kvferry.serving import DisaggOptions, open_service
 
     check_model(args.model)
+    check_device(args.device)
     serve_roles.check(args)
     disagg_only = [
         flag
@@ -173,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_library_env()  # before nixl or ucxx loads, and inherited by a context process it starts
     if args.role == "context":
         check_model(args.model)
+        check_device(args.device)
         serve_roles.check(args)
         if args.gen_tp is not None or args.ctx_tp is not None:
             raise ConfigError("--role context: give its TP size with --tp")

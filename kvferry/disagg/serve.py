@@ -65,12 +65,20 @@ DEFAULT_START_TIMEOUT = 120.0
 
 
 def _options(
-    tp: int, spec_k: int, seed: int, dtype: str, *, num_pages: int = 512, max_running: int = 16
+    tp: int,
+    spec_k: int,
+    seed: int,
+    dtype: str,
+    *,
+    num_pages: int = 512,
+    max_running: int = 16,
+    device: str = "cpu",
 ) -> EngineOptions:
     return EngineOptions(
         tp=tp,
         dtype=dtype,
         seed=seed,
+        device=device,
         max_spec_k=spec_k,
         num_pages=num_pages,
         max_running=max_running,
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float64")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
         "--chunk-bytes",
         type=int,
@@ -241,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = reserve_stdout()
     options = _options(
-        args.tp, args.spec_k, args.seed, args.dtype, num_pages=args.num_pages, max_running=args.max_running
+        args.tp,
+        args.spec_k,
+        args.seed,
+        args.dtype,
+        num_pages=args.num_pages,
+        max_running=args.max_running,
+        device=args.device,
     )
     try:
         anyio.run(
@@ -304,6 +319,7 @@ def start_context_process(
     model: str = "tiny",
     num_pages: int = 512,
     max_running: int = 16,
+    device: str = "cpu",
     write_delay: float = 0.0,
     chunk_bytes: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -343,6 +359,8 @@ def start_context_process(
             str(seed),
             "--dtype",
             dtype,
+            "--device",
+            device,
             "--write-delay",
             str(write_delay),
             "--chunk-bytes",
@@ -423,6 +441,7 @@ async def disaggregated(
     spec_k: int = 0,
     seed: int = 0,
     dtype: str = "float64",
+    device: str = "cpu",
     separate_process: bool = True,
     stall_timeout: float = 30.0,
     write_delay: float = 0.0,
@@ -452,10 +471,11 @@ async def disaggregated(
     ``handshake_timeout`` (each side's handshake), ``control_timeout`` (best-effort control messages, each
     side), ``stall_timeout`` (a transfer's reports), ``start_timeout`` (the context process's start).
 
-    ``model``: ``"tiny"`` or a checkpoint directory, for both engines. ``options`` sizes the generation engine
-    (its ``tp``, ``max_spec_k``, ``seed`` and ``dtype`` then replace ``gen_tp``, ``spec_k``, ``seed`` and
-    ``dtype``; its steps always run on the event loop); the context engine gets the same with ``ctx_tp`` ranks
-    and ``ctx_num_pages`` pages (0: the same number).
+    ``model``: a preset or a checkpoint directory, for both engines. ``options`` sizes the generation engine
+    (its ``tp``, ``max_spec_k``, ``seed``, ``dtype`` and ``device`` then replace ``gen_tp``, ``spec_k``,
+    ``seed``, ``dtype`` and ``device``; its steps always run on the event loop); the context engine gets the
+    same (device and dtype included, also in its own process) with ``ctx_tp`` ranks and ``ctx_num_pages`` pages
+    (0: the same number).
 
     ``contexts``: the transport addresses of running context engines (:func:`serve_context`, ``kvferry serve
     --role context``) to connect to instead of starting one; requests are spread over them
@@ -473,7 +493,7 @@ async def disaggregated(
     if secret is None and authenticate:
         secret = new_secret()
     if options is None:
-        options = _options(gen_tp, spec_k, seed, dtype)
+        options = _options(gen_tp, spec_k, seed, dtype, device=device)
     spec_k, seed, dtype = options.max_spec_k, options.seed, options.dtype
     ctx_options = attrs.evolve(options, tp=ctx_tp, num_pages=ctx_num_pages or options.num_pages)
     gen = build_engine(model, options)
@@ -513,6 +533,7 @@ async def disaggregated(
                         model=model,
                         num_pages=ctx_options.num_pages,
                         max_running=ctx_options.max_running,
+                        device=ctx_options.device,
                         write_delay=write_delay,
                         chunk_bytes=chunk_bytes,
                         staging_bytes=staging_bytes,

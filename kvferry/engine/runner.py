@@ -5,8 +5,8 @@
 - :class:`PagedRunner` runs :class:`~kvferry.model.nemotron_h.Model` steps over the managers' block tables and
   slots, feeds the drafter the target's hidden states, and records verify outcomes (``num_accepted``) in the
   replay state through the managers.
-- :func:`build_engine` builds an :class:`~kvferry.engine.engine.Engine` for the ``tiny`` preset (seeded random
-  weights) or a local NemotronH checkpoint directory.
+- :func:`build_engine` builds an :class:`~kvferry.engine.engine.Engine` for a preset (seeded random weights,
+  :mod:`kvferry.model.presets`) or a local NemotronH checkpoint directory.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from kvferry import wire
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
 from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, KvferryError, UnknownRequest, WireFormatError
+from kvferry.model.device import resolve_device
 from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.model.nemotron_h import Model, SequenceInput
-from kvferry.model.weights import ModelWeights, tiny_args
+from kvferry.model.presets import load_preset
+from kvferry.model.weights import ModelWeights
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheManagerStatistics, PendingMove, Resumed
-from kvferry.pools.spec import ModelSpec, dtype_from_name, dtype_name, preset
+from kvferry.pools.spec import ModelSpec, dtype_from_name, dtype_name, preset, preset_names
 
 __all__ = ["DrafterHandoff", "EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
 
@@ -496,6 +498,8 @@ class EngineOptions:
     #: pure decode rows through fused kernels captured as CUDA graphs (None: on CUDA devices only; True on the
     #: CPU runs the same path eagerly)
     decode_graphs: bool | None = None
+    #: divide a NemotronH preset's widths by this (1: its real proportions; see kvferry.model.presets)
+    preset_scale: int = 1
 
 
 class BuiltEngine(NamedTuple):
@@ -506,14 +510,20 @@ class BuiltEngine(NamedTuple):
 
 
 def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, ModelSpec]:
-    dtype = dtype_from_name(options.dtype)
-    if str(model) == "tiny":
-        spec = preset("tiny").with_dtype(options.dtype)
-        return ModelWeights.seeded(tiny_args(spec), options.seed, dtype), spec
+    device = resolve_device(options.device)
+    dtype_from_name(options.dtype)
+    if str(model) in preset_names():
+        # seeded on the device in the dtype: a large preset never exists in float64 or on the host
+        return load_preset(
+            str(model), seed=options.seed, dtype=options.dtype, device=device, scale=options.preset_scale
+        )
     path = Path(model)
     if not path.is_dir():
-        raise ConfigError(f"--model must be 'tiny' or a checkpoint directory; {path} is not a directory")
-    weights = ModelWeights.from_checkpoint(path, dtype)
+        raise ConfigError(
+            f"--model must be a preset ({', '.join(preset_names())}) or a checkpoint directory; "
+            f"{path} is not a directory"
+        )
+    weights = ModelWeights.from_checkpoint(path, dtype_from_name(options.dtype))
     tiny = preset("tiny")
     assert tiny.drafter is not None
     spec = weights.args.model_spec(
@@ -523,12 +533,14 @@ def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, Mode
 
 
 def build_engine(model: str | Path = "tiny", options: EngineOptions | None = None) -> BuiltEngine:
-    """An engine over the paged reference model: ``"tiny"`` (seeded random weights) or a checkpoint directory.
+    """An engine over the paged model: a preset (``tiny``, ``nemotron-h-1b``, ``nemotron-h-8b``: seeded random
+    weights made on ``options.device``, see :mod:`kvferry.model.presets`) or a checkpoint directory.
 
     Each of ``options.tp`` simulated ranks gets its own arena and manager. With ``max_spec_k > 0`` the drafter
     is built too (its own paged KV). The engine is not started: use ``async with built.engine:``.
 
-    :raises ~kvferry.errors.ConfigError: on an unknown model, a bad directory or sizes that cannot work.
+    :raises ~kvferry.errors.ConfigError: on an unknown model, a bad directory, a device torch cannot use here
+        or sizes that cannot work.
     """
     options = options or EngineOptions()
     weights, spec = _load(model, options)

@@ -1,7 +1,8 @@
 """The reference NemotronH model run through kvferry's pools: weights, drafter, tokenizer, tensor parallelism,
 and the attention and Mamba2 maths.
 
-Import direction: attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; tokenizer stands alone.
+Import direction: attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; weights -> presets;
+device and tokenizer stand alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvferry._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from kvferry.model.device import resolve_device as resolve_device
     from kvferry.model.drafter import Drafter as Drafter
     from kvferry.model.drafter import DrafterWeights as DrafterWeights
     from kvferry.model.drafter import DraftInput as DraftInput
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from kvferry.model.nemotron_h import Model as Model
     from kvferry.model.nemotron_h import SequenceInput as SequenceInput
     from kvferry.model.nemotron_h import StepOutput as StepOutput
+    from kvferry.model.presets import load_preset as load_preset
+    from kvferry.model.presets import preset_args as preset_args
     from kvferry.model.tensor_parallel import RankWeights as RankWeights
     from kvferry.model.tensor_parallel import shard_weights as shard_weights
     from kvferry.model.tokenizer import ByteTokenizer as ByteTokenizer
@@ -40,6 +44,9 @@ _LAZY: dict[str, str] = {
     "Drafter": "kvferry.model.drafter",
     "DrafterWeights": "kvferry.model.drafter",
     "Proposal": "kvferry.model.drafter",
+    "load_preset": "kvferry.model.presets",
+    "preset_args": "kvferry.model.presets",
+    "resolve_device": "kvferry.model.device",
     "RankWeights": "kvferry.model.tensor_parallel",
     "shard_weights": "kvferry.model.tensor_parallel",
     "ByteTokenizer": "kvferry.model.tokenizer",

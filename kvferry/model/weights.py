@@ -97,6 +97,11 @@ class NemotronHArgs:
     def conv_dim(self) -> int:
         return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model (from the tensor shapes; nothing allocated)."""
+        return sum(math.prod(shape) for shape in _expected_shapes(self).values())
+
     @classmethod
     def from_config(cls, config: Any) -> NemotronHArgs:
         """From a transformers ``NemotronHConfig``, a ``config.json`` dict, or any object with its attributes."""
@@ -315,23 +320,40 @@ class ModelWeights:
         *,
         residual_scale: float = 0.7,
         bigram: float = 1.5,
+        device: torch.device | str | None = None,
     ) -> ModelWeights:
-        """Seeded random weights (drawn in float64, then cast; independent of transformers and of ``dtype``).
+        """Seeded random weights, independent of transformers.
+
+        Without ``device`` every tensor is drawn in float64 on the CPU, then cast: the same weights whatever
+        ``dtype`` (the test oracles rely on it). With ``device`` the matrices are drawn right there, in
+        ``dtype``, by a generator of that device (no float64 or host copy of a large model ever exists; the
+        same seed gives the same weights on the same kind of device, not across devices or dtypes); the
+        per-channel vectors are drawn in float32 there and cast.
 
         A purely random model's greedy continuation is unpredictable, so no untrained drafter could ever be
         accepted. Two knobs give it some structure while the context still decides many tokens:
         ``bigram`` leans the LM head towards a fixed successor of the current token, ``residual_scale``
         scales what each block adds to the residual stream. The defaults make the derived drafter
         (:meth:`kvferry.model.drafter.DrafterWeights.derived`) right often enough to exercise acceptance and
-        wrong often enough to exercise rejection.
+        wrong often enough to exercise rejection. Every block is pre-normed and adds ``residual_scale`` of a
+        unit-variance update, so the residual stream stays within a few units over any depth (finite in
+        bfloat16).
         """
-        gen = torch.Generator().manual_seed(seed)
+        if device is None:
+            gen = torch.Generator().manual_seed(seed)
+            big = small = torch.float64
+            where = torch.device("cpu")
+        else:
+            where = torch.device(device)
+            gen = torch.Generator(device=where).manual_seed(seed)
+            big, small = dtype, torch.float32
 
         def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen, dtype=torch.float64) * std
+            out = torch.randn(*shape, generator=gen, dtype=big if len(shape) > 1 else small, device=where)
+            return out.mul_(std) if std != 1.0 else out
 
         def near_one(n: int) -> torch.Tensor:
-            return 1.0 + randn(n, std=0.1)
+            return randn(n, std=0.1).add_(1.0)
 
         t: dict[str, torch.Tensor] = {}
         for name, shape in _expected_shapes(args).items():
@@ -345,23 +367,21 @@ class ModelWeights:
             elif name.endswith("conv1d.bias"):
                 t[name] = randn(*shape, std=0.1)
             elif name.endswith("dt_bias"):
-                dt = torch.exp(
-                    torch.rand(shape, generator=gen, dtype=torch.float64) * (math.log(0.5) - math.log(0.01))
-                    + math.log(0.01)
-                )
+                u = torch.rand(shape, generator=gen, dtype=small, device=where)
+                dt = torch.exp(u * (math.log(0.5) - math.log(0.01)) + math.log(0.01))
                 t[name] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
             elif name.endswith("A_log"):
-                t[name] = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float64))
+                t[name] = torch.log(torch.arange(1, shape[0] + 1, dtype=small, device=where))
             elif name.endswith(".D"):
                 t[name] = near_one(shape[0])
             elif leaf == "lm_head":
                 # bigram > 0 leans the head towards "token t is followed by perm(t)": the row of perm(t) is
                 # (partly) t's embedding, so a residual stream still close to t's embedding picks perm(t).
-                perm = torch.randperm(shape[0], generator=gen)
+                perm = torch.randperm(shape[0], generator=gen, device=where)
                 predecessor = torch.empty_like(perm)
-                predecessor[perm] = torch.arange(shape[0])
-                head = randn(*shape) + bigram * t["model.embeddings.weight"][predecessor]
-                t[name] = head * (2.0 / math.sqrt(shape[1]) / math.sqrt(1.0 + bigram**2))
+                predecessor[perm] = torch.arange(shape[0], device=where)
+                head = randn(*shape).add_(bigram * t["model.embeddings.weight"][predecessor])
+                t[name] = head.mul_(2.0 / math.sqrt(shape[1]) / math.sqrt(1.0 + bigram**2))
             elif leaf in ("out_proj", "o_proj", "down_proj"):  # what each block adds to the residual stream
                 t[name] = randn(*shape, std=residual_scale / math.sqrt(shape[-1]))
             else:  # projections: fan-in scaled
@@ -468,12 +488,24 @@ def save_safetensors(file: str | Path, tensors: Mapping[str, torch.Tensor]) -> N
 # --- the transformers twin (test oracle) -------------------------------------------------------------------
 
 
-def hf_model(weights: ModelWeights) -> Any:
-    """A transformers ``NemotronHForCausalLM`` holding exactly ``weights`` (in their dtype), in eval mode."""
+def hf_model(weights: ModelWeights, *, share: bool = False) -> Any:
+    """A transformers ``NemotronHForCausalLM`` holding exactly ``weights`` (in their dtype), in eval mode.
+
+    :param share: the model's parameters are ``weights``' own tensors, on their device (the model is built
+        on the meta device: no copy and no initialisation of a large model); else it holds CPU copies.
+    """
     transformers = _transformers()
     config = _hf_config(weights.args)
-    model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
-    missing, unexpected = model.load_state_dict(dict(weights.tensors), strict=False)
+    if share:
+        with torch.device("meta"):
+            model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+    else:
+        model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+    missing, unexpected = model.load_state_dict(dict(weights.tensors), strict=False, assign=share)
+    if share:
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ConfigError(f"transformers' model keeps tensors that weights do not hold: {left[:5]}")
     if unexpected or [
         m for m in missing if not m.startswith("lm_head") or not weights.args.tie_word_embeddings
     ]:

@@ -442,6 +442,8 @@ def _tiny() -> ModelSpec:
     )
 
 
+# Nemotron-H-1B-class layout: 28 blocks, 20 Mamba2, 4 attention, 4 MLP (see kvferry.model.presets).
+_NEMOTRON_H_1B_PATTERN = "MMMMM*-" * 4
 # Nemotron-H-8B-class layout: 52 blocks, 24 Mamba2, 4 attention, 24 MLP.
 _NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 _PATTERN_KINDS = {"M": LayerKind.MAMBA2, "*": LayerKind.ATTENTION, "-": LayerKind.MLP, "E": LayerKind.MOE}
@@ -475,7 +477,35 @@ def _nemotron_h_8b() -> ModelSpec:
     )
 
 
-_PRESETS = {"tiny": _tiny, "nemotron-h-8b": _nemotron_h_8b}
+def _nemotron_h_1b() -> ModelSpec:
+    return ModelSpec(
+        name="nemotron-h-1b",
+        hidden_size=2048,
+        vocab_size=131072,
+        layer_kinds=tuple(_PATTERN_KINDS[c] for c in _NEMOTRON_H_1B_PATTERN),
+        tokens_per_block=32,
+        attention=AttentionSpec(num_query_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16"),
+        mamba2=Mamba2Spec(
+            num_heads=32,
+            head_dim=64,
+            state_size=128,
+            num_groups=8,
+            conv_kernel=4,
+            conv_dtype="bfloat16",
+            ssm_dtype="float32",
+        ),
+        drafter=DrafterSpec(
+            num_layers=1,
+            num_query_heads=16,
+            num_kv_heads=4,
+            head_dim=128,
+            tokens_per_block=64,
+            dtype="bfloat16",
+        ),
+    )
+
+
+_PRESETS = {"tiny": _tiny, "nemotron-h-1b": _nemotron_h_1b, "nemotron-h-8b": _nemotron_h_8b}
 
 
 def preset_names() -> tuple[str, ...]:
@@ -483,7 +513,11 @@ def preset_names() -> tuple[str, ...]:
 
 
 def preset(name: str) -> ModelSpec:
-    """A built-in model spec: ``tiny`` (the reference model) or ``nemotron-h-8b`` (realistic, for sizing)."""
+    """A built-in model spec: ``tiny`` (the reference model), ``nemotron-h-1b`` or ``nemotron-h-8b`` (real
+    proportions; :mod:`kvferry.model.presets` gives them seeded weights).
+
+    :raises ~kvferry.errors.ConfigError: an unknown name (the message lists the presets).
+    """
     try:
         return _PRESETS[name]()
     except KeyError:
