@@ -144,9 +144,10 @@ class DecodeGraphs:
             flat.extend((0,) * (width - 3 - len(table)))
         flat.extend((0,) * ((bucket - n) * width))
         host = torch.tensor(flat, dtype=torch.int64).view(bucket, width)
+        # a first capture of the bucket runs on padding rows: before this step's rows are copied in
+        captured = (self._captured.get(bucket) or self._capture(bucket)) if self.capture else None
         self._packed[:bucket, :width].copy_(host)
-        if self.capture:
-            captured = self._captured.get(bucket) or self._capture(bucket)
+        if captured is not None:
             captured.graph.replay()
             logits, hidden = captured.logits, captured.hidden
             self._replays += 1
@@ -217,7 +218,7 @@ class DecodeGraphs:
                 out = all_reduce([model.mlp(r, layer, h) for r in range(model.tp_size)])
         if counts is not None:
             for cache in model.caches:
-                cache.num_accepted[slots] = 0
+                cache.num_accepted.index_fill_(0, slots, 0)  # no host scalar: capturable
         x, normed = add_rms_norm(x, out, weights["model.norm_f.weight"], eps, use_triton=self.use_triton)
         return normed @ weights.lm_head.T, x
 
