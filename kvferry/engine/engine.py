@@ -17,9 +17,18 @@ the loop and waits for it (shielded), as a task group of the caller's would. Eac
 3. runs the model step: the drafter proposes ``k`` tokens for every speculative decode, then the target runs
    every prompt chunk and every ``1 + k`` verify window in one batch. With ``step_in_thread`` (the default)
    this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
-   ever touched from the loop, between steps;
+   ever touched from the loop. With ``overlap`` too, the loop works for the next step while this one runs
+   (below); otherwise it touches them only between steps;
 4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
    state, and wakes every waiting stream once (each reads its request's new tokens).
+
+Overlap (``EngineConfig.overlap``, with ``step_in_thread``): while step N's model runs in its thread, the loop
+hands step N-1's commits to the manager (the prefix index's hashing) and grows the pages step N+1's plain
+decodes will need, so the next schedule finds them done. Neither touches what the step reads: commits change
+no block table or slot (commits that take a recurrent snapshot, which copies a live slot, are handed over
+before the step instead), and a grow only appends pages past the ones the step uses. The next step's plan
+itself (which requests, their tokens), sampling and delivery stay between steps: they depend on step N's
+sampled tokens. The tokens are the same with and without overlap.
 
 Cancellation: a request is freed at the next step boundary (never while a step that reads its pages runs).
 Leaving the engine's ``async with`` cancels the loop, waits for a running step to end, then (shielded) closes
@@ -30,25 +39,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import attrs
 import torch
 from anyio.abc import TaskGroup, TaskStatus
-from attrs import define, frozen
+from attrs import define
 
 from kvferry.engine.config import EngineConfig, EngineStatistics, StepTiming
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
+from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
 from kvferry.engine.moves import move_cache
+from kvferry.engine.overlap import OverlapWindow, run_overlapped
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
-from kvferry.engine.sampling import accept_drafts, sample_tokens
+from kvferry.engine.sampling import accept_drafts, greedy_rows, sample_tokens
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepItem, StepPlan
 from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
@@ -61,65 +73,6 @@ __all__ = [
     "ModelRunner",
     "StepTiming",
 ]
-
-
-# --- the model as the engine drives it ------------------------------------------------------------------
-
-
-@frozen
-class DraftItem:
-    """Ask the drafter for ``k`` proposals following ``pending_token`` (at position ``start``)."""
-
-    request_id: int
-    pending_token: int
-    start: int
-    k: int
-
-
-@frozen
-class ForwardItem:
-    """Feed ``token_ids`` at positions ``start ..``; return logits for the last ``num_logits`` positions.
-
-    ``verify`` marks a verify window (pending token + ``num_drafts`` drafts): recurrent layers keep the state of
-    the last committed token and record the window's inputs for replay.
-    """
-
-    request_id: int
-    token_ids: tuple[int, ...]
-    start: int
-    num_logits: int
-    num_drafts: int = 0
-    verify: bool = False
-    #: the request speculates: the runner keeps the target's hidden states for its drafter
-    keep_hidden: bool = False
-
-
-class ModelRunner(Protocol):
-    """The model, its drafter and their caches, as one engine step uses them.
-
-    ``propose`` and ``forward`` run together in one step (maybe in a worker thread); ``record_accepted`` and
-    ``release`` run on the event loop between steps.
-    """
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
-        """Draft ``item.k`` tokens for each item."""
-        ...
-
-    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """One target step over every item: float logits ``[sum of num_logits, vocab]``, item after item (one
-        tensor, so the engine reads every greedy choice of the step with one argmax)."""
-        ...
-
-    def record_accepted(self, request_id: int, num_accepted: int) -> None:
-        """After a verify window: ``num_accepted`` of its tokens (pending + accepted drafts) are committed."""
-        ...
-
-    def release(self, request_id: int) -> None:
-        """Forget per-request host state (the drafter's hidden state). Idempotent."""
-        ...
 
 
 def start_owned_task(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> object:
@@ -141,18 +94,6 @@ def unwrap_group(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def _greedy_rows(logits: torch.Tensor) -> list[int]:
-    """Argmax of every row of the step at once (on the CPU numpy's argmax is several times faster than torch's)."""
-    if logits.shape[0] == 0:
-        return []
-    rows = logits.detach()
-    if rows.device.type == "cpu":
-        if rows.dtype not in (torch.float32, torch.float64):
-            rows = rows.to(torch.float32)
-        return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
-    return rows.argmax(dim=-1).tolist()
 
 
 # --- the engine --------------------------------------------------------------------------------------------
@@ -598,7 +539,8 @@ class Engine:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        overlap = self.config.overlap and self.config.step_in_thread
+        plan = self.scheduler.schedule(defer=overlap)
         for request in plan.failed:
             self._end(request, RequestState.FAILED)
         if plan.failed or plan.transfers:
@@ -611,21 +553,32 @@ class Engine:
         t1 = time.perf_counter()
         prepare = getattr(self.runner, "prepare_step", None)
         finish = getattr(self.runner, "finish_step", None)
+        window = OverlapWindow()
         try:
             if prepare is not None:
                 prepare()
-            if self.config.step_in_thread:
+            if overlap:
+                drafts, logits, argmax = await run_overlapped(
+                    functools.partial(self._run_model, plan),
+                    functools.partial(self._overlap_work, plan),
+                    window,
+                )
+            elif self.config.step_in_thread:
                 drafts, logits, argmax = await anyio.to_thread.run_sync(self._run_model, plan)
             else:
                 drafts, logits, argmax = self._run_model(plan)
             if finish is not None:
                 finish()
         except Exception as exc:
+            if window.error is not None:
+                raise window.error from None  # a manager bug, as if raised by schedule: the loop crashes
             # a failed model step fails every request in it; the engine keeps serving the rest
             for item in plan.items:
                 self._end(item.request, RequestState.FAILED, exc)
             self._notify()
             return
+        if window.error is not None:
+            raise window.error
         t2 = time.perf_counter()
         self._apply(plan, drafts, logits, argmax)
         if self.config.host_memory is not None:
@@ -643,8 +596,14 @@ class Engine:
                 schedule_seconds=t1 - t0,
                 model_seconds=t2 - t1,
                 apply_seconds=t3 - t2,
+                overlapped_seconds=window.seconds,
             )
         )
+
+    def _overlap_work(self, plan: StepPlan) -> None:
+        """While ``plan``'s model runs: the last step's commits reach the manager, the next step's decodes grow."""
+        self.scheduler.flush()
+        self.scheduler.grow_ahead(plan)
 
     def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor, list[int]]:
         """Drafter and target step, and the greedy choice of every logits row (reading it waits for an
@@ -659,7 +618,7 @@ class Engine:
                 drafts[item.request.request_id] = tuple(proposal)
         forward = [self._forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
         logits = self.runner.forward(forward)
-        return drafts, logits, _greedy_rows(logits)
+        return drafts, logits, greedy_rows(logits)
 
     @staticmethod
     def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
@@ -678,10 +637,43 @@ class Engine:
         self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor, argmax: list[int]
     ) -> None:
         # NOTE: runs for every request every step; kept free of helper calls where it is cheap to do so
-        offset = 0
-        decode = ItemKind.DECODE
+        offset = generated = 0
+        decode, requests, scheduler = ItemKind.DECODE, self._requests, self.scheduler
+        # plain greedy decodes that go on, committed together (in order: before any other commit)
+        plain: list[Request] = []
         for item in plan.items:
             request = item.request
+            if (
+                item.kind is decode
+                and not item.num_drafts
+                and not request.spec_k
+                and request.sampling.seed is None
+                and request.finish_reason is None
+            ):
+                # the common item: Request.append_tokens and Scheduler.commit for one greedy token, inlined
+                token = argmax[offset]
+                offset += 1
+                if request.request_id not in requests:
+                    continue
+                output = request.output_ids
+                output.append(token)
+                generated += 1
+                if token in request.stop_ids:
+                    request.finish_reason = "stop"
+                elif len(output) >= request.max_tokens:
+                    request.finish_reason = "length"
+                else:
+                    plain.append(request)
+                    continue
+                if plain:
+                    scheduler.commit_decodes(plain)
+                    plain = []
+                scheduler.commit(request, item.start + 1)
+                self._end(request, RequestState.FINISHED)
+                continue
+            if plain:
+                scheduler.commit_decodes(plain)
+                plain = []
             if item.kind is decode:
                 rows = 1 + item.num_drafts
             else:
@@ -730,6 +722,9 @@ class Engine:
             self.scheduler.commit(request, end, num_pending_replay=pending)
             if request.finish_reason is not None:
                 self._end(request, RequestState.FINISHED)
+        if plain:
+            scheduler.commit_decodes(plain)
+        self._counts["generated"] += generated
 
     @staticmethod
     def _sample(request: Request, logits: torch.Tensor) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 
 from kvferry.engine.request import Request
 
-__all__ = ["accept_drafts", "sample_tokens"]
+__all__ = ["accept_drafts", "greedy_rows", "sample_tokens"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, position) over the 63-bit seed space
 
@@ -52,3 +52,15 @@ def accept_drafts(drafts: Sequence[int], target_tokens: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def greedy_rows(logits: torch.Tensor) -> list[int]:
+    """Argmax of every row of the step at once (on the CPU numpy's argmax is several times faster than torch's)."""
+    if logits.shape[0] == 0:
+        return []
+    rows = logits.detach()
+    if rows.device.type == "cpu":
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.to(torch.float32)
+        return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return rows.argmax(dim=-1).tolist()
