@@ -1,0 +1,131 @@
+"""EngineConfig.overlap: the loop hands the last step's commits to the manager and grows the next step's decodes
+while a step's model runs. The tokens are those without overlap (greedy, seeded, speculative, under preemption,
+with cancellations), the manager ends in the same state, and the overlap really happens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import pytest
+from attrs import define
+
+from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
+from kvferry.engine.scheduler import Scheduler, StepPlan
+from tests.engine.test_engine import MAX_TOKENS, PROMPTS, assert_all_free, free_counts, run_all
+
+
+def options(overlap: bool, **kwargs: object) -> EngineOptions:
+    base: dict[str, object] = {
+        "dtype": "float64",
+        "num_pages": 128,
+        "max_running": 8,
+        # without overlap the step runs on the loop: the reference order of every manager operation
+        "step_in_thread": overlap,
+        "overlap": overlap,
+    }
+    base.update(kwargs)
+    return EngineOptions(**base)  # type: ignore[arg-type]
+
+
+@define(eq=False)
+class CountingScheduler(Scheduler):
+    """Counts the grows done ahead, and the flushes that found commits, while steps ran."""
+
+    grown_ahead: int = attrs.field(default=0, init=False)
+
+    def grow_ahead(self, plan: StepPlan) -> bool:
+        grew = super().grow_ahead(plan)
+        self.grown_ahead += grew
+        return grew
+
+
+def counting(built: BuiltEngine) -> CountingScheduler:
+    scheduler = CountingScheduler(built.cache, built.engine.config.scheduler)
+    built.engine.scheduler = scheduler
+    return scheduler
+
+
+LONG = [24, 19, 30, 17, 26, 21]  # long enough for many pure decode steps (and blocks filling during them)
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs", "run_kwargs"),
+    [
+        ("greedy", {}, {}),
+        ("seeded", {}, {"seed": 5}),
+        ("decode snapshots", {"snapshot_interval": 8}, {}),
+        ("speculative", {"max_spec_k": 2, "max_prefill_chunk": 5}, {"spec_k": 2}),
+    ],
+)
+@pytest.mark.anyio
+async def test_overlap_gives_the_same_tokens_and_manager_state(
+    case: str, kwargs: dict[str, object], run_kwargs: dict[str, int]
+) -> None:
+    runs = []
+    for overlap in (False, True):
+        built = build_engine("tiny", options(overlap, **kwargs))
+        scheduler = counting(built)
+        initial = free_counts(built)
+        tokens = await run_all(built, PROMPTS, LONG, **run_kwargs)  # type: ignore[arg-type]
+        stats = built.cache.statistics()
+        runs.append((tokens, stats.snapshots_taken, stats.reuse_hit_tokens))
+        if overlap and not run_kwargs.get("spec_k"):  # speculating requests grow at schedule (window unknown)
+            assert scheduler.grown_ahead >= 5, case
+        if overlap:
+            assert all(t.overlapped_seconds > 0 for t in built.engine.step_timings), case
+        assert_all_free(built, initial)
+    assert runs[0] == runs[1], case
+    assert [len(t) for t in runs[0][0]] == LONG
+
+
+@pytest.mark.anyio
+async def test_overlap_under_page_pressure_preempts_and_gives_the_same_tokens() -> None:
+    # 12 usable pages of 4 tokens: the six requests need ~24 together, so some are suspended and resumed
+    results = []
+    for overlap in (False, True):
+        built = build_engine("tiny", options(overlap, num_pages=13, max_prefill_chunk=4, enable_reuse=False))
+        initial = free_counts(built)
+        results.append(await run_all(built))
+        assert built.engine.scheduler.statistics().num_preemptions > 0
+        stats = built.cache.statistics()
+        assert stats.restores == stats.offloads
+        assert_all_free(built, initial)
+    assert results[0] == results[1]
+    assert [len(t) for t in results[0]] == MAX_TOKENS
+
+
+async def cancel_mid_stream(built: BuiltEngine, stops: Sequence[int | None]) -> list[list[int]]:
+    """Every prompt's stream; stream ``i`` is left after ``stops[i]`` tokens (None: read to the end)."""
+    results: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        async with anyio.create_task_group():
+            generation = built.engine.generate(PROMPTS[i], max_tokens=LONG[i])
+            async for token in generation:
+                results[i].append(token)
+                if len(results[i]) == stops[i]:
+                    break  # the engine frees the request at its next step boundary
+
+    with anyio.fail_after(60):
+        async with built.engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(one, i)
+            await built.engine.wait_idle()
+    return results
+
+
+@pytest.mark.anyio
+async def test_cancellations_while_steps_run_change_no_other_token() -> None:
+    stops = [3, None, 11, None, 1, 7]
+    results = []
+    for overlap in (False, True):
+        built = build_engine("tiny", options(overlap))
+        initial = free_counts(built)
+        results.append(await cancel_mid_stream(built, stops))
+        assert built.engine.statistics().num_cancelled == 4
+        assert_all_free(built, initial)
+    assert results[0] == results[1]
+    assert [len(t) for t in results[0]] == [s or n for s, n in zip(stops, LONG, strict=True)]
