@@ -60,7 +60,7 @@ from kvferry.engine.moves import move_cache
 from kvferry.engine.overlap import OverlapWindow, run_overlapped
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
-from kvferry.engine.sampling import accept_drafts, greedy_rows, sample_tokens
+from kvferry.engine.sampling import Draw, accept_drafts, greedy_rows, sample_many
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepItem, StepPlan
 from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
@@ -641,7 +641,8 @@ class Engine:
         decode, requests, scheduler = ItemKind.DECODE, self._requests, self.scheduler
         # plain greedy decodes that go on, committed together (in order: before any other commit)
         plain: list[Request] = []
-        for item in plan.items:
+        sampled = self._sample_seeded(plan, logits)
+        for index, item in enumerate(plan.items):
             request = item.request
             if (
                 item.kind is decode
@@ -687,9 +688,9 @@ class Engine:
                 end = item.start + len(item.token_ids)
                 new: list[int] = []
                 if rows:
-                    new = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
+                    new = argmax[first:offset] if greedy else sampled[index]
             else:
-                targets = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
+                targets = argmax[first:offset] if greedy else sampled[index]
                 if request.spec_k:
                     # speculating requests always decode as verify windows (also with 0 drafts): the slot stays
                     # at the window's start, so a snapshot boundary there is never stepped over
@@ -727,8 +728,23 @@ class Engine:
         self._counts["generated"] += generated
 
     @staticmethod
-    def _sample(request: Request, logits: torch.Tensor) -> list[int]:
-        return sample_tokens(request, logits, len(request.output_ids))
+    def _sample_seeded(plan: StepPlan, logits: torch.Tensor) -> dict[int, list[int]]:
+        """The tokens of every seeded request's logits rows in the step, by item index (one batch, see
+        :func:`~kvferry.engine.sampling.sample_many`)."""
+        draws: list[Draw] = []
+        items: list[int] = []
+        offset = 0
+        for index, item in enumerate(plan.items):
+            request = item.request
+            if item.kind is ItemKind.DECODE:
+                rows = 1 + item.num_drafts
+            else:
+                rows = 1 if item.start + len(item.token_ids) == request.num_prompt else 0
+            if rows and request.sampling.seed is not None:
+                draws.append((request, offset, rows, len(request.output_ids)))
+                items.append(index)
+            offset += rows
+        return dict(zip(items, sample_many(draws, logits), strict=True))
 
     # --- introspection ------------------------------------------------------------------------------------
 
