@@ -96,7 +96,8 @@ class CacheOps(Protocol):
 
     # Optional, used when present (the manager and LockstepCache have them): the same as calling grow / commit
     # for each tuple in order, all or nothing, in one call per step:
-    #   grow_many(grows: Sequence[tuple[request_id, capacity]]) -> None
+    #   grow_many(grows: Sequence[tuple[request_id, capacity]], *, offload: bool = True) -> None
+    #     (offload=False: refuse rather than move suspended requests to the host; Scheduler.grow_ahead uses it)
     #   commit_many(commits: Sequence[tuple[request_id, token_ids, num_pending_replay]]) -> None
 
     def next_snapshot_boundary(self, request_id: int) -> int | None:

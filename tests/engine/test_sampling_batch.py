@@ -38,4 +38,4 @@ def test_device_logits_are_drawn_on_the_host_with_the_same_tokens() -> None:
     logits = torch.randn(5, 64)
     request = Request(1, [1], max_tokens=20, sampling=SamplingParams(seed=9))
     expected = sample_tokens(request, logits, 4)
-    assert sample_many([(request, 0, 5, 4)], logits.cuda()) == expected
+    assert sample_many([(request, 0, 5, 4)], logits.cuda()) == [expected]
