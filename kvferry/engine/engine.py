@@ -546,6 +546,7 @@ class Engine:
         if plan.failed or plan.transfers:
             self._notify()  # and wake the callers whose transfers may start
         if plan.is_empty:
+            self.scheduler.flush()  # no step to hide deferred commits under: the manager gets them now
             self._host_seconds += time.perf_counter() - t0
             if not plan.transfers:
                 await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
