@@ -126,6 +126,9 @@ class Engine:
     #: transferred requests whose cache arrived, with their first tokens (they land at the next step boundary)
     _landed: list[tuple[Request, int]] = attrs.field(factory=list, init=False)
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    #: the last step's tokens are appended but the streams not woken yet (overlap: they wake once the next step
+    #: runs, so that they take their tokens meanwhile; or before the loop idles)
+    _deliver: bool = attrs.field(default=False, init=False)
     _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _task_group: TaskGroup | None = attrs.field(default=None, init=False)
     #: set by __aexit__ (stop the loop) / by the owner task when it has ended and everything is freed
@@ -417,6 +420,7 @@ class Engine:
         self._busy()
 
     def _notify(self) -> None:
+        self._deliver = False
         self._step_done.set()
         self._step_done = anyio.Event()
 
@@ -487,12 +491,15 @@ class Engine:
         while True:
             self._reap()
             if not self.scheduler.has_work and not self._landed and not self._holds and not self._rebalances:
+                if self._deliver:
+                    self._notify()
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
                 continue
             await self._step()
-            # let consumers take their tokens (and cancel) before the next step
+            # let consumers take their tokens (and cancel) before the next step (with overlap: they are woken
+            # while the next step runs; a cancel then frees its request one step later)
             await anyio.lowlevel.checkpoint()
             if not self.config.step_in_thread:
                 # and a turn without a step: anyio delivers a cancellation only to a task whose wake-up is not
@@ -547,6 +554,8 @@ class Engine:
             self._notify()  # and wake the callers whose transfers may start
         if plan.is_empty:
             self.scheduler.flush()  # no step to hide deferred commits under: the manager gets them now
+            if self._deliver:
+                self._notify()
             self._host_seconds += time.perf_counter() - t0
             if not plan.transfers:
                 await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
@@ -585,7 +594,10 @@ class Engine:
         if self.config.host_memory is not None:
             self._check_host_memory()  # admissions may have moved suspended caches to the host
         t3 = time.perf_counter()
-        self._notify()
+        if overlap:
+            self._deliver = True  # the streams wake while the next step runs (see _overlap_work)
+        else:
+            self._notify()
         self._counts["steps"] += 1
         self._host_seconds += (t1 - t0) + (t3 - t2)
         self._model_seconds += t2 - t1
@@ -602,7 +614,10 @@ class Engine:
         )
 
     def _overlap_work(self, plan: StepPlan) -> None:
-        """While ``plan``'s model runs: the last step's commits reach the manager, the next step's decodes grow."""
+        """While ``plan``'s model runs: the streams wake for the last step's tokens (they take them meanwhile), its
+        commits reach the manager, the next step's decodes grow."""
+        if self._deliver:
+            self._notify()
         self.scheduler.flush()
         self.scheduler.grow_ahead(plan)
 

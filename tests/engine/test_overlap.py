@@ -129,3 +129,33 @@ async def test_cancellations_while_steps_run_change_no_other_token() -> None:
         assert_all_free(built, initial)
     assert results[0] == results[1]
     assert [len(t) for t in results[0]] == [s or n for s, n in zip(stops, LONG, strict=True)]
+
+
+class CountingPrepares:
+    """The runner, counting the steps prepared (on the loop, right before each step's model starts)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.prepared = 0
+
+    def prepare_step(self) -> None:
+        self.prepared += 1
+        self.inner.prepare_step()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.anyio
+async def test_with_overlap_a_stream_takes_a_steps_token_while_the_next_step_runs(overlap: bool) -> None:
+    built = build_engine("tiny", options(overlap))
+    runner = CountingPrepares(built.engine.runner)
+    built.engine.runner = runner  # type: ignore[assignment]
+    seen: list[int] = []  # per token: steps prepared minus steps done when the stream got it
+    with anyio.fail_after(60):
+        async with built.engine:
+            async for _ in built.engine.generate(PROMPTS[2], max_tokens=10):
+                seen.append(runner.prepared - built.engine.statistics().num_steps)
+    # with overlap the streams wake once the next step has started (the last token: before the loop idles)
+    assert seen == ([1] * 9 + [0] if overlap else [0] * 10)
