@@ -15,8 +15,10 @@ Each size runs in every mode of ``--mode`` (default all three). ``loop``: the mo
 (``step_in_thread=False``), everything else between steps. ``thread``: the step runs in its worker thread, nothing
 overlapped. ``overlap`` (``EngineOptions.overlap``, the default of ``build_engine``): the step runs in its worker
 thread and the loop hands the last step's commits to the manager and grows the next step's decodes meanwhile;
-``overlapped_us`` is that work (not in ``host_us``: it runs under the model step). What stays between steps in
-every mode: planning (which requests, their tokens), sampling and delivery, which need the step's tokens.
+``overlapped_us`` is that work (not in ``host_us``: it runs under the model step), and the streams take the step's
+tokens meanwhile too. ``between_us``: the loop's time from one step's end to the next one's start, outside
+``host_us`` (the streams taking their tokens, unless overlapped; reaping cancels). What stays between steps in
+every mode: planning (which requests, their tokens) and sampling, which need the step's tokens.
 
     python benchmarks/host_overhead.py [--sizes 1 64 256] [--steps 32] [--spec-k 0] [--device cpu|cuda]
         [--mode overlap thread loop] [--repeat 3] [--json benchmarks/results/<machine>/host_overhead.json] [--plot FILE.png]
@@ -48,6 +50,7 @@ FIGURES = (
     "host_us_per_request",
     "host_us_p90",
     "overlapped_us",
+    "between_us",
     "model_ms",
     "host_fraction",
 )
@@ -105,6 +108,7 @@ async def measure(size: int, steps: int, spec_k: int, device: str, dtype: str, m
         "host_us_p90": sorted(t.host_seconds for t in decode_steps)[int(0.9 * (len(decode_steps) - 1))] * 1e6,
         "host_us_mean": statistics.mean(t.host_seconds for t in decode_steps) * 1e6,
         "overlapped_us": median_us([t.overlapped_seconds for t in decode_steps]),
+        "between_us": median_us([t.between_seconds for t in decode_steps]),
         "model_ms": model_us / 1e3,
         "host_fraction": host_us / (host_us + model_us),
         "under_1ms": host_us < 1000.0,
@@ -196,7 +200,8 @@ def main() -> int:
         print(
             f"batch {r['batch']:4d} {r['mode']:7s}: host {r['host_us']:8.1f} us/step "
             f"(p90 {r['host_us_p90']:.1f}; schedule {r['schedule_us']:.1f}, apply {r['apply_us']:.1f}; "
-            f"{r['host_us_per_request']:.2f} us/request; under the step {r['overlapped_us']:.1f}), "
+            f"{r['host_us_per_request']:.2f} us/request; under the step {r['overlapped_us']:.1f}; between steps "
+            f"{r['between_us']:.1f}), "
             f"model {r['model_ms']:.2f} ms, host share {100 * r['host_fraction']:.1f}% (spread of host_us over "
             f"{r['runs']} runs: {r['host_us_spread'][0]:.1f}-{r['host_us_spread'][1]:.1f})"
         )

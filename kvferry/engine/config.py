@@ -65,6 +65,9 @@ class StepTiming(NamedTuple):
     apply_seconds: float
     #: host work done on the event loop while the model step ran (``EngineConfig.overlap``): not in host_seconds
     overlapped_seconds: float = 0.0
+    #: the loop's time from the previous step's end to this step's start (the streams taking their tokens unless
+    #: overlapped, reaping cancels); 0.0 for the first step and after the loop idled
+    between_seconds: float = 0.0
 
     @property
     def host_seconds(self) -> float:

@@ -151,6 +151,8 @@ class Engine:
     #: tokens (prompt and output) of the last finished requests (a bounded window, for auto-balance)
     recent_lengths: deque[int] = attrs.field(factory=lambda: deque(maxlen=256), init=False)
     _host_seconds: float = attrs.field(default=0.0, init=False)
+    #: when the last step ended (None: no step yet, or the loop idled since)
+    _last_step_end: float | None = attrs.field(default=None, init=False)
     _model_seconds: float = attrs.field(default=0.0, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -493,6 +495,7 @@ class Engine:
             if not self.scheduler.has_work and not self._landed and not self._holds and not self._rebalances:
                 if self._deliver:
                     self._notify()
+                self._last_step_end = None
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
@@ -610,8 +613,10 @@ class Engine:
                 model_seconds=t2 - t1,
                 apply_seconds=t3 - t2,
                 overlapped_seconds=window.seconds,
+                between_seconds=0.0 if self._last_step_end is None else t0 - self._last_step_end,
             )
         )
+        self._last_step_end = time.perf_counter()
 
     def _overlap_work(self, plan: StepPlan) -> None:
         """While ``plan``'s model runs: the streams wake for the last step's tokens (they take them meanwhile), its

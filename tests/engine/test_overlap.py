@@ -152,10 +152,12 @@ async def test_with_overlap_a_stream_takes_a_steps_token_while_the_next_step_run
     built = build_engine("tiny", options(overlap))
     runner = CountingPrepares(built.engine.runner)
     built.engine.runner = runner  # type: ignore[assignment]
-    seen: list[int] = []  # per token: steps prepared minus steps done when the stream got it
     with anyio.fail_after(60):
         async with built.engine:
-            async for _ in built.engine.generate(PROMPTS[2], max_tokens=10):
-                seen.append(runner.prepared - built.engine.statistics().num_steps)
+            # per token: steps prepared minus steps done when the stream got it
+            seen = [
+                runner.prepared - built.engine.statistics().num_steps
+                async for _ in built.engine.generate(PROMPTS[2], max_tokens=10)
+            ]
     # with overlap the streams wake once the next step has started (the last token: before the loop idles)
     assert seen == ([1] * 9 + [0] if overlap else [0] * 10)
