@@ -23,12 +23,13 @@ the loop and waits for it (shielded), as a task group of the caller's would. Eac
    state, and wakes every waiting stream once (each reads its request's new tokens).
 
 Overlap (``EngineConfig.overlap``, with ``step_in_thread``): while step N's model runs in its thread, the loop
-hands step N-1's commits to the manager (the prefix index's hashing) and grows the pages step N+1's plain
-decodes will need, so the next schedule finds them done. Neither touches what the step reads: commits change
-no block table or slot (commits that take a recurrent snapshot, which copies a live slot, are handed over
-before the step instead), and a grow only appends pages past the ones the step uses. The next step's plan
-itself (which requests, their tokens), sampling and delivery stay between steps: they depend on step N's
-sampled tokens. The tokens are the same with and without overlap.
+hands step N-1's commits to the manager (the prefix index's hashing) and grows the pages step N+1's plain decodes
+will need, so the next schedule finds them done; and it wakes the streams for step N-1's tokens then, so they take
+them while the model computes (a cancel seen then frees its request one step later). Neither the commits nor the
+grows touch what the step reads: commits change no block table or slot (commits that take a recurrent snapshot,
+which copies a live slot, are handed over before the step instead), and a grow only appends pages past the ones
+the step uses. The next step's plan itself (which requests, their tokens) and sampling stay between steps: they
+depend on step N's sampled tokens. The tokens are the same with and without overlap.
 
 Cancellation: a request is freed at the next step boundary (never while a step that reads its pages runs).
 Leaving the engine's ``async with`` cancels the loop, waits for a running step to end, then (shielded) closes
