@@ -116,6 +116,8 @@ class Engine:
     #: so delivering tokens costs the step nothing per request
     _step_done: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
+    #: how many of them sample with a seed (none: a step has no seeded draws to batch)
+    _num_seeded: int = attrs.field(default=0, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
     _rebalances: list[RebalanceCall] = attrs.field(factory=list, init=False)
@@ -390,6 +392,7 @@ class Engine:
             raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
         self.scheduler.add(request)
         self._requests[request.request_id] = request
+        self._num_seeded += request.sampling.seed is not None
         self._busy()
 
     # --- requests whose prompt another engine prefilled ----------------------------------------------------
@@ -481,6 +484,7 @@ class Engine:
             if not kept:
                 self.runner.release(request.request_id)
             del self._requests[request.request_id]
+            self._num_seeded -= request.sampling.seed is not None
             self._counts[request.state.name.lower()] += 1
             if request.state is RequestState.FINISHED:
                 self.recent_lengths.append(request.num_tokens)
@@ -663,7 +667,7 @@ class Engine:
         decode, requests, scheduler = ItemKind.DECODE, self._requests, self.scheduler
         # plain greedy decodes that go on, committed together (in order: before any other commit)
         plain: list[Request] = []
-        sampled = self._sample_seeded(plan, logits)
+        sampled = self._sample_seeded(plan, logits) if self._num_seeded else {}
         for index, item in enumerate(plan.items):
             request = item.request
             if (

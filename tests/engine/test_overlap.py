@@ -161,3 +161,32 @@ async def test_with_overlap_a_stream_takes_a_steps_token_while_the_next_step_run
             ]
     # with overlap the streams wake once the next step has started (the last token: before the loop idles)
     assert seen == ([1] * 9 + [0] if overlap else [0] * 10)
+
+
+async def run_mixed(built: BuiltEngine, *, sequential: bool) -> list[list[int]]:
+    """Greedy and seeded requests (seeded: every other prompt) in one engine."""
+    results: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        seed = 7 + i if i % 2 else None
+        results[i] = await built.engine.generate(PROMPTS[i], max_tokens=LONG[i], seed=seed).collect()
+
+    with anyio.fail_after(60):
+        async with built.engine:
+            if sequential:
+                for i in range(len(PROMPTS)):
+                    await one(i)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(PROMPTS)):
+                        tg.start_soon(one, i)
+    return results
+
+
+@pytest.mark.anyio
+async def test_greedy_and_seeded_requests_in_one_batch_get_their_own_tokens() -> None:
+    alone = await run_mixed(build_engine("tiny", options(False)), sequential=True)
+    for overlap in (False, True):
+        built = build_engine("tiny", options(overlap))
+        assert await run_mixed(built, sequential=False) == alone
+        assert built.engine.statistics().num_steps < sum(LONG)  # they really were batched
