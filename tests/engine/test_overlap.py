@@ -13,6 +13,8 @@ from attrs import define
 
 from kvferry.engine.runner import BuiltEngine, EngineOptions, build_engine
 from kvferry.engine.scheduler import Scheduler, StepPlan
+from tests.engine.test_conversation import MAX_TOKENS as TURN_TOKENS
+from tests.engine.test_conversation import TURNS
 from tests.engine.test_engine import (
     MAX_TOKENS,
     PROMPTS,
@@ -64,6 +66,7 @@ LONG = [24, 19, 30, 17, 26, 21]  # long enough for many pure decode steps (and b
         ("seeded", {}, {"seed": 5}),
         ("decode snapshots", {"snapshot_interval": 8}, {}),
         ("speculative", {"max_spec_k": 2, "max_prefill_chunk": 5}, {"spec_k": 2}),
+        ("tensor parallel", {"tp": 2}, {}),
     ],
 )
 @pytest.mark.anyio
@@ -198,3 +201,31 @@ async def test_greedy_and_seeded_requests_in_one_batch_get_their_own_tokens() ->
         built = build_engine("tiny", options(overlap))
         assert await run_mixed(built, sequential=False) == alone
         assert built.engine.statistics().num_steps < sum(LONG)  # they really were batched
+
+
+async def talk(built: BuiltEngine, shift: int, spec_k: int, seen: list[tuple[list[int], int, int]]) -> None:
+    """A conversation of TURNS (shifted by ``shift``), each turn's tokens, reuse and kept cache into ``seen``."""
+    with built.engine.conversation(spec_k=spec_k) as conversation:
+        for prompt, max_tokens in zip(TURNS, TURN_TOKENS, strict=True):
+            turn = conversation.turn([(t + shift) % 256 for t in prompt], max_tokens=max_tokens + shift)
+            tokens = await turn.collect()
+            seen.append((tokens, conversation.turns[-1].reused_tokens, conversation.cached_tokens))
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+@pytest.mark.anyio
+async def test_conversations_keep_the_same_cache_with_overlap(spec_k: int) -> None:
+    """Two conversations side by side, turn after turn: the same tokens, reuse and kept cache on and off."""
+    runs = []
+    for overlap in (False, True):
+        built = build_engine("tiny", options(overlap, max_spec_k=2, snapshot_interval=8))
+        initial = free_counts(built)
+        seen: list[tuple[list[int], int, int]] = []
+        with anyio.fail_after(120):
+            async with built.engine, anyio.create_task_group() as tg:
+                tg.start_soon(talk, built, 0, spec_k, seen)
+                tg.start_soon(talk, built, 3, spec_k, seen)
+        runs.append(sorted(seen))
+        assert_all_free(built, initial)
+    assert runs[0] == runs[1]
+    assert any(reused for _, reused, _ in runs[0])
