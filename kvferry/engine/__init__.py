@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from kvferry.engine.conversation import Conversation as Conversation
     from kvferry.engine.conversation import TurnStatistics as TurnStatistics
     from kvferry.engine.engine import Engine as Engine
-    from kvferry.engine.engine import ModelRunner as ModelRunner
     from kvferry.engine.generation import Generation as Generation
     from kvferry.engine.generation import GenerationStatistics as GenerationStatistics
     from kvferry.engine.host_moves import offload_request as offload_request
     from kvferry.engine.host_moves import restore_request as restore_request
+    from kvferry.engine.model_runner import ModelRunner as ModelRunner
     from kvferry.engine.request import Request as Request
     from kvferry.engine.request import RequestState as RequestState
     from kvferry.engine.request import SamplingParams as SamplingParams
@@ -51,7 +51,7 @@ _LAZY: dict[str, str] = {
     "GenerationStatistics": "kvferry.engine.generation",
     "Conversation": "kvferry.engine.conversation",
     "TurnStatistics": "kvferry.engine.conversation",
-    "ModelRunner": "kvferry.engine.engine",
+    "ModelRunner": "kvferry.engine.model_runner",
     "BuiltEngine": "kvferry.engine.runner",
     "EngineOptions": "kvferry.engine.runner",
     "build_engine": "kvferry.engine.runner",

@@ -20,6 +20,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     #: run model steps in a worker thread (the event loop keeps serving while torch computes)
     step_in_thread: bool = True
+    #: with ``step_in_thread``: while a step's model runs, hand the last step's commits to the manager and grow
+    #: the next step's decodes (the same tokens, less host time between steps; see ``Engine``)
+    overlap: bool = False
     #: bytes of host memory for caches moved off the device (None: no bound); past it, the idle conversations
     #: on the host are dropped, least recently used first (their next turn recomputes them)
     host_memory: int | None = None
@@ -60,6 +63,11 @@ class StepTiming(NamedTuple):
     model_seconds: float
     #: seeded sampling, draft acceptance, manager commits, request bookkeeping
     apply_seconds: float
+    #: host work done on the event loop while the model step ran (``EngineConfig.overlap``): not in host_seconds
+    overlapped_seconds: float = 0.0
+    #: the loop's time from the previous step's end to this step's start (the streams taking their tokens unless
+    #: overlapped, reaping cancels); 0.0 for the first step and after the loop idled
+    between_seconds: float = 0.0
 
     @property
     def host_seconds(self) -> float:

@@ -17,9 +17,19 @@ the loop and waits for it (shielded), as a task group of the caller's would. Eac
 3. runs the model step: the drafter proposes ``k`` tokens for every speculative decode, then the target runs
    every prompt chunk and every ``1 + k`` verify window in one batch. With ``step_in_thread`` (the default)
    this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
-   ever touched from the loop, between steps;
+   ever touched from the loop. With ``overlap`` too, the loop works for the next step while this one runs
+   (below); otherwise it touches them only between steps;
 4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
    state, and wakes every waiting stream once (each reads its request's new tokens).
+
+Overlap (``EngineConfig.overlap``, with ``step_in_thread``): while step N's model runs in its thread, the loop
+hands step N-1's commits to the manager (the prefix index's hashing) and grows the pages step N+1's plain decodes
+will need, so the next schedule finds them done; and it wakes the streams for step N-1's tokens then, so they take
+them while the model computes (a cancel seen then frees its request one step later). Neither the commits nor the
+grows touch what the step reads: commits change no block table or slot (commits that take a recurrent snapshot,
+which copies a live slot, are handed over before the step instead), and a grow only appends pages past the ones
+the step uses. The next step's plan itself (which requests, their tokens) and sampling stay between steps: they
+depend on step N's sampled tokens. The tokens are the same with and without overlap.
 
 Cancellation: a request is freed at the next step boundary (never while a step that reads its pages runs).
 Leaving the engine's ``async with`` cancels the loop, waits for a running step to end, then (shielded) closes
@@ -30,25 +40,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import attrs
 import torch
 from anyio.abc import TaskGroup, TaskStatus
-from attrs import define, frozen
+from attrs import define
 
 from kvferry.engine.config import EngineConfig, EngineStatistics, StepTiming
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
+from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
 from kvferry.engine.moves import move_cache
+from kvferry.engine.overlap import OverlapWindow, run_overlapped
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
-from kvferry.engine.sampling import accept_drafts, sample_tokens
+from kvferry.engine.sampling import Draw, accept_drafts, greedy_rows, sample_many
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepItem, StepPlan
 from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
@@ -61,65 +74,6 @@ __all__ = [
     "ModelRunner",
     "StepTiming",
 ]
-
-
-# --- the model as the engine drives it ------------------------------------------------------------------
-
-
-@frozen
-class DraftItem:
-    """Ask the drafter for ``k`` proposals following ``pending_token`` (at position ``start``)."""
-
-    request_id: int
-    pending_token: int
-    start: int
-    k: int
-
-
-@frozen
-class ForwardItem:
-    """Feed ``token_ids`` at positions ``start ..``; return logits for the last ``num_logits`` positions.
-
-    ``verify`` marks a verify window (pending token + ``num_drafts`` drafts): recurrent layers keep the state of
-    the last committed token and record the window's inputs for replay.
-    """
-
-    request_id: int
-    token_ids: tuple[int, ...]
-    start: int
-    num_logits: int
-    num_drafts: int = 0
-    verify: bool = False
-    #: the request speculates: the runner keeps the target's hidden states for its drafter
-    keep_hidden: bool = False
-
-
-class ModelRunner(Protocol):
-    """The model, its drafter and their caches, as one engine step uses them.
-
-    ``propose`` and ``forward`` run together in one step (maybe in a worker thread); ``record_accepted`` and
-    ``release`` run on the event loop between steps.
-    """
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
-        """Draft ``item.k`` tokens for each item."""
-        ...
-
-    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """One target step over every item: float logits ``[sum of num_logits, vocab]``, item after item (one
-        tensor, so the engine reads every greedy choice of the step with one argmax)."""
-        ...
-
-    def record_accepted(self, request_id: int, num_accepted: int) -> None:
-        """After a verify window: ``num_accepted`` of its tokens (pending + accepted drafts) are committed."""
-        ...
-
-    def release(self, request_id: int) -> None:
-        """Forget per-request host state (the drafter's hidden state). Idempotent."""
-        ...
 
 
 def start_owned_task(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> object:
@@ -143,18 +97,6 @@ def unwrap_group(exc: BaseException) -> BaseException:
     return exc
 
 
-def _greedy_rows(logits: torch.Tensor) -> list[int]:
-    """Argmax of every row of the step at once (on the CPU numpy's argmax is several times faster than torch's)."""
-    if logits.shape[0] == 0:
-        return []
-    rows = logits.detach()
-    if rows.device.type == "cpu":
-        if rows.dtype not in (torch.float32, torch.float64):
-            rows = rows.to(torch.float32)
-        return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
-    return rows.argmax(dim=-1).tolist()
-
-
 # --- the engine --------------------------------------------------------------------------------------------
 
 
@@ -174,6 +116,8 @@ class Engine:
     #: so delivering tokens costs the step nothing per request
     _step_done: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _requests: dict[int, Request] = attrs.field(factory=dict, init=False)
+    #: how many of them sample with a seed (none: a step has no seeded draws to batch)
+    _num_seeded: int = attrs.field(default=0, init=False)
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
     _rebalances: list[RebalanceCall] = attrs.field(factory=list, init=False)
@@ -185,6 +129,9 @@ class Engine:
     #: transferred requests whose cache arrived, with their first tokens (they land at the next step boundary)
     _landed: list[tuple[Request, int]] = attrs.field(factory=list, init=False)
     _wakeup: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    #: the last step's tokens are appended but the streams not woken yet (overlap: they wake once the next step
+    #: runs, so that they take their tokens meanwhile; or before the loop idles)
+    _deliver: bool = attrs.field(default=False, init=False)
     _idle: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _task_group: TaskGroup | None = attrs.field(default=None, init=False)
     #: set by __aexit__ (stop the loop) / by the owner task when it has ended and everything is freed
@@ -207,6 +154,8 @@ class Engine:
     #: tokens (prompt and output) of the last finished requests (a bounded window, for auto-balance)
     recent_lengths: deque[int] = attrs.field(factory=lambda: deque(maxlen=256), init=False)
     _host_seconds: float = attrs.field(default=0.0, init=False)
+    #: when the last step ended (None: no step yet, or the loop idled since)
+    _last_step_end: float | None = attrs.field(default=None, init=False)
     _model_seconds: float = attrs.field(default=0.0, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -443,6 +392,7 @@ class Engine:
             raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
         self.scheduler.add(request)
         self._requests[request.request_id] = request
+        self._num_seeded += request.sampling.seed is not None
         self._busy()
 
     # --- requests whose prompt another engine prefilled ----------------------------------------------------
@@ -476,6 +426,7 @@ class Engine:
         self._busy()
 
     def _notify(self) -> None:
+        self._deliver = False
         self._step_done.set()
         self._step_done = anyio.Event()
 
@@ -533,6 +484,7 @@ class Engine:
             if not kept:
                 self.runner.release(request.request_id)
             del self._requests[request.request_id]
+            self._num_seeded -= request.sampling.seed is not None
             self._counts[request.state.name.lower()] += 1
             if request.state is RequestState.FINISHED:
                 self.recent_lengths.append(request.num_tokens)
@@ -546,12 +498,16 @@ class Engine:
         while True:
             self._reap()
             if not self.scheduler.has_work and not self._landed and not self._holds and not self._rebalances:
+                if self._deliver:
+                    self._notify()
+                self._last_step_end = None
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
                 continue
             await self._step()
-            # let consumers take their tokens (and cancel) before the next step
+            # let consumers take their tokens (and cancel) before the next step (with overlap: they are woken
+            # while the next step runs; a cancel then frees its request one step later)
             await anyio.lowlevel.checkpoint()
             if not self.config.step_in_thread:
                 # and a turn without a step: anyio delivers a cancellation only to a task whose wake-up is not
@@ -598,12 +554,16 @@ class Engine:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        overlap = self.config.overlap and self.config.step_in_thread
+        plan = self.scheduler.schedule(defer=overlap)
         for request in plan.failed:
             self._end(request, RequestState.FAILED)
         if plan.failed or plan.transfers:
             self._notify()  # and wake the callers whose transfers may start
         if plan.is_empty:
+            self.scheduler.flush()  # no step to hide deferred commits under: the manager gets them now
+            if self._deliver:
+                self._notify()
             self._host_seconds += time.perf_counter() - t0
             if not plan.transfers:
                 await anyio.sleep(0.001)  # everyone is blocked on memory held by suspended requests: back off
@@ -611,27 +571,41 @@ class Engine:
         t1 = time.perf_counter()
         prepare = getattr(self.runner, "prepare_step", None)
         finish = getattr(self.runner, "finish_step", None)
+        window = OverlapWindow()
         try:
             if prepare is not None:
                 prepare()
-            if self.config.step_in_thread:
+            if overlap:
+                drafts, logits, argmax = await run_overlapped(
+                    functools.partial(self._run_model, plan),
+                    functools.partial(self._overlap_work, plan),
+                    window,
+                )
+            elif self.config.step_in_thread:
                 drafts, logits, argmax = await anyio.to_thread.run_sync(self._run_model, plan)
             else:
                 drafts, logits, argmax = self._run_model(plan)
             if finish is not None:
                 finish()
         except Exception as exc:
+            if window.error is not None:
+                raise window.error from None  # a manager bug, as if raised by schedule: the loop crashes
             # a failed model step fails every request in it; the engine keeps serving the rest
             for item in plan.items:
                 self._end(item.request, RequestState.FAILED, exc)
             self._notify()
             return
+        if window.error is not None:
+            raise window.error
         t2 = time.perf_counter()
         self._apply(plan, drafts, logits, argmax)
         if self.config.host_memory is not None:
             self._check_host_memory()  # admissions may have moved suspended caches to the host
         t3 = time.perf_counter()
-        self._notify()
+        if overlap:
+            self._deliver = True  # the streams wake while the next step runs (see _overlap_work)
+        else:
+            self._notify()
         self._counts["steps"] += 1
         self._host_seconds += (t1 - t0) + (t3 - t2)
         self._model_seconds += t2 - t1
@@ -643,8 +617,19 @@ class Engine:
                 schedule_seconds=t1 - t0,
                 model_seconds=t2 - t1,
                 apply_seconds=t3 - t2,
+                overlapped_seconds=window.seconds,
+                between_seconds=0.0 if self._last_step_end is None else t0 - self._last_step_end,
             )
         )
+        self._last_step_end = time.perf_counter()
+
+    def _overlap_work(self, plan: StepPlan) -> None:
+        """While ``plan``'s model runs: the streams wake for the last step's tokens (they take them meanwhile), its
+        commits reach the manager, the next step's decodes grow."""
+        if self._deliver:
+            self._notify()
+        self.scheduler.flush()
+        self.scheduler.grow_ahead(plan)
 
     def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor, list[int]]:
         """Drafter and target step, and the greedy choice of every logits row (reading it waits for an
@@ -659,7 +644,7 @@ class Engine:
                 drafts[item.request.request_id] = tuple(proposal)
         forward = [self._forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
         logits = self.runner.forward(forward)
-        return drafts, logits, _greedy_rows(logits)
+        return drafts, logits, greedy_rows(logits)
 
     @staticmethod
     def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
@@ -678,10 +663,44 @@ class Engine:
         self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor, argmax: list[int]
     ) -> None:
         # NOTE: runs for every request every step; kept free of helper calls where it is cheap to do so
-        offset = 0
-        decode = ItemKind.DECODE
-        for item in plan.items:
+        offset = generated = 0
+        decode, requests, scheduler = ItemKind.DECODE, self._requests, self.scheduler
+        # plain greedy decodes that go on, committed together (in order: before any other commit)
+        plain: list[Request] = []
+        sampled = self._sample_seeded(plan, logits) if self._num_seeded else {}
+        for index, item in enumerate(plan.items):
             request = item.request
+            if (
+                item.kind is decode
+                and not item.num_drafts
+                and not request.spec_k
+                and request.sampling.seed is None
+                and request.finish_reason is None
+            ):
+                # the common item: Request.append_tokens and Scheduler.commit for one greedy token, inlined
+                token = argmax[offset]
+                offset += 1
+                if request.request_id not in requests:
+                    continue
+                output = request.output_ids
+                output.append(token)
+                generated += 1
+                if token in request.stop_ids:
+                    request.finish_reason = "stop"
+                elif len(output) >= request.max_tokens:
+                    request.finish_reason = "length"
+                else:
+                    plain.append(request)
+                    continue
+                if plain:
+                    scheduler.commit_decodes(plain)
+                    plain = []
+                scheduler.commit(request, item.start + 1)
+                self._end(request, RequestState.FINISHED)
+                continue
+            if plain:
+                scheduler.commit_decodes(plain)
+                plain = []
             if item.kind is decode:
                 rows = 1 + item.num_drafts
             else:
@@ -695,9 +714,9 @@ class Engine:
                 end = item.start + len(item.token_ids)
                 new: list[int] = []
                 if rows:
-                    new = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
+                    new = argmax[first:offset] if greedy else sampled[index]
             else:
-                targets = argmax[first:offset] if greedy else self._sample(request, logits[first:offset])
+                targets = argmax[first:offset] if greedy else sampled[index]
                 if request.spec_k:
                     # speculating requests always decode as verify windows (also with 0 drafts): the slot stays
                     # at the window's start, so a snapshot boundary there is never stepped over
@@ -730,10 +749,28 @@ class Engine:
             self.scheduler.commit(request, end, num_pending_replay=pending)
             if request.finish_reason is not None:
                 self._end(request, RequestState.FINISHED)
+        if plain:
+            scheduler.commit_decodes(plain)
+        self._counts["generated"] += generated
 
     @staticmethod
-    def _sample(request: Request, logits: torch.Tensor) -> list[int]:
-        return sample_tokens(request, logits, len(request.output_ids))
+    def _sample_seeded(plan: StepPlan, logits: torch.Tensor) -> dict[int, list[int]]:
+        """The tokens of every seeded request's logits rows in the step, by item index (one batch, see
+        :func:`~kvferry.engine.sampling.sample_many`)."""
+        draws: list[Draw] = []
+        items: list[int] = []
+        offset = 0
+        for index, item in enumerate(plan.items):
+            request = item.request
+            if item.kind is ItemKind.DECODE:
+                rows = 1 + item.num_drafts
+            else:
+                rows = 1 if item.start + len(item.token_ids) == request.num_prompt else 0
+            if rows and request.sampling.seed is not None:
+                draws.append((request, offset, rows, len(request.output_ids)))
+                items.append(index)
+            offset += rows
+        return dict(zip(items, sample_many(draws, logits), strict=True))
 
     # --- introspection ------------------------------------------------------------------------------------
 

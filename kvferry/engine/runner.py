@@ -69,10 +69,10 @@ class LockstepCache:
         for m in self.managers:
             m.grow(request_id, capacity)
 
-    def grow_many(self, grows: Sequence[tuple[int, int]]) -> None:
+    def grow_many(self, grows: Sequence[tuple[int, int]], *, offload: bool = True) -> None:
         """:meth:`CacheManager.grow_many <kvferry.pools.manager.CacheManager.grow_many>` on every rank."""
         for m in self.managers:
-            m.grow_many(grows)
+            m.grow_many(grows, offload=offload)
 
     def commit(self, request_id: int, token_ids: Sequence[int], *, num_pending_replay: int = 0) -> None:
         for m in self.managers:
@@ -491,6 +491,8 @@ class EngineOptions:
     #: reuse the drafter's KV with the target's prefix (False: the reused prefix's draft KV is zero-filled)
     draft_reuse: bool = True
     step_in_thread: bool = True
+    #: overlap host work with the model step (EngineConfig.overlap; only with step_in_thread)
+    overlap: bool = True
     #: bytes of host memory for caches moved off the device (None: no bound; see EngineConfig.host_memory)
     host_memory: int | None = None
     #: build the drafter when max_spec_k > 0 (False: the caller brings its own proposals via the runner)
@@ -597,6 +599,7 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
             grow_granularity=spec.tokens_per_block,
         ),
         step_in_thread=options.step_in_thread,
+        overlap=options.overlap,
         host_memory=options.host_memory,
     )
     return BuiltEngine(Engine(runner, cache, config), runner, cache, tuple(arenas))

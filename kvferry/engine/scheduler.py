@@ -96,7 +96,8 @@ class CacheOps(Protocol):
 
     # Optional, used when present (the manager and LockstepCache have them): the same as calling grow / commit
     # for each tuple in order, all or nothing, in one call per step:
-    #   grow_many(grows: Sequence[tuple[request_id, capacity]]) -> None
+    #   grow_many(grows: Sequence[tuple[request_id, capacity]], *, offload: bool = True) -> None
+    #     (offload=False: refuse rather than move suspended requests to the host; Scheduler.grow_ahead uses it)
     #   commit_many(commits: Sequence[tuple[request_id, token_ids, num_pending_replay]]) -> None
 
     def next_snapshot_boundary(self, request_id: int) -> int | None:
@@ -240,6 +241,11 @@ class Scheduler:
     #: while > 0 nothing waiting is admitted (the running requests go on and free their room)
     admissions_paused: int = attrs.field(default=0, init=False)
     _last_step_tokens: int = attrs.field(default=0, init=False)
+    #: per request, the manager's next snapshot boundary as last asked (None: it takes no more snapshots); a
+    #: commit before it cannot take a snapshot, so it may wait for the next step's model run (see ``defer``)
+    _boundaries: dict[int, int | None] = attrs.field(factory=dict, init=False)
+    #: the pending commits include one that may take a snapshot: they reach the manager before the next step
+    _commits_snapshot: bool = attrs.field(default=False, init=False)
 
     # --- requests in and out --------------------------------------------------------------------------
 
@@ -253,6 +259,7 @@ class Scheduler:
             )
         if request.resumes_cache:
             self._created.add(request.request_id)  # admission resumes the cache it has
+        self._boundaries.pop(request.request_id, None)  # a new turn has a new prompt (a new boundary)
         self._waiting.append(request)
 
     def finish(self, request: Request, state: RequestState) -> bool:
@@ -281,6 +288,7 @@ class Scheduler:
             if request in self._waiting:
                 self._waiting.remove(request)
             rid = request.request_id
+            self._boundaries.pop(rid, None)
             if rid in self._created:
                 self._created.discard(rid)
                 kept = (
@@ -334,6 +342,7 @@ class Scheduler:
             raise ConfigError(f"only a TRANSFERRING request can land, got {request!r}")
         # the tokens its cache held already (a reused prefix, a kept turn) are committed: only the rest is new
         self._commits.append((request.request_id, request.prompt_ids[request.num_computed :], 0))
+        self._commits_snapshot = True  # the prompt's end may be a snapshot boundary
         request.num_computed = request.num_prompt
         request.append_tokens([first_token])
         request.transition(RequestState.DECODING)
@@ -369,12 +378,17 @@ class Scheduler:
 
     # --- planning -------------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, *, defer: bool = False) -> StepPlan:
         """Plan the next step (see the module docstring for the rules); mutates the manager as it goes.
 
-        The commits recorded since the last step reach the manager first (:meth:`flush`).
+        The commits recorded since the last step reach the manager first (:meth:`flush`). With ``defer`` they
+        may stay pending instead, for the caller to :meth:`flush` while the planned step runs, when that changes
+        nothing: the step only decodes requests that run already and none of the commits takes a recurrent
+        snapshot (which copies the live slot the step advances). Anything else (a prefill chunk, an admission,
+        pages too short for every decode) hands them over first, as without ``defer``.
         """
-        self.flush()
+        if not defer or self._commits_snapshot:
+            self.flush()
         budget = self.config.token_budget
         items: list[StepItem] = []
         planned: set[int] = set()
@@ -390,6 +404,7 @@ class Scheduler:
         if left is not None:
             budget = left
         else:
+            self.flush()  # a preempted request's commits must reach the manager before its suspend
             # pages are short: request by request, preempting newer requests (the batch changed nothing)
             max_k = self.config.max_spec_k
             for request in decodes:
@@ -405,6 +420,8 @@ class Scheduler:
                 planned.add(request.request_id)
                 budget -= 1 + k
 
+        if prefills and budget > 0:
+            self.flush()  # chunks end at snapshot boundaries: the manager's position must be current
         for request in prefills:
             if budget <= 0:
                 break
@@ -419,6 +436,8 @@ class Scheduler:
             budget -= chunk.num_tokens
 
         is_moving = getattr(self.cache, "is_moving", None)
+        if self._waiting and budget > 0 and len(self._running) < self.config.max_running:
+            self.flush()  # an admission matches the prefix index: it sees every commit, as without defer
         while (
             self._waiting
             and budget > 0
@@ -477,8 +496,37 @@ class Scheduler:
         )
         self._commits.append((request.request_id, tokens, num_pending_replay))
         request.num_computed = num_computed
+        if not self._commits_snapshot:
+            # NOTE: the manager is asked only when the slot reaches the boundary it gave last time
+            rid = request.request_id
+            boundary = self._boundaries.get(rid, -1)
+            if boundary is not None and num_computed - num_pending_replay >= boundary:
+                boundary = self._boundaries[rid] = self.cache.next_snapshot_boundary(rid)
+                # asked before this batch of commits reached the manager: an earlier boundary, never a later one
+                if boundary is not None and num_computed - num_pending_replay >= boundary:
+                    self._commits_snapshot = True
+                    del self._boundaries[rid]  # asked again once the manager has the commits
         if request.state is RequestState.PREFILLING and num_computed >= n:
             request.transition(RequestState.DECODING)
+
+    def commit_decodes(self, requests: Sequence[Request]) -> None:
+        """:meth:`commit` of one token for each request, a plain decode (no verify window) whose step appended its
+        output: the same as ``commit(request, request.num_computed + 1)`` for each, in one call."""
+        # NOTE: runs for every decoding request every step: commit's body, for one token past the prompt
+        commits, boundaries, cache = self._commits, self._boundaries, self.cache
+        for request in requests:
+            lo = request.num_computed
+            n = len(request.prompt_ids)
+            tokens = request.output_ids[lo - n : lo - n + 1] if lo >= n else _token_range(request, lo, lo + 1)
+            rid = request.request_id
+            commits.append((rid, tokens, 0))
+            request.num_computed = lo = lo + 1
+            boundary = boundaries.get(rid, -1)
+            if boundary is not None and lo >= boundary and not self._commits_snapshot:
+                boundary = boundaries[rid] = cache.next_snapshot_boundary(rid)
+                if boundary is not None and lo >= boundary:
+                    self._commits_snapshot = True
+                    del boundaries[rid]
 
     def flush(self) -> None:
         """Hand the commits recorded since the last flush to the cache, in order, in one ``commit_many``.
@@ -489,12 +537,49 @@ class Scheduler:
         if not self._commits:
             return
         commits, self._commits = self._commits, []
+        self._commits_snapshot = False
         commit_many = getattr(self.cache, "commit_many", None)
         if commit_many is not None:
             commit_many(commits)
             return
         for request_id, token_ids, num_pending_replay in commits:
             self.cache.commit(request_id, token_ids, num_pending_replay=num_pending_replay)
+
+    def grow_ahead(self, plan: StepPlan) -> bool:
+        """While ``plan`` runs: grow every plain decode of it (no drafts, not speculating) that will decode again
+        to the capacity its next step needs, the capacity the next :meth:`schedule` would grow it to, so that
+        schedule finds nothing to grow. All or nothing, and only when free pages suffice (no suspended request
+        is moved to the host: the grow copies no bytes); returns whether it grew. A request the step ends (a
+        stop token) or a cancel frees gives its pages back when it is closed.
+
+        Needs a cache whose ``grow_many`` takes ``offload=False`` (the manager's); without one it does nothing.
+        """
+        grow_many = getattr(self.cache, "grow_many", None)
+        if grow_many is None:
+            return False
+        granularity, decode = self.config.grow_granularity, ItemKind.DECODE
+        grown: list[tuple[Request, int]] = []
+        for item in plan.items:
+            request = item.request
+            if (
+                item.kind is decode
+                and not item.num_drafts
+                and not request.spec_k
+                and len(request.output_ids) + 1 < request.max_tokens
+                and request.state is RequestState.DECODING
+            ):
+                end = item.start + 2  # this step commits one token; the next feeds one
+                if end > request.capacity:
+                    grown.append((request, -(-end // granularity) * granularity))
+        if not grown:
+            return False
+        try:
+            grow_many([(request.request_id, capacity) for request, capacity in grown], offload=False)
+        except PoolExhausted:
+            return False  # the next schedule grows them (and preempts) as without this
+        for request, capacity in grown:
+            request.capacity = capacity
+        return True
 
     # --- helpers --------------------------------------------------------------------------------------
 
@@ -662,6 +747,7 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
+        self._boundaries.pop(request.request_id, None)
         self.cache.suspend(request.request_id)
         self._running.remove(request)
         request.transition(RequestState.PREEMPTED)

@@ -289,13 +289,16 @@ class CacheManager:
         """
         self.grow_many(((request_id, capacity),))
 
-    def grow_many(self, grows: Iterable[tuple[RequestId, int]]) -> None:
+    def grow_many(self, grows: Iterable[tuple[RequestId, int]], *, offload: bool = True) -> None:
         """:meth:`grow` for several ``(request id, capacity)`` pairs, in order, all or nothing.
 
         The result is exactly that of calling :meth:`grow` for each pair in turn (the same pages, the same
         suspended requests moved to the host), except that a refusal changes nothing at all: every pair is
         checked and the pages of all of them are counted before anything is taken.
 
+        :param offload: False: refuse (PoolExhausted, nothing changed) rather than move suspended requests to
+            the host, so that the grow copies no bytes (an engine grows its next step's decodes this way while
+            a model step runs).
         :raises ~kvferry.errors.PoolExhausted: if the pages of all of them do not suffice; nothing changed.
         :raises ~kvferry.errors.InvalidTransition: if one of them is not ACTIVE; nothing changed.
         :raises ~kvferry.errors.UnknownRequest: if one of them does not exist; nothing changed.
@@ -304,6 +307,10 @@ class CacheManager:
         plan = plan_grows(self._requests, grows, pools)
         if plan.pages or plan.draft_pages:
             victims = self._host.plan(self._requests.values(), plan.pages, plan.draft_pages, 0)
+            if victims and not offload:
+                raise PoolExhausted(
+                    f"grow of {len(plan.grows)} requests needs {len(victims)} suspended requests moved to the host"
+                )
             if victims:
                 self._replay.flush()
             for victim in victims:

@@ -74,3 +74,28 @@ def test_bad_grows_change_nothing() -> None:
     assert same(arena_bytes(m), before_bytes)
     m.grow_many([("a", 12), ("a", 9)])  # the smaller one is a no-op
     assert m.capacity("a") == 12 and len(m.block_table("a")) == 3
+
+
+def test_grow_many_without_offload_refuses_what_needs_a_move_and_grows_the_rest() -> None:
+    refused = grown = 0
+    for seed in range(40):
+        m, _ = scenario(seed)
+        rids = active(m)
+        if len(rids) < 2:
+            continue
+        free = m.statistics().pages_free
+        # more pages than are free (the moving batch above), or what the free pages hold
+        extra = free // 2 + 1 if seed % 2 else free // 2
+        grows = [(rid, 4 * (len(m.block_table(rid)) + extra)) for rid in rids[:2]]
+        before, before_bytes = m.debug_state(), arena_bytes(m)
+        try:
+            m.grow_many(grows, offload=False)
+        except PoolExhausted:
+            refused += 1
+            assert m.debug_state() == before  # nothing moved to the host, nothing taken
+            assert same(arena_bytes(m), before_bytes)
+            continue
+        grown += 1
+        assert m.statistics().offloads == before[0].offloads
+        assert [m.capacity(rid) for rid, _ in grows] == [capacity for _, capacity in grows]
+    assert refused >= 10 and grown >= 1
