@@ -20,7 +20,9 @@ process, the context side) maps, packs (bounce) and writes. Modes (``--modes``):
 The modes run interleaved ``--repeat`` times (default 3) after one checked warm-up each. Per mode:
 ``<mode>_s`` is the median seconds from sending the request to the last report (``_spread``: ``[min, max]``),
 ``<mode>_gbps`` the request's bytes over it, ``<mode>_ratio`` the median of each repetition's contiguous
-write over its transfer. Every mode's receiver bytes are checked against the sender's (a digest of each
+write over its transfer, ``<mode>_ratio_memcpy`` (``_ratio_device_copy`` on CUDA) the same against a copy of
+the request's bytes inside the receiver process (:class:`~kvferry.tools.ceiling.CopyCeiling`), timed in each
+repetition right before the contiguous write (``copy_s``; ``contiguous_ratio_memcpy`` too). Every mode's receiver bytes are checked against the sender's (a digest of each
 writer's bytes in canonical order, computed on each side), after poisoning the receiving pages:
 ``<mode>_identical``.
 
@@ -82,6 +84,7 @@ from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.pagetable import PageTable
 from kvferry.pools.spec import ModelSpec, preset
+from kvferry.tools.ceiling import CopyCeiling
 from kvferry.transports import Peer, Transport, get_transport
 
 CASES = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1)]
@@ -307,6 +310,7 @@ async def run_case(
     request_bytes = _request_bytes(spec, src_tp, dst_tp, tables, dst, span)
     staging = StagingPool.allocate(request_bytes + (1 << 20) * src_tp * dst_tp, device)
     flat = torch.zeros(request_bytes, dtype=torch.uint8, device=device)
+    ceiling = CopyCeiling(request_bytes, device)
     sync(device)
     # registered for the life of this case's transport (never deregistered on the live connection)
     await transport.register([t for a in arenas for t in a.pool_tensors().values()])
@@ -411,16 +415,24 @@ async def run_case(
         row[f"{mode}_identical"] = check()
     # then the timed runs, the modes interleaved so that a noisy neighbour hits all of them alike
     traced.clear()
-    times: dict[str, list[float]] = {"contiguous": [], **{m: [] for m in modes}}
+    times: dict[str, list[float]] = {"copy": [], "contiguous": [], **{m: [] for m in modes}}
     sender: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     last: dict[str, Any] = {}
     for _ in range(args.repeat):
+        times["copy"].append(ceiling.seconds())
         times["contiguous"].append(await contiguous())
         for mode in modes:
             seconds, last[mode], note = await transfer(mode)
             times[mode].append(seconds)
             sender[mode].append(note)
+    row["copy_s"], row["copy_s_spread"] = median_spread(times["copy"])
+    row["copy_gbps"] = request_bytes / row["copy_s"] / 1e9
     for mode in ("contiguous", *modes):
+        # per repetition against the copy right before it, then the median
+        key = f"{mode}_{ceiling.key}"
+        row[key], row[f"{key}_spread"] = median_spread(
+            c / t for c, t in zip(times["copy"], times[mode], strict=True)
+        )
         seconds, spread = median_spread(times[mode])
         row[f"{mode}_s"] = seconds
         row[f"{mode}_s_spread"] = spread
@@ -518,15 +530,18 @@ async def receiver_main(args: Any) -> dict[str, Any]:
         row = await _one_case(args, src_tp, dst_tp)
         results.append(row)
         modes = args.modes.split(",")
+        copy = "ratio_memcpy" if args.device == "cpu" else "ratio_device_copy"
         parts = " | ".join(
-            f"{m} {row[f'{m}_gbps']:.2f} GB/s ({row[f'{m}_ratio']:.2f}, {row[f'{m}_posted_fragments']} "
+            f"{m} {row[f'{m}_s'] * 1e3:.3f} ms, {row[f'{m}_gbps']:.2f} GB/s ({row[f'{m}_ratio']:.2f} of contiguous, "
+            f"{row[f'{m}_{copy}']:.2f} of {copy[6:]}, {row[f'{m}_posted_fragments']} "
             f"fragments in {row[f'{m}_chunks']} writes, plan {row[f'{m}_sender_plan_ms']:.2f} ms)"
             for m in modes
         )
         identical = row["contiguous_identical"] and all(row[f"{m}_identical"] for m in modes)
         print(
             f"tp {src_tp}->{dst_tp}: {row['bytes'] / 1e6:.0f} MB, fragments {row['fragments']}, "
-            f"contiguous {row['contiguous_gbps']:.2f} GB/s | {parts} | identical {identical}",
+            f"{copy[6:]} {row['copy_s'] * 1e3:.3f} ms, contiguous {row['contiguous_s'] * 1e3:.3f} ms "
+            f"{row['contiguous_gbps']:.2f} GB/s ({row[f'contiguous_{copy}']:.2f}) | {parts} | identical {identical}",
             flush=True,
         )
     return {"results": results}
@@ -769,7 +784,8 @@ def main() -> int:
         "mode's, then the median; the sender maps its side of each request before the request comes "
         "(prepare_source, as the engine's context side does)",
         "ceiling": "one contiguous write of the request's bytes between the same processes, requested and "
-        "notified the same way, right before each repetition",
+        "notified the same way, right before each repetition; and a copy of the same bytes inside the receiver "
+        "process (memcpy on the host, copy_ on CUDA) right before that (ratio_memcpy / ratio_device_copy)",
     }
     out = {"config": config, **results}
     if args.json:

@@ -84,14 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'kind':<14}{'transport':<10}{'fragment':>10}{'page':>8}{'frags':>7}{'seconds':>10}{'GB/s':>8}{'vs contig':>10}{'vs memcpy':>10}"
+        f"{'kind':<14}{'transport':<10}{'fragment':>10}{'page':>8}{'frags':>7}{'seconds':>10}{'GB/s':>8}{'vs contig':>10}{'vs copy':>10}"
     ]
     for r in result["rows"]:
         contiguous = r.get("ratio_contiguous")
         lines.append(
             f"{r['kind']:<14}{r['transport']:<10}{_bytes(r['fragment_bytes']):>10}{_bytes(r['page_bytes']):>8}{r['fragments']:>7}"
             f"{r['seconds']:>10.4f}{r['gbps']:>8.2f}{'-' if contiguous is None else f'{contiguous:.2f}':>10}"
-            f"{r['ratio_memcpy'] or 0:>10.2f}" + ("" if r.get("verified", True) else "  NOT VERIFIED")
+            f"{r.get('ratio_memcpy', r.get('ratio_device_copy')) or 0:>10.2f}"
+            + ("" if r.get("verified", True) else "  NOT VERIFIED")
         )
     goal = result["goal_fragments_1MiB_reach_0.8_of_contiguous"]
     lines.append(

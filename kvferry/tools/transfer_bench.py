@@ -12,7 +12,10 @@ Rows (``kind``):
 - ``contiguous``: the same transport, one fragment of ``total_bytes`` (the ceiling the goal is measured against).
   Each fragment size is timed alternately with the contiguous write (``contiguous_seconds`` of its row), and its
   ratio is taken against that paired time, so that load from other processes hits both alike;
-- ``memcpy``: ``torch`` copy of the same bytes inside this process;
+- ``memcpy``: a copy of the same bytes inside this process (:class:`~kvferry.tools.ceiling.CopyCeiling`: libc's
+  memcpy on the host, a device copy on CUDA). It is timed alternately with every point too
+  (``memcpy_seconds`` of its row), and each row's ``ratio_memcpy`` (``ratio_device_copy`` on CUDA) is taken
+  against that paired time;
 - ``nixl-per-page``: NIXL with one descriptor per page, coalescing off (what a user without kvferry writes);
 - ``nixl-alone`` / ``nixl-alone-contiguous``: the nixl transport with its same-host paths off (CUDA IPC,
   process_vm_writev; every byte through NIXL descriptors), coalescing on;
@@ -36,6 +39,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from kvferry.tools.ceiling import CopyCeiling, ratio_key
 from kvferry.tools.peer_process import PeerProcess
 from kvferry.transports.base import page_fragments
 from kvferry.transports.handshake import SECRET_ENV, new_secret
@@ -95,12 +99,10 @@ async def _bench_transport(
     secret = new_secret()  # both ends authenticate, as engines do
     rows: list[dict[str, Any]] = []
     src = torch.randint(0, 256, (total,), dtype=torch.uint8).to(device)
-    host_copy = torch.empty_like(src)
+    ceiling = CopyCeiling(total, device, src)
 
-    def copy() -> None:
-        host_copy.copy_(src)
-        if device != "cpu":
-            torch.cuda.synchronize()
+    async def memcpy() -> None:
+        ceiling.run()  # on the loop's thread: no hand-off to a worker thread inside the timed region
 
     proc: PeerProcess | None = None
     try:
@@ -145,13 +147,13 @@ async def _bench_transport(
                 )
             await transport.register(src)
             progress(f"{name}: ceilings")
-            copy()  # first touch
-            memcpy = await _timed(repeats, partial(anyio.to_thread.run_sync, copy))
-            rows.append(_row("memcpy", name, total, total, total, 1, memcpy))
             whole = np.array([[src.data_ptr(), total]], dtype=np.uint64)
             whole_dst = np.array([[dst, total]], dtype=np.uint64)
             await transport.write(peer, whole, whole_dst)  # warm up: connection, first touch of the pages
-            contiguous = await _timed(repeats, partial(transport.write, peer, whole, whole_dst))
+            memcpy_s, contiguous = await _paired(
+                repeats, memcpy, partial(transport.write, peer, whole, whole_dst)
+            )
+            rows.append(_row("memcpy", name, total, total, total, 1, memcpy_s))
             rows.append(_row("contiguous", name, total, total, total, 1, contiguous))
             for fragment in fragment_sizes:
                 page = min(page_bytes, fragment)
@@ -164,14 +166,16 @@ async def _bench_transport(
                 runs = [int(r) for r in dst_pages[:: fragment // page] // (fragment // page)]
                 expected_sha = hashlib.sha256(src.cpu().numpy().data).hexdigest()
                 verified = await digest(runs, fragment) == expected_sha
-                paired, seconds = await _paired(
+                paired_memcpy, paired, seconds = await _paired(
                     repeats,
+                    memcpy,
                     partial(transport.write, peer, whole, whole_dst),
                     partial(transport.write, peer, src_f, dst_f),
                 )
                 row = _row("write", name, fragment, page, total, total // fragment, seconds)
                 row["verified"] = verified
                 row["contiguous_seconds"] = paired
+                row["memcpy_seconds"] = paired_memcpy
                 rows.append(row)
     finally:
         if proc is not None:
@@ -180,20 +184,19 @@ async def _bench_transport(
         if row["transport"] != name:
             continue
         row.setdefault("contiguous_seconds", contiguous)
+        row.setdefault("memcpy_seconds", memcpy_s)
         row["ratio_contiguous"] = row["seconds"] and row["contiguous_seconds"] / row["seconds"]
-        row["ratio_memcpy"] = row["seconds"] and memcpy / row["seconds"]
+        row[ratio_key(device)] = row["seconds"] and row["memcpy_seconds"] / row["seconds"]
     return rows
 
 
-async def _paired(
-    repeats: int, contiguous: Callable[[], Any], action: Callable[[], Any]
-) -> tuple[float, float]:
-    """Median seconds of ``contiguous`` and of ``action``, timed alternately so that both see the same load."""
-    a, b = [], []
+async def _paired(repeats: int, *actions: Callable[[], Any]) -> list[float]:
+    """Median seconds of each action, timed alternately (one of each in turn) so that all see the same load."""
+    times: list[list[float]] = [[] for _ in actions]
     for _ in range(repeats):
-        a.append(await _timed(1, contiguous))
-        b.append(await _timed(1, action))
-    return statistics.median(a), statistics.median(b)
+        for action, seconds in zip(actions, times, strict=True):
+            seconds.append(await _timed(1, action))
+    return [statistics.median(seconds) for seconds in times]
 
 
 async def _nixl_baselines(
@@ -337,7 +340,8 @@ async def run_transfer_bench(
         gloo = await _bench_gloo(total_bytes, fragment_sizes, repeats, say)
         for row in gloo:
             ceiling = next((r for r in rows if r["kind"] == "memcpy"), None)
-            row["ratio_memcpy"] = ceiling["seconds"] / row["seconds"] if ceiling else None
+            # gloo moves host memory: against the host memcpy only
+            row["ratio_memcpy"] = ceiling["seconds"] / row["seconds"] if ceiling and device == "cpu" else None
             row["ratio_contiguous"] = None
         rows += gloo
     goal = {

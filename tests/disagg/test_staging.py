@@ -375,6 +375,8 @@ def test_bounce_across_processes_over_nixl_is_bit_exact(tmp_path: Path) -> None:
         assert r["direct_identical"] and r["bounce_identical"] and r["contiguous_identical"]
         assert r["bounce_bounced_writers"] > 0 and r["direct_bounced_writers"] == 0
         assert r["bounce_posted_fragments"] < r["direct_posted_fragments"]
+        # every mode also set against a copy of the same bytes in the receiver process
+        assert r["copy_s"] > 0 and all(r[f"{m}_ratio_memcpy"] > 0 for m in ("contiguous", "direct", "bounce"))
 
 
 def offered(
