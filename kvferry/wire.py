@@ -36,6 +36,7 @@ Versions of the transports' peer protocol (:data:`TRANSPORT_PROTOCOL_VERSION`):
        ``Credentials``, ``Welcome``); the pid proof is derived from the handshake, not sent.
   4 -- grants: a peer writes only into ranges granted to it (``GRANT`` / ``REVOKE`` frames, ``WriteGrant``,
        ``WriteRevoke``).
+  5 -- a receiver may answer a short pulled write DONE at once, without ``PULLING`` first.
 
 Versions of the disaggregation protocol (:data:`DISAGG_PROTOCOL_VERSION`):
   1 -- page tables.
@@ -77,7 +78,7 @@ __all__ = [
 
 #: The transports' peer protocol (:mod:`kvferry.transports.messages`); bumped on every change the previous
 #: version cannot read. Peers compare it in the handshake before anything else is decoded.
-TRANSPORT_PROTOCOL_VERSION = 4
+TRANSPORT_PROTOCOL_VERSION = 5
 #: The disaggregation protocol (page tables, disagg hellos and control messages); bumped on every change the
 #: previous version cannot read. Peers compare it in the disagg hello before anything else is decoded.
 DISAGG_PROTOCOL_VERSION = 3

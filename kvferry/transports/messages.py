@@ -228,7 +228,8 @@ class WriteRequest:
 class WriteStatus(enum.Enum):
     #: send the data (tagged messages from ``tag`` on)
     READY = "ready"
-    #: the receiver reads the offered source itself: wait for DONE, PROGRESS meanwhile
+    #: the receiver reads the offered source itself: wait for DONE, PROGRESS meanwhile (a short read may be
+    #: answered DONE at once, without PULLING)
     PULLING = "pulling"
     #: (while PULLING) more of the data has landed
     PROGRESS = "progress"

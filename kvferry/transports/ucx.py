@@ -11,8 +11,9 @@ How a write travels:
    the writer checked itself; a range outside is refused (``RegionError``, ``NotGranted`` outside the grants,
    at the writer; counted in the receiver's ``incoming_refused``) and nothing is written;
 3. with source fragments offered, the receiver answers PULLING and copies them out of the writer's process with
-   batched ``process_vm_readv`` calls (:mod:`~kvferry.transports._cma`; PROGRESS answers meanwhile). Where the
-   kernel will not let it attach, it answers READY instead and the write goes on as in 4;
+   batched ``process_vm_readv`` calls (:mod:`~kvferry.transports._cma`; PROGRESS answers meanwhile); a short
+   read (:func:`~kvferry.transports._cma.inline`) it makes at once and answers DONE without PULLING first. Where
+   the kernel will not let it attach, it answers READY instead and the write goes on as in 4;
 4. otherwise it answers READY with a tag base, and posts receives: fragments of at least ``zero_copy_bytes`` go
    straight into their destination (UCX rendezvous, zero-copy), shorter ones arrive packed in messages of at
    most ``pack_bytes`` and are scattered (:mod:`~kvferry.transports._ucx_messages`);
@@ -276,6 +277,11 @@ class UcxDataPath(DataPath):
                 await self.transport.control.send_frame(peer, FrameKind.WRITE_REQUEST, wire.encode(request))
                 announced = True
                 answer = await reply()
+                if answer.status is WriteStatus.DONE and offer is not None:
+                    # a short write the receiver read at once, without PULLING first
+                    finished = True
+                    self.pulled_writes += 1
+                    return
                 if answer.status is WriteStatus.PULLING:
                     # the receiver reads our memory itself and says how far it got; READY: it could not after all
                     guard.progress()
@@ -452,7 +458,10 @@ class UcxDataPath(DataPath):
                 # stopped before it started (its grant revoked, an abort): ends here, nothing read
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 scope.deadline = anyio.current_time() + self.transport.stall_timeout
-                await self._reply(peer, WriteReply(request.write_id, WriteStatus.PULLING))
+                if not _cma.inline(src):
+                    # the writer waits for DONE (PROGRESS meanwhile); a short read is done before any
+                    # reply could be sent, and DONE comes first (one frame less on the request's way)
+                    await self._reply(peer, WriteReply(request.write_id, WriteStatus.PULLING))
                 status, detail = await self._pull_slices(peer, request.write_id, src, views.fragments, scope)
                 if status is WriteStatus.DONE and request.notify is not None:
                     with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):

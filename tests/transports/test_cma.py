@@ -109,6 +109,31 @@ async def test_copy_slices_runs_slices_in_threads_and_stops_at_the_first_error()
     assert 2 <= _cma.copy_threads() <= 8
 
 
+@pytest.mark.anyio
+async def test_a_short_copy_runs_on_the_callers_thread() -> None:
+    import threading
+
+    threads: list[int] = []
+
+    def copy(pid: int, src: np.ndarray, dst: np.ndarray) -> None:
+        threads.append(threading.get_ident())
+
+    async def after() -> None:
+        pass
+
+    kib = 1 << 10
+    short = np.array([[i * 4 * kib, 4 * kib] for i in range(_cma.INLINE_BYTES // (4 * kib))], dtype=np.uint64)
+    await _cma.copy_slices(copy, 1, short, short, after_slice=after)
+    assert threads == [threading.get_ident()] and _cma.inline(short)
+    # one byte more, or more rows than one system call takes: a worker thread
+    longer = np.concatenate([short, [[1 << 30, 1]]]).astype(np.uint64)
+    many = np.array([[i * 8, 1] for i in range(_cma.IOV_MAX + 1)], dtype=np.uint64)
+    for rows in (longer, many):
+        threads.clear()
+        await _cma.copy_slices(copy, 1, rows, rows, after_slice=after)
+        assert threads and threading.get_ident() not in threads and not _cma.inline(rows)
+
+
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=20), st.integers(1, 16))
 def test_split_rows_moves_the_same_bytes_in_pieces(lengths: list[int], longest: int) -> None:
     src_off = np.concatenate(([0], np.cumsum(lengths)[:-1]))

@@ -75,6 +75,30 @@ async def test_a_peer_of_this_host_reads_host_memory_itself() -> None:
         assert (a.pulled_writes, b.cma_reads) == (0, 0)  # type: ignore[attr-defined]
 
 
+async def test_a_short_read_is_answered_done_without_pulling_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read short enough to be made at once on the receiver's thread costs one reply (DONE), a longer one
+    PULLING first."""
+    replies: list[messages.WriteStatus] = []
+    reply = ucx_module.UcxDataPath._reply
+
+    async def recording(self: Any, peer: Any, answer: messages.WriteReply) -> None:
+        replies.append(answer.status)
+        await reply(self, peer, answer)
+
+    monkeypatch.setattr(ucx_module.UcxDataPath, "_reply", recording)
+    for size, expected in (
+        (_cma.INLINE_BYTES, [messages.WriteStatus.DONE]),
+        (_cma.INLINE_BYTES + 1, [messages.WriteStatus.PULLING, messages.WriteStatus.DONE]),
+    ):
+        replies.clear()
+        async with pair(size) as (a, b, pa, pb, src, dst):
+            await write_all(a, pa, src, dst)
+            assert await b.receive_notification(pb) == b"n"
+            assert torch.equal(src, dst)
+            assert (a.pulled_writes, b.cma_reads) == (1, 1)  # type: ignore[attr-defined]
+        assert replies == expected
+
+
 async def test_refused_attach_falls_back_to_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     """EPERM (ptrace policy): the write lands through UCX messages, the peer is not offered reads again."""
     calls = []
