@@ -58,6 +58,7 @@ from _provenance import median_spread, write_result
 from _timeline import format_rows, summarise, transfer_timeline, write_stages
 
 from kvferry import wire
+from kvferry._glibc import reexec_tuned
 from kvferry.disagg.mapping import BouncePolicy, MappingStatistics, PeerMap, RequestCache, TokenRange
 from kvferry.disagg.protocol import (
     BlockIds,
@@ -754,6 +755,7 @@ def main() -> int:
     parser.add_argument("--role", default="receiver", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    reexec_tuned()  # host copies of fragments near a memcpy, as the kvferry command runs (kvferry._glibc)
     torch.set_num_threads(1)
     if args.poll_us is not None:
         _set_library_constant("POLL_SECONDS", args.poll_us * 1e-6)

@@ -16,6 +16,7 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
+from kvferry._glibc import reexec_tuned
 from kvferry.exits import EXIT_FAILURE as EXIT_FAILURE
 from kvferry.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from kvferry.exits import EXIT_USAGE as EXIT_USAGE
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:  # the command itself (not a call from Python): host copies of fragments near a memcpy
+        reexec_tuned()
     try:
         result: int = args._run(args)
     except (Exception, KeyboardInterrupt, BaseExceptionGroup) as exc:
