@@ -167,3 +167,42 @@ def test_a_region_table_answers_as_a_search_of_every_range(
         assert (index >= 0) == any(inside)
         if index >= 0:
             assert inside[index]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("rows", [4, 300])
+async def test_host_copies_land_inline_or_in_worker_threads_by_size(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short host copies run on the loop's thread, long ones in worker threads in slices; the same bytes land."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from kvferry.transports import _memory
+
+    monkeypatch.setattr(_memory, "HOST_INLINE_BYTES", 64 << 10)
+    monkeypatch.setattr(_memory, "HOST_SLICE_BYTES", 100 << 10)  # several slices, a row cut across two
+    threads: list[int] = []
+    memmove = _memory._memmove_rows
+
+    def recording(*args: list[int]) -> None:
+        threads.append(threading.get_ident())
+        memmove(*args)
+
+    monkeypatch.setattr(_memory, "_memmove_rows", recording)
+    page = 3 << 10
+    src = torch.randint(0, 256, (rows * page,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    src_table = RegionTable([RegionInfo(src.data_ptr(), src.numel(), "cpu")])
+    dst_table = RegionTable([RegionInfo(dst.data_ptr(), dst.numel(), "cpu")])
+    order = np.random.default_rng(rows).permutation(rows)
+    src_rows = np.array([[src.data_ptr() + i * page, page] for i in range(rows)], dtype=np.uint64)
+    dst_rows = np.array([[dst.data_ptr() + int(j) * page, page] for j in order], dtype=np.uint64)
+    await _memory.CopyPlan(src_rows, src_table, dst_rows, dst_table).run()
+    assert torch.equal(dst.view(rows, page)[torch.from_numpy(order)], src.view(rows, page))
+    if rows * page <= 64 << 10:
+        assert threads == [threading.get_ident()]
+    else:
+        assert len(threads) == -(-rows * page // (100 << 10)) and threading.get_ident() not in threads
