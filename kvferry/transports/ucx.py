@@ -252,7 +252,6 @@ class UcxDataPath(DataPath):
         if endpoint is None:
             raise peer.error
         src, dst = rows.src, rows.dst
-        plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
         views = Views(self.transport.own_regions, src, "source", index=rows.src_index)
         if views.table.devices(views.index) - {"cpu"}:
             # UCX reads CUDA sources outside any stream: what the caller queued on its stream must be done
@@ -296,6 +295,8 @@ class UcxDataPath(DataPath):
                     self._pull_refused.add(peer)  # it could not: do not offer again
                 _raise_for(answer, peer, WriteStatus.READY)
                 guard.progress()
+                # cut into messages only now: a write the receiver reads itself sends none
+                plan = plan_messages(src[:, 1], self._zero_copy_bytes, self._pack_bytes)
 
                 async def start(k: int) -> tuple[Coroutine[Any, Any, Any], Any]:
                     first, end, packed = plan[k]
@@ -391,7 +392,6 @@ class UcxDataPath(DataPath):
             # Inside our registered memory, and inside what we granted this peer (whatever the writer checked).
             views = Views(self.transport.own_regions, dst, what)
             peer.granted.check(dst, what)
-            plan = plan_messages(dst[:, 1], request.zero_copy_bytes, request.pack_bytes)
         except WireFormatError:
             raise  # malformed fragments: the peer is dropped
         except NotGranted as exc:
@@ -410,9 +410,10 @@ class UcxDataPath(DataPath):
         peer.incoming[request.write_id] = scope
         self._incoming_dst[peer, request.write_id] = dst
         if source is not None:
-            self.transport.spawn(self._pull, peer, request, source, views, plan, scope)
+            # no message plan: a pulled write sends none (it is cut into messages only if the read is refused)
+            self.transport.spawn(self._pull, peer, request, source, views, scope)
         else:
-            self.transport.spawn(self._receive, peer, request, views, plan, scope)
+            self.transport.spawn(self._receive, peer, request, views, _plan_of(request, views), scope)
 
     def _pull_source(self, peer: ChannelPeer, request: WriteRequest, views: Views) -> Fragments | None:
         """The offered source fragments when we read them ourselves: a peer of this host that we may attach to,
@@ -444,7 +445,6 @@ class UcxDataPath(DataPath):
         request: WriteRequest,
         src: Fragments,
         views: Views,
-        plan: MessagePlan,
         scope: anyio.CancelScope,
     ) -> None:
         """Read the writer's source into our destination with ``process_vm_readv`` (slices in worker threads, a
@@ -477,7 +477,7 @@ class UcxDataPath(DataPath):
         if status is WriteStatus.READY:
             # we may not read the writer's memory: it sends the data as messages (it waits for READY)
             scope = peer.incoming[request.write_id] = anyio.CancelScope()
-            await self._receive(peer, request, views, plan, scope)
+            await self._receive(peer, request, views, _plan_of(request, views), scope)
 
     async def _pull_slices(
         self, peer: ChannelPeer, write_id: int, src: Fragments, dst: Fragments, scope: anyio.CancelScope
@@ -676,6 +676,12 @@ class UcxTransport(ChannelTransport[UcxDataPath]):
     def cma_reads(self) -> int:
         """Writes of peers that we read ourselves (``process_vm_readv``) since start."""
         return self.data_path.cma_reads
+
+
+def _plan_of(request: WriteRequest, views: Views) -> MessagePlan:
+    """How the writer cuts ``request`` into messages (both sides compute the same plan; its bounds, the rows and
+    ``pack_bytes``, were checked when the request came)."""
+    return plan_messages(views.fragments[:, 1], request.zero_copy_bytes, request.pack_bytes)
 
 
 def _raise_for(reply: WriteReply, peer: ChannelPeer, expected: WriteStatus) -> None:
