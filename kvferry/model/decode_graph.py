@@ -138,11 +138,13 @@ class DecodeGraphs:
         # one host tensor, one copy: rows as [token, position, slot, block table...], zero-padded; the padding
         # rows are all zeros (slot 0, page 0, position 0)
         flat: list[int] = []
+        zeros = (0,) * width
         for row in batch:
             table = row.block_table[: row.start // tpb + 1] if has_pages else (0,)
-            flat.extend((row.token_ids[0], row.start, row.slot, *table))
-            flat.extend((0,) * (width - 3 - len(table)))
-        flat.extend((0,) * ((bucket - n) * width))
+            flat += (row.token_ids[0], row.start, row.slot)
+            flat += table
+            flat += zeros[: width - 3 - len(table)]
+        flat += (0,) * ((bucket - n) * width)
         host = torch.tensor(flat, dtype=torch.int64).view(bucket, width)
         # a first capture of the bucket runs on padding rows: before this step's rows are copied in
         captured = (self._captured.get(bucket) or self._capture(bucket)) if self.capture else None
