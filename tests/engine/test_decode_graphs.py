@@ -120,3 +120,34 @@ async def test_interpreted_triton_kernels_give_the_reference_tokens() -> None:
     fast, stats = await _serve(EngineOptions(decode_graphs=False, **extra), prompts, spec_k=2, triton=True)
     assert fast == reference
     assert stats["decode_graphs"]["rows"] > 0
+
+
+#: bfloat16 logits of the tiny model stay within this fraction of the float32 logits' range (greedy decode of the
+#: same tokens through the decode graphs, every step compared)
+BF16_LOGIT_TOLERANCE = 0.05
+
+
+def _logits_of(dtype: str, feed: list[int] | None) -> tuple[torch.Tensor, list[int]]:
+    # a prompt's prefill and 12 decode steps through the decode graphs; the tokens fed are ``feed`` (None: greedy)
+    from kvferry.model.nemotron_h import SequenceInput
+
+    model = build_engine("tiny", EngineOptions(device="cuda", dtype=dtype, max_running=4)).runner.model
+    prompt, table = _prompts(6)[5], tuple(range(1, 17))
+    steps = [model.step([SequenceInput(prompt, 0, table, 1)]).logits[0]]
+    tokens = [int(steps[0].argmax())]
+    for i in range(12):
+        token = tokens[i] if feed is None else feed[i]
+        steps.append(model.step([SequenceInput([token], len(prompt) + i, table, 1)]).logits[0])
+        tokens.append(int(steps[-1].argmax()))
+    assert model.decode_graphs is not None and model.decode_graphs.statistics()["replays"] == 12
+    return torch.cat(steps).float(), tokens
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_bfloat16_logits_stay_near_float32_on_cuda() -> None:
+    reference, tokens = _logits_of("float32", None)
+    bf16, _ = _logits_of("bfloat16", tokens)
+    error = float((bf16 - reference).abs().max())
+    scale = float(reference.max() - reference.min())
+    print(f"bfloat16 logits: max error {error:.4f} of a range {scale:.4f} ({error / scale:.4f})")
+    assert error <= BF16_LOGIT_TOLERANCE * scale, (error, scale)
