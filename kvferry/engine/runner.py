@@ -25,7 +25,7 @@ from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, KvferryError, UnknownRequest, WireFormatError
 from kvferry.model.device import resolve_device
 from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
-from kvferry.model.nemotron_h import Model, SequenceInput
+from kvferry.model.nemotron_h import Model, RowViews, SequenceInput
 from kvferry.model.presets import load_preset
 from kvferry.model.weights import ModelWeights
 from kvferry.pools.arena import CacheArena
@@ -314,6 +314,14 @@ class PagedRunner:
             for item in items
         ]
         out = self.model.step(batch)
+        if isinstance(out.logits, RowViews) and all(item.num_logits == 1 for item in items):
+            # the decode path's one row per sequence: hand the tensor on as it is
+            for index, item in enumerate(items):
+                if item.keep_hidden and self.drafter is not None:
+                    self._fed.setdefault(item.request_id, []).append(
+                        _Fed(item.start, list(item.token_ids), out.hidden[index].detach().clone())
+                    )
+            return out.logits.rows
         logits = []
         for item, item_logits, hidden in zip(items, out.logits, out.hidden, strict=True):
             if item.num_logits:

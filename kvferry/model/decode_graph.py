@@ -128,7 +128,7 @@ class DecodeGraphs:
 
     def run(self, batch: Sequence[SequenceInput]) -> StepOutput:
         """One decode step for ``batch`` (see :meth:`accepts`): K/V written, state advanced, outputs cloned."""
-        from kvferry.model.nemotron_h import StepOutput
+        from kvferry.model.nemotron_h import RowViews, StepOutput
 
         n = len(batch)
         bucket = next(b for b in self.buckets if b >= n)
@@ -159,10 +159,7 @@ class DecodeGraphs:
         logits, hidden = logits[:n].clone(), hidden[:n].clone()
         self._rows += n
         self._padded_rows += bucket - n
-        return StepOutput(
-            logits=tuple(logits[i : i + 1] for i in range(n)),
-            hidden=tuple(hidden[i : i + 1] for i in range(n)),
-        )
+        return StepOutput(logits=RowViews(logits), hidden=RowViews(hidden))
 
     def _capture(self, bucket: int) -> _Captured:
         # Warm up (Triton compiles its kernels) on padding rows only: slot 0, page 0.

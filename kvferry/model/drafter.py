@@ -191,7 +191,7 @@ def _probe_hidden(target: ModelWeights, tokens: torch.Tensor) -> torch.Tensor:
         for i in range(n)
     ]
     with torch.no_grad():
-        return torch.stack(model.step(batch).hidden)
+        return torch.stack(list(model.step(batch).hidden))
 
 
 @frozen

@@ -40,7 +40,7 @@ from kvferry.pools.spec import DRAFT_LAYER_SHIFT, LayerKind, ModelSpec, RankSpec
 if TYPE_CHECKING:
     from kvferry.model.decode_graph import DecodeGraphs
 
-__all__ = ["CacheViews", "DenseCache", "Model", "SequenceInput", "StepOutput", "rms_norm"]
+__all__ = ["CacheViews", "DenseCache", "Model", "RowViews", "SequenceInput", "StepOutput", "rms_norm"]
 
 
 class CacheViews(Protocol):
@@ -187,15 +187,40 @@ class SequenceInput:
     all_logits: bool = False
 
 
+class RowViews(Sequence[torch.Tensor]):
+    """Row ``i`` of a ``[n, ...]`` tensor as a ``[1, ...]`` view, made when asked for (a step of hundreds of
+    one-token rows hands its outputs over as one tensor, :attr:`rows`, without a view per row)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self.rows[i : i + 1] for i in range(*index.indices(len(self))))
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        return self.rows[index : index + 1]
+
+    def __repr__(self) -> str:
+        return f"<RowViews {tuple(self.rows.shape)}>"
+
+
 @frozen
 class StepOutput:
     """Per sequence, in batch order: ``logits`` ``[1 or n, vocab]`` and ``hidden`` ``[n, hidden_size]``.
 
-    ``hidden`` is the residual stream after the last block, before the final norm (the drafter's input).
+    ``hidden`` is the residual stream after the last block, before the final norm (the drafter's input). The
+    decode path gives both as :class:`RowViews` of one tensor each (one row per sequence).
     """
 
-    logits: tuple[torch.Tensor, ...]
-    hidden: tuple[torch.Tensor, ...]
+    logits: Sequence[torch.Tensor]
+    hidden: Sequence[torch.Tensor]
 
 
 @frozen
