@@ -282,6 +282,37 @@ def _judge(
     return sorted(mismatched), tokens_without
 
 
+async def _run_interruptible(
+    args: argparse.Namespace, spec_k: int, transport: str, separate_process: bool, children: list[Any]
+) -> dict[str, Any]:
+    """:func:`_run`, ended by Ctrl-C as a cancellation of its own scope, then ``KeyboardInterrupt``.
+
+    Left to asyncio's runner, Ctrl-C cancels the main task natively, which a wait shielded from cancellation
+    (a model step in its worker thread) can absorb: the demo would run on to its end."""
+    import signal
+
+    import anyio
+
+    interrupted = False
+    result: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        result = await _run(args, spec_k, transport, separate_process, children)
+        tg.cancel_scope.cancel()
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
+
+
 async def _run(
     args: argparse.Namespace, spec_k: int, transport: str, separate_process: bool, children: list[Any]
 ) -> dict[str, Any]:
@@ -385,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         # the libraries print to file descriptor 1 (from their import on): it points at stderr until the result
         with stdout_to_stderr():
             transport, separate_process = resolve_transport(args.transport)
-            result = anyio.run(_run, args, spec_k, transport, separate_process, children)
+            result = anyio.run(_run_interruptible, args, spec_k, transport, separate_process, children)
     finally:
         for proc in children:  # normally gone already; on Ctrl-C or a failure make sure
             if proc.poll() is None:
