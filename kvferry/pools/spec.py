@@ -449,16 +449,22 @@ _NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 _PATTERN_KINDS = {"M": LayerKind.MAMBA2, "*": LayerKind.ATTENTION, "-": LayerKind.MLP, "E": LayerKind.MOE}
 
 
-def _nemotron_h_8b() -> ModelSpec:
+def _nemotron_h(
+    name: str, hidden: int, pattern: str, query_heads: int, kv_heads: int, mamba_heads: int
+) -> ModelSpec:
+    # the NemotronH family's shapes: 128-wide attention heads, 64-wide Mamba2 heads with state 128 in 8 groups,
+    # bf16 caches with a float32 SSM state, a one-layer drafter shaped as the target's attention
     return ModelSpec(
-        name="nemotron-h-8b",
-        hidden_size=4096,
+        name=name,
+        hidden_size=hidden,
         vocab_size=131072,
-        layer_kinds=tuple(_PATTERN_KINDS[c] for c in _NEMOTRON_H_8B_PATTERN),
+        layer_kinds=tuple(_PATTERN_KINDS[c] for c in pattern),
         tokens_per_block=32,
-        attention=AttentionSpec(num_query_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
+        attention=AttentionSpec(
+            num_query_heads=query_heads, num_kv_heads=kv_heads, head_dim=128, dtype="bfloat16"
+        ),
         mamba2=Mamba2Spec(
-            num_heads=128,
+            num_heads=mamba_heads,
             head_dim=64,
             state_size=128,
             num_groups=8,
@@ -468,41 +474,21 @@ def _nemotron_h_8b() -> ModelSpec:
         ),
         drafter=DrafterSpec(
             num_layers=1,
-            num_query_heads=32,
-            num_kv_heads=8,
+            num_query_heads=query_heads,
+            num_kv_heads=kv_heads,
             head_dim=128,
             tokens_per_block=64,
             dtype="bfloat16",
         ),
     )
+
+
+def _nemotron_h_8b() -> ModelSpec:
+    return _nemotron_h("nemotron-h-8b", 4096, _NEMOTRON_H_8B_PATTERN, 32, 8, 128)
 
 
 def _nemotron_h_1b() -> ModelSpec:
-    return ModelSpec(
-        name="nemotron-h-1b",
-        hidden_size=2048,
-        vocab_size=131072,
-        layer_kinds=tuple(_PATTERN_KINDS[c] for c in _NEMOTRON_H_1B_PATTERN),
-        tokens_per_block=32,
-        attention=AttentionSpec(num_query_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16"),
-        mamba2=Mamba2Spec(
-            num_heads=32,
-            head_dim=64,
-            state_size=128,
-            num_groups=8,
-            conv_kernel=4,
-            conv_dtype="bfloat16",
-            ssm_dtype="float32",
-        ),
-        drafter=DrafterSpec(
-            num_layers=1,
-            num_query_heads=16,
-            num_kv_heads=4,
-            head_dim=128,
-            tokens_per_block=64,
-            dtype="bfloat16",
-        ),
-    )
+    return _nemotron_h("nemotron-h-1b", 2048, _NEMOTRON_H_1B_PATTERN, 16, 4, 32)
 
 
 _PRESETS = {"tiny": _tiny, "nemotron-h-1b": _nemotron_h_1b, "nemotron-h-8b": _nemotron_h_8b}
