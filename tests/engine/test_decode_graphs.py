@@ -8,6 +8,7 @@ CUDA the same engines run captured graphs; float32 tokens equal the CPU float64 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,9 +27,14 @@ def _prompts(count: int, *, vocab: int = 200) -> list[list[int]]:
 
 
 async def _serve(
-    options: EngineOptions, prompts: list[list[int]], *, spec_k: int = 0, triton: bool = False
+    options: EngineOptions,
+    prompts: list[list[int]],
+    *,
+    spec_k: int = 0,
+    triton: bool = False,
+    model: str | Path = "tiny",
 ) -> tuple[list[list[int]], Any]:
-    built = build_engine("tiny", options)
+    built = build_engine(model, options)
     if triton:  # the Triton kernels on the CPU (in the interpreter), eagerly
         built.runner.model.enable_decode_graphs(options.max_running, capture=False, use_triton=True)
     out: dict[int, list[int]] = {}
@@ -94,6 +100,19 @@ async def test_cuda_graph_tokens_equal_the_cpu_float64_oracle(extra: dict[str, A
     assert cuda == oracle
     decode = stats["decode_graphs"]
     assert decode["captured"] and decode["replays"] > 0 and decode["eager_steps"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+async def test_a_saved_checkpoint_on_cuda_gives_the_cpu_float64_tokens(tmp_path: Path) -> None:
+    from kvferry.model.weights import ModelWeights, tiny_args
+    from kvferry.pools.spec import preset
+
+    # another seed than the tiny preset's, through the checkpoint loader
+    ModelWeights.seeded(tiny_args(preset("tiny")), 11).save_checkpoint(tmp_path)
+    prompts = _prompts(10)
+    oracle, _ = await _serve(EngineOptions(dtype="float64"), prompts, model=tmp_path)
+    cuda, stats = await _serve(EngineOptions(device="cuda", dtype="float32"), prompts, model=tmp_path)
+    assert cuda == oracle and stats["decode_graphs"]["replays"] > 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
