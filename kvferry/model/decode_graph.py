@@ -36,7 +36,11 @@ from kvferry.pools.spec import LayerKind
 if TYPE_CHECKING:
     from kvferry.model.nemotron_h import Model, SequenceInput, StepOutput
 
-__all__ = ["DecodeGraphs", "decode_buckets", "is_decode_row"]
+__all__ = ["INITIAL_TABLE_BLOCKS", "DecodeGraphs", "decode_buckets", "is_decode_row"]
+
+#: block-table room of the packed inputs at first (256 pages: 8192 tokens at 32 per page); a longer sequence
+#: doubles it (and the graphs are captured again), so the inputs never scale with the pool's size
+INITIAL_TABLE_BLOCKS = 256
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -87,12 +91,11 @@ class DecodeGraphs:
     _rows: int = attrs.field(init=False, default=0)
     _padded_rows: int = attrs.field(init=False, default=0)
     _constants: dict[tuple[str, int, int], torch.Tensor] = attrs.field(init=False, factory=dict)
+    _widened: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.buckets = decode_buckets(self.max_batch)
-        # the widest block table a sequence can have: every page of the pool
-        width = 3 + max(1, self.model.num_pages)
-        self._packed = torch.zeros(self.buckets[-1], width, dtype=torch.int64, device=self.model.device)
+        self._packed = self._inputs(INITIAL_TABLE_BLOCKS)
         self.capture = self.capture and self.model.device.type == "cuda"
         if self.use_triton is None:
             self.use_triton = triton_available(self.model.device)
@@ -104,7 +107,8 @@ class DecodeGraphs:
         )
 
     def statistics(self) -> dict[str, Any]:
-        """Captured buckets, graph replays and eager steps, rows run and padding rows added."""
+        """Captured buckets, graph replays and eager steps, rows run and padding rows added, the block-table room
+        of the inputs and how often it grew."""
         return {
             "buckets": list(self.buckets),
             "captured": sorted(self._captured),
@@ -112,6 +116,8 @@ class DecodeGraphs:
             "eager_steps": self._eager_steps,
             "rows": self._rows,
             "padded_rows": self._padded_rows,
+            "table_blocks": int(self._packed.shape[1] - 3),
+            "widened": self._widened,
         }
 
     def accepts(self, batch: Sequence[SequenceInput]) -> bool:
@@ -122,9 +128,12 @@ class DecodeGraphs:
         """Drop the captured graphs (the next steps capture again); between steps only."""
         self._captured.clear()
         self._pool = None
-        self._packed = torch.zeros(
-            self.buckets[-1], 3 + max(1, self.model.num_pages), dtype=torch.int64, device=self.model.device
-        )
+        self._packed = self._inputs(self._packed.shape[1] - 3)
+
+    def _inputs(self, blocks: int) -> torch.Tensor:
+        # the packed input rows, with room for block tables of ``blocks`` pages (never more than the pool has)
+        blocks = max(1, min(blocks, self.model.num_pages))
+        return torch.zeros(self.buckets[-1], 3 + blocks, dtype=torch.int64, device=self.model.device)
 
     def run(self, batch: Sequence[SequenceInput]) -> StepOutput:
         """One decode step for ``batch`` (see :meth:`accepts`): K/V written, state advanced, outputs cloned."""
@@ -146,6 +155,12 @@ class DecodeGraphs:
             flat += zeros[: width - 3 - len(table)]
         flat += (0,) * ((bucket - n) * width)
         host = torch.tensor(flat, dtype=torch.int64).view(bucket, width)
+        if width > self._packed.shape[1]:
+            # a longer sequence than the inputs have room for: wider inputs (doubled), captured again
+            self._captured.clear()
+            self._pool = None
+            self._packed = self._inputs(max(width - 3, 2 * (self._packed.shape[1] - 3)))
+            self._widened += 1
         # a first capture of the bucket runs on padding rows: before this step's rows are copied in
         captured = (self._captured.get(bucket) or self._capture(bucket)) if self.capture else None
         self._packed[:bucket, :width].copy_(host)

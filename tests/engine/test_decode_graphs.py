@@ -76,6 +76,18 @@ async def test_decode_path_gives_the_reference_tokens_on_cpu(extra: dict[str, An
     assert decode["captured"] == []  # no CUDA graphs on the CPU
 
 
+async def test_inputs_widen_for_longer_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.model import decode_graph
+
+    monkeypatch.setattr(decode_graph, "INITIAL_TABLE_BLOCKS", 2)  # 8 tokens of tiny's 4-token pages
+    prompts = _prompts(8)
+    reference, _ = await _serve(EngineOptions(dtype="float64"), prompts)
+    fast, stats = await _serve(EngineOptions(dtype="float64", decode_graphs=True), prompts)
+    assert fast == reference
+    decode = stats["decode_graphs"]
+    assert decode["widened"] >= 2 and decode["table_blocks"] > 2
+
+
 def test_decode_buckets() -> None:
     from kvferry.model.decode_graph import decode_buckets
 
