@@ -22,7 +22,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv_update", "conv_update_torch", "ssm_update", "ssm_update_torch", "triton_available"]
+__all__ = [
+    "conv_update",
+    "conv_update_torch",
+    "depthwise",
+    "discretize_dt",
+    "next_power_of_2",
+    "ssm_token",
+    "ssm_update",
+    "ssm_update_torch",
+    "triton_available",
+]
 
 
 @functools.cache
@@ -39,8 +49,43 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_imports()
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (a Triton block's extent)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+# --- the per-token arithmetic, shared with the reference model (kvferry.model.mamba2) ----------------------
+
+
+def depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Valid depthwise conv of ``full`` ``[batch, channels, length]`` with ``weight`` ``[channels, kernel]``."""
+    # A windowed product: F.conv1d builds a oneDNN primitive for every new input shape, which costs far more
+    # than the conv itself, and decode batches come in every shape.
+    out = (full.unfold(-1, weight.shape[-1], 1) * weight[None, :, None, :]).sum(-1)
+    return out if bias is None else out + bias[None, :, None]
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
+    """``max(softplus(dt + dt_bias), dt_min)``: the step size of each token and head."""
+    return torch.clamp(F.softplus(dt + dt_bias), min=dt_min)
+
+
+def ssm_token(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch: ``state`` ``[b,h,p,n]``, ``x`` ``[b,h,p]``, ``dt`` ``[b,h]`` (discretized),
+    ``B``/``C`` ``[b,h,n]`` (per head); returns the new state and ``y`` (D skip included). Decode, verify and
+    replay all go through it: replaying a token does what decoding it did."""
+    dA = torch.exp(dt * A)
+    new_state = state * dA[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", new_state, C) + D[:, None] * x
+    return new_state, y
 
 
 # --- the conv window ----------------------------------------------------------------------------------------
@@ -57,9 +102,7 @@ def conv_update_torch(
     width = conv_states.shape[-1]
     window = conv_states[slots].to(x.dtype)
     full = torch.cat((window, x[:, :, None]), dim=-1)  # [batch, channels, width + 1]
-    out = (full * weight.to(x.dtype)[None]).sum(-1)
-    if bias is not None:
-        out = out + bias
+    out = depthwise(full, weight.to(x.dtype), bias)[:, :, 0]
     conv_states.index_copy_(0, slots, full[:, :, 1 : width + 1].to(conv_states.dtype))
     return F.silu(out)
 
@@ -93,7 +136,7 @@ def conv_update(
 
     slots = slots.contiguous()  # the kernel reads slot i at slots_ptr + i
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
-    block = min(256, _next_power_of_2(channels))
+    block = min(256, next_power_of_2(channels))
     grid = (batch, -(-channels // block))
     decode_triton.conv_kernel()[grid](
         x,
@@ -131,15 +174,16 @@ def ssm_update_torch(
     dt_min: float,
 ) -> torch.Tensor:
     """The torch form of :func:`ssm_update` (the reference model's arithmetic, in ``x``'s dtype)."""
-    heads = x.shape[1]
-    groups = B.shape[1]
-    state = ssm_states[slots].to(x.dtype)
-    step = torch.clamp(F.softplus(dt + dt_bias), min=dt_min)
-    B_h = B.repeat_interleave(heads // groups, dim=1)
-    C_h = C.repeat_interleave(heads // groups, dim=1)
-    decay = torch.exp(step * A)
-    state = state * decay[:, :, None, None] + (step[:, :, None] * x)[..., None] * B_h[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", state, C_h) + D[:, None] * x
+    per_group = x.shape[1] // B.shape[1]
+    state, y = ssm_token(
+        ssm_states[slots].to(x.dtype),
+        x,
+        discretize_dt(dt, dt_bias, dt_min),
+        A,
+        B.repeat_interleave(per_group, dim=1),
+        C.repeat_interleave(per_group, dim=1),
+        D,
+    )
     ssm_states.index_copy_(0, slots, state.to(ssm_states.dtype))
     return y
 
@@ -182,8 +226,8 @@ def ssm_update(
 
     slots = slots.contiguous()  # the kernel reads slot i at slots_ptr + i
     y = torch.empty(batch, heads, head_dim, dtype=x.dtype, device=x.device)
-    block_n = _next_power_of_2(state_size)
-    block_p = min(_next_power_of_2(head_dim), max(1, 4096 // block_n))
+    block_n = next_power_of_2(state_size)
+    block_p = min(next_power_of_2(head_dim), max(1, 4096 // block_n))
     grid = (batch, heads, -(-head_dim // block_p))
     decode_triton.ssm_kernel()[grid](
         x,

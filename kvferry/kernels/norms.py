@@ -13,13 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvferry.kernels.mamba_decode import triton_available
+from kvferry.kernels.mamba_decode import next_power_of_2, triton_available
 
 __all__ = ["add_rms_norm", "gated_group_norm", "rms_norm"]
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +54,7 @@ def add_rms_norm(
         width,
         float(eps),
         HAS_DELTA=delta is not None,
-        BLOCK=_next_power_of_2(width),
+        BLOCK=next_power_of_2(width),
     )
     return total, normed
 
@@ -87,6 +83,6 @@ def gated_group_norm(
 
     out = torch.empty_like(y)
     decode_triton.gated_group_norm_kernel()[(rows, width // group_size)](
-        y, z, z.stride(0), weight, out, width, group_size, float(eps), BLOCK=_next_power_of_2(group_size)
+        y, z, z.stride(0), weight, out, width, group_size, float(eps), BLOCK=next_power_of_2(group_size)
     )
     return out

@@ -15,13 +15,9 @@ import math
 
 import torch
 
-from kvferry.kernels.mamba_decode import triton_available
+from kvferry.kernels.mamba_decode import next_power_of_2, triton_available
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_torch"]
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def paged_decode_attention_torch(
@@ -105,8 +101,8 @@ def paged_decode_attention(
         group,
         head_dim,
         TOKENS_PER_BLOCK=tokens_per_block,
-        BLOCK_T=max(16, _next_power_of_2(tokens_per_block)),
-        BLOCK_G=max(16, _next_power_of_2(group)),
-        BLOCK_D=max(16, _next_power_of_2(head_dim)),
+        BLOCK_T=max(16, next_power_of_2(tokens_per_block)),
+        BLOCK_G=max(16, next_power_of_2(group)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
     )
     return out

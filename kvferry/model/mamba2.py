@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry.errors import ConfigError
+from kvferry.kernels.mamba_decode import depthwise, discretize_dt, ssm_token
 
 __all__ = [
     "causal_conv1d",
@@ -59,22 +60,10 @@ def causal_conv1d(
     width = conv_states.shape[-1]
     window = conv_states[slots].to(x.dtype)  # gather: a copy
     full = torch.cat((window, x.transpose(1, 2)), dim=-1)  # [batch, channels, width + length]
-    out = _depthwise(full, weight.to(x.dtype), bias)  # [batch, channels, length]
+    out = depthwise(full, weight.to(x.dtype), bias)  # [batch, channels, length]
     if commit:
         conv_states.index_copy_(0, slots, full[:, :, full.shape[-1] - width :].to(conv_states.dtype))
     return F.silu(out).transpose(1, 2)
-
-
-def _depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # Valid depthwise conv as a windowed product: F.conv1d builds a oneDNN primitive for every new input shape,
-    # which costs far more than the conv itself, and decode batches come in every shape.
-    out = (full.unfold(-1, weight.shape[-1], 1) * weight[None, :, None, :]).sum(-1)
-    return out if bias is None else out + bias[None, :, None]
-
-
-def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
-    """``max(softplus(dt + dt_bias), dt_min)``: the step size of each token and head."""
-    return torch.clamp(F.softplus(dt + dt_bias), min=dt_min)
 
 
 def _expand_groups(bc: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -83,23 +72,6 @@ def _expand_groups(bc: torch.Tensor, num_heads: int) -> torch.Tensor:
     if num_heads % groups:
         raise ConfigError(f"{num_heads} heads are not a multiple of {groups} groups")
     return bc.repeat_interleave(num_heads // groups, dim=-2)
-
-
-def _ssm_token(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # One token for a batch: state [b,h,p,n], x [b,h,p], dt [b,h] (discretized), B/C [b,h,n].
-    # Decode, verify and replay all go through this function: replaying a token does what decoding it did.
-    dA = torch.exp(dt * A)
-    new_state = state * dA[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new_state, C) + D[:, None] * x
-    return new_state, y
 
 
 def ssm_step(
@@ -132,7 +104,7 @@ def ssm_step(
     B_h, C_h = _expand_groups(B, heads), _expand_groups(C, heads)
     ys = []
     for t in range(x.shape[1]):
-        state, y = _ssm_token(state, x[:, t], dt_d[:, t], A, B_h[:, t], C_h[:, t], D)
+        state, y = ssm_token(state, x[:, t], dt_d[:, t], A, B_h[:, t], C_h[:, t], D)
         ys.append(y)
     if commit:
         ssm_states.index_copy_(0, slots, state.to(ssm_states.dtype))
@@ -264,11 +236,11 @@ def mamba2_replay_steps(
         active = (num_tokens > t)[:, None, None]
         xbc_raw = inputs[:, t, :conv_dim]
         full = torch.cat((window, xbc_raw[:, :, None]), dim=-1)
-        conv_out = F.silu(_depthwise(full, conv_weight, conv_bias))[:, :, 0]
+        conv_out = F.silu(depthwise(full, conv_weight, conv_bias))[:, :, 0]
         window = torch.where(active, full[:, :, full.shape[-1] - width :], window)
         xs, Bs, Cs = torch.split(conv_out, [x_dim, groups * state_size, groups * state_size], dim=-1)
         dt = discretize_dt(inputs[:, t, conv_dim:], dt_bias, dt_min)
-        new_state, _ = _ssm_token(
+        new_state, _ = ssm_token(
             state,
             xs.reshape(batch, heads, head_dim),
             dt,
