@@ -239,3 +239,15 @@ def write_result(
             plot()(result, plot_path)
     except OSError as exc:
         raise ConfigError(f"--plot {plot_path}: {exc.strerror or exc}") from None
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` of a command that builds an engine (checked by :func:`check_device`)."""
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights and the cache live: cpu, cuda or cuda:N (default cpu)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="weights and cache (default float32)"
+    )

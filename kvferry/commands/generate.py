@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvferry.commands._common import (
-    DTYPES,
+    add_device_arguments,
     check_device,
     check_model,
     check_tp,
@@ -68,14 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=positive_int, default=1, metavar="N", help="simulated tensor-parallel ranks"
     )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="where the weights and the cache live: cpu, cuda or cuda:N (default cpu)",
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="weights and cache (default float32)"
-    )
+    add_device_arguments(parser)
     parser.add_argument(
         "--seed", type=seed_int, default=None, metavar="S", help="sample with this seed (default: greedy)"
     )

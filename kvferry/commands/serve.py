@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.commands import serve_roles
 from kvferry.commands._common import (
-    DTYPES,
+    add_device_arguments,
     check_device,
     check_model,
     non_negative_int,
@@ -76,14 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests waiting for admission past which new ones get 503",
     )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="where the weights and the cache live: cpu, cuda or cuda:N (default cpu)",
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="weights and cache (default float32)"
-    )
+    add_device_arguments(parser)
     parser.add_argument(
         "--weights-seed", type=seed_int, default=0, metavar="S", help="seed of a preset's weights"
     )
