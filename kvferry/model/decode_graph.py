@@ -120,10 +120,6 @@ class DecodeGraphs:
             "widened": self._widened,
         }
 
-    def accepts(self, batch: Sequence[SequenceInput]) -> bool:
-        """Whether ``batch`` (already validated by the model) can run here."""
-        return 0 < len(batch) <= self.buckets[-1] and all(is_decode_row(row) for row in batch)
-
     def reset(self) -> None:
         """Drop the captured graphs (the next steps capture again); between steps only."""
         self._captured.clear()
@@ -136,7 +132,8 @@ class DecodeGraphs:
         return torch.zeros(self.buckets[-1], 3 + blocks, dtype=torch.int64, device=self.model.device)
 
     def run(self, batch: Sequence[SequenceInput]) -> StepOutput:
-        """One decode step for ``batch`` (see :meth:`accepts`): K/V written, state advanced, outputs cloned."""
+        """One decode step for ``batch``: decode rows (:func:`is_decode_row`), at most the largest bucket, already
+        validated by the model. K/V written, state advanced, outputs cloned."""
         from kvferry.model.nemotron_h import RowViews, StepOutput
 
         n = len(batch)
