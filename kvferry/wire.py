@@ -42,6 +42,7 @@ Versions of the disaggregation protocol (:data:`DISAGG_PROTOCOL_VERSION`):
   1 -- page tables.
   2 -- tuples of ints packed as little-endian int64 binary.
   3 -- control kind ``chunk_results``: several writers' reports in one message.
+  4 -- page tables may hold MLA latent pages (a paged group of role ``latent``, replicated on every rank).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ __all__ = [
 TRANSPORT_PROTOCOL_VERSION = 5
 #: The disaggregation protocol (page tables, disagg hellos and control messages); bumped on every change the
 #: previous version cannot read. Peers compare it in the disagg hello before anything else is decoded.
-DISAGG_PROTOCOL_VERSION = 3
+DISAGG_PROTOCOL_VERSION = 4
 #: The disaggregation protocol's version under the name page tables carry it as (``PageTable.wire_version``).
 WIRE_VERSION = DISAGG_PROTOCOL_VERSION
 

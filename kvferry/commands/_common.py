@@ -150,7 +150,7 @@ def byte_count(text: str) -> int:
 
 
 #: the presets of kvferry.pools.spec (listed here so that parsing imports no torch; tests check they agree)
-PRESETS = ("tiny", "nemotron-h-1b", "nemotron-h-8b")
+PRESETS = ("tiny", "tiny-kimi", "nemotron-h-1b", "nemotron-h-8b")
 #: the dtypes a command's ``--dtype`` offers (weights and cache)
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 

@@ -63,9 +63,11 @@ class DenseCache:
     """A rank's cache as plain tensors of the contract shapes (for tests and tools without a CacheArena).
 
     Shapes: ``kv`` ``[pages, kv_heads_rank, tokens_per_block, head_dim]`` (drafter layers at
-    ``DRAFT_LAYER_SHIFT + i`` with the drafter's), ``conv`` ``[slots, conv_dim_rank, kernel - 1]``, ``ssm``
-    ``[slots, heads_rank, head_dim, state]``, ``replay`` ``[slots, max_replay_tokens, conv_dim_rank +
-    heads_rank]``, ``num_accepted`` ``[slots]`` int64. Everything starts zeroed.
+    ``DRAFT_LAYER_SHIFT + i`` with the drafter's), ``latent`` (MLA) ``[pages, tokens_per_block, latent_dim]``,
+    ``conv`` ``[slots, conv_dim_rank, kernel - 1]``, ``ssm`` ``[slots, heads_rank, head_dim, state]`` (KDA:
+    ``state`` = head_dim), ``replay`` ``[slots, max_replay_tokens, width]`` (Mamba2: ``conv_dim_rank +
+    heads_rank``; KDA: ``conv_dim_rank + heads_rank * head_dim + heads_rank``), ``num_accepted`` ``[slots]``
+    int64. Everything starts zeroed.
     """
 
     rank: RankSpec
@@ -92,6 +94,12 @@ class DenseCache:
             for layer in spec.attention_layer_ids:
                 self._tensors["k", layer] = torch.zeros(shape, dtype=dtype, device=dev)
                 self._tensors["v", layer] = torch.zeros(shape, dtype=dtype, device=dev)
+        if spec.mla is not None:
+            latent = (self.num_pages, spec.tokens_per_block, spec.mla.latent_dim)
+            for layer in spec.attention_layer_ids:
+                self._tensors["latent", layer] = torch.zeros(
+                    latent, dtype=dtype_from_name(spec.mla.dtype), device=dev
+                )
         if spec.drafter is not None and self.rank.draft_kv_heads is not None and self.num_draft_pages:
             d = spec.drafter
             shape = (self.num_draft_pages, self.rank.draft_kv_heads.count, d.tokens_per_block, d.head_dim)
@@ -124,6 +132,33 @@ class DenseCache:
                     dtype=dtype_from_name(m.ssm_dtype),
                     device=dev,
                 )
+        kda, kda_heads = spec.kda, self.rank.kda_heads
+        if kda is not None and kda_heads is not None:
+            conv_dim = sum(self.rank.kda_conv_sections)
+            width = conv_dim + kda_heads.count * kda.head_dim + kda_heads.count
+            for layer in spec.layer_ids(LayerKind.KDA):
+                self._tensors["conv", layer] = torch.zeros(
+                    self.num_slots,
+                    conv_dim,
+                    kda.conv_kernel - 1,
+                    dtype=dtype_from_name(kda.conv_dtype),
+                    device=dev,
+                )
+                self._tensors["ssm", layer] = torch.zeros(
+                    self.num_slots,
+                    kda_heads.count,
+                    kda.head_dim,
+                    kda.head_dim,
+                    dtype=dtype_from_name(kda.ssm_dtype),
+                    device=dev,
+                )
+                self._tensors["replay", layer] = torch.zeros(
+                    self.num_slots,
+                    self.max_replay_tokens,
+                    width,
+                    dtype=dtype_from_name(kda.conv_dtype),
+                    device=dev,
+                )
 
     def __repr__(self) -> str:
         return (
@@ -139,6 +174,9 @@ class DenseCache:
 
     def kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._get("k", layer_id), self._get("v", layer_id)
+
+    def latent(self, layer_id: int) -> torch.Tensor:
+        return self._get("latent", layer_id)
 
     def conv(self, layer_id: int) -> torch.Tensor:
         return self._get("conv", layer_id)

@@ -185,6 +185,14 @@ class CacheArena:
         """
         return self._role_view(layer_id, Role.KEY), self._role_view(layer_id, Role.VALUE)
 
+    def latent(self, layer_id: int) -> torch.Tensor:
+        """The latent pages of an MLA layer: ``[num_pages, tokens_per_block, latent_dim]``, the same on every
+        rank (``[kv_lora_rank | qk_rope_head_dim]`` per token).
+
+        :raises ~kvferry.errors.ConfigError: if ``layer_id`` is not an MLA layer of this rank.
+        """
+        return self._role_view(layer_id, Role.LATENT).squeeze(1)
+
     def conv(self, layer_id: int) -> torch.Tensor:
         """Conv window of a recurrent layer: ``[num_slots, conv_dim_rank, conv_kernel - 1]``, sections in order."""
         return self._role_view(layer_id, Role.CONV)

@@ -10,7 +10,8 @@ where ``layer`` is the index of the entry's layer among :attr:`Pool.layer_ids`. 
 a request's state slot of a state group) is one contiguous run of ``slot_bytes`` bytes in each pool.
 
 - PAGED group ``attention``: the target's attention layers; a page holds every layer, each K then V, each
-  head-major ``[kv_heads_rank, tokens_per_block, head_dim]``.
+  head-major ``[kv_heads_rank, tokens_per_block, head_dim]``. An MLA model's pages hold one LATENT buffer per
+  layer instead, ``[1, tokens_per_block, latent_dim]``, the same on every rank.
 - PAGED group ``draft``: the drafter's layers (global ids ``DRAFT_LAYER_SHIFT + i``), own ``tokens_per_block``.
 - STATE groups ``mamba2`` / ``kda``: per layer a conv window ``[conv_dim_rank, conv_kernel - 1]`` (channel-major,
   so each section ``[x|B|C]`` / ``[q|k|v]`` is contiguous) and an SSM matrix ``[heads_rank, head_dim, state]``.
@@ -37,6 +38,9 @@ from kvferry.pools.spec import HeadShard, LayerKind, RankSpec, dtype_from_name
 
 __all__ = [
     "ALIGNMENT",
+    "LATENT_ROLES",
+    "PAGED_ROLES",
+    "STATE_ROLES",
     "CacheLayout",
     "Fit",
     "GroupKind",
@@ -69,11 +73,14 @@ class Role(enum.StrEnum):
 
     KEY = "key"
     VALUE = "value"
+    LATENT = "latent"
     CONV = "conv"
     SSM = "ssm"
 
 
 PAGED_ROLES = (Role.KEY, Role.VALUE)
+#: the roles of an MLA model's attention pages: one latent vector per token
+LATENT_ROLES = (Role.LATENT,)
 STATE_ROLES = (Role.CONV, Role.SSM)
 
 
@@ -160,8 +167,9 @@ class PoolGroup:
 class LayerGroup:
     """Layers of one kind that share a shape and a pool group.
 
-    PAGED: ``roles`` key/value, ``heads`` = kv heads of this rank, ``tokens_per_block`` > 0, ``state_size`` and
-    ``conv_kernel`` 0, no conv sections. STATE: ``roles`` conv/ssm, ``heads`` = SSM heads of this rank,
+    PAGED: ``roles`` key/value (or latent alone for MLA, one replicated "head" of ``head_dim`` = the latent
+    width), ``heads`` = kv heads of this rank, ``tokens_per_block`` > 0, ``state_size`` and ``conv_kernel`` 0,
+    no conv sections. STATE: ``roles`` conv/ssm, ``heads`` = SSM heads of this rank,
     ``state_size`` = the SSM matrix's last dim (Mamba2 state size, KDA head dim), ``conv_sections`` = channel
     shards of ``[x|B|C]`` (Mamba2) or ``[q|k|v]`` (KDA), ``tokens_per_block`` 0. ``dtypes`` align with ``roles``.
     """
@@ -208,7 +216,7 @@ class LayerGroup:
     def role_bytes(self, role: Role) -> int:
         """Bytes of one layer's buffer of ``role`` in one slot (page)."""
         itemsize = dtype_from_name(self.dtype(role)).itemsize
-        if role in PAGED_ROLES:
+        if role in PAGED_ROLES or role == Role.LATENT:
             return self.heads.count * self.tokens_per_block * self.head_dim * itemsize
         if role == Role.CONV:
             return sum(self.conv_section_bytes)
@@ -216,7 +224,7 @@ class LayerGroup:
 
     def role_shape(self, role: Role) -> tuple[int, ...]:
         """Shape of one layer's buffer of ``role`` in one slot, in elements of ``dtype(role)``."""
-        if role in PAGED_ROLES:
+        if role in PAGED_ROLES or role == Role.LATENT:
             return (self.heads.count, self.tokens_per_block, self.head_dim)
         if role == Role.CONV:
             return (self.conv_dim, self.conv_kernel - 1)
@@ -404,6 +412,21 @@ def _in_channels(shard: HeadShard, total: int, width: int) -> HeadShard:
 def _layer_groups(rank: RankSpec) -> tuple[LayerGroup, ...]:
     model = rank.model
     groups: list[LayerGroup] = []
+    if model.mla is not None and model.attention_layer_ids:
+        assert rank.attention_kv_heads is not None
+        groups.append(
+            LayerGroup(
+                name="attention",
+                kind=GroupKind.PAGED,
+                layer_kind=LayerKind.ATTENTION,
+                roles=LATENT_ROLES,
+                dtypes=(model.mla.dtype,),
+                layer_ids=model.attention_layer_ids,
+                tokens_per_block=model.tokens_per_block,
+                heads=rank.attention_kv_heads,
+                head_dim=model.mla.latent_dim,
+            )
+        )
     if model.attention is not None and model.attention_layer_ids:
         assert rank.attention_kv_heads is not None
         groups.append(

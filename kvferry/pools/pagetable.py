@@ -23,6 +23,7 @@ from attrs import frozen
 from kvferry import wire
 from kvferry.errors import ConfigError, PeerIncompatible, WireFormatError
 from kvferry.pools.layout import (
+    LATENT_ROLES,
     PAGED_ROLES,
     STATE_ROLES,
     CacheLayout,
@@ -248,7 +249,7 @@ class PageTable:
         if not 0 < len(name) <= _MAX_NAME:
             raise _fail("bad layer group name")
         if group.kind == GroupKind.PAGED:
-            if group.roles != PAGED_ROLES or group.layer_kind != LayerKind.ATTENTION:
+            if group.roles not in (PAGED_ROLES, LATENT_ROLES) or group.layer_kind != LayerKind.ATTENTION:
                 raise _fail(f"paged group {name}: roles {group.roles}, kind {group.layer_kind}")
             _check_int(f"{name}.tokens_per_block", group.tokens_per_block, 1, 1 << 20)
             if group.state_size or group.conv_kernel or group.conv_sections:

@@ -1,10 +1,11 @@
 """Model shape specs: what a hybrid model's cache looks like, whole and per tensor-parallel rank.
 
 A :class:`ModelSpec` names the layer kinds in order (their index is the *global layer id*) and the shape of
-each cacheable kind: attention (paged KV), Mamba2 (conv window ``[x|B|C]`` + SSM matrix), KDA-style gated
-delta rule (short conv ``[q|k|v]`` + SSM matrix) and an Eagle-style drafter (its own paged KV).
+each cacheable kind: attention (paged KV: GQA key plus value, or MLA's one latent vector per token), Mamba2 (conv
+window ``[x|B|C]`` + SSM matrix), KDA-style gated delta rule (short conv ``[q|k|v]`` + SSM matrix) and an
+Eagle-style drafter (its own paged KV).
 :meth:`ModelSpec.shard` gives the :class:`RankSpec` of one rank: heads split, kv heads (and Mamba groups)
-duplicated when the TP size exceeds them, conv split per section.
+duplicated when the TP size exceeds them, conv split per section; an MLA latent is one "head" every rank holds.
 
 Nothing here allocates memory; :mod:`kvferry.pools.layout` turns a rank spec into pools.
 """
@@ -25,12 +26,14 @@ from kvferry.errors import ConfigError
 __all__ = [
     "DRAFT_LAYER_SHIFT",
     "HF_LAYER_KINDS",
+    "KIMI_LAYER_KINDS",
     "AttentionSpec",
     "DrafterSpec",
     "HeadShard",
     "KdaSpec",
     "LayerKind",
     "Mamba2Spec",
+    "MlaSpec",
     "ModelSpec",
     "RankSpec",
     "dtype_from_name",
@@ -92,7 +95,7 @@ class LayerKind(enum.StrEnum):
     MOE = "moe"
 
 
-#: transformers' ``layers_block_type`` / ``layer_types`` entry -> the kind of that block
+#: transformers' NemotronH ``layers_block_type`` / ``layer_types`` entry -> the kind of that block
 HF_LAYER_KINDS: Mapping[str, LayerKind] = MappingProxyType(
     {
         "linear_attention": LayerKind.MAMBA2,
@@ -102,6 +105,11 @@ HF_LAYER_KINDS: Mapping[str, LayerKind] = MappingProxyType(
         "mlp": LayerKind.MLP,
         "moe": LayerKind.MOE,
     }
+)
+
+#: transformers' KimiLinear ``layer_types`` entry -> the kind of that decoder layer's mixer
+KIMI_LAYER_KINDS: Mapping[str, LayerKind] = MappingProxyType(
+    {"linear_attention": LayerKind.KDA, "full_attention": LayerKind.ATTENTION}
 )
 
 
@@ -159,6 +167,33 @@ class AttentionSpec:
         """Bytes of K plus V per token per layer for ``num_kv_heads`` heads (default: all)."""
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return 2 * heads * self.head_dim * _itemsize(self.dtype)
+
+
+@frozen
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2 style, as KimiLinear uses it): the cache keeps one latent vector
+    per token, ``[kv_lora_rank | qk_rope_head_dim]``, shared by every head; queries have ``num_heads`` heads of
+    ``qk_nope_head_dim + qk_rope_head_dim``, values ``v_head_dim``."""
+
+    num_heads: int = attrs.field(validator=_positive)
+    kv_lora_rank: int = attrs.field(validator=_positive)
+    qk_rope_head_dim: int = attrs.field(validator=_positive)
+    qk_nope_head_dim: int = attrs.field(validator=_positive)
+    v_head_dim: int = attrs.field(validator=_positive)
+    dtype: str = attrs.field(default="float32", validator=_known_dtype)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token in the cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def latent_bytes_per_token(self) -> int:
+        """Bytes of one token's latent per layer (on every rank: the latent is not split)."""
+        return self.latent_dim * _itemsize(self.dtype)
 
 
 @frozen
@@ -240,7 +275,12 @@ def _layer_kinds(value: Any) -> tuple[LayerKind, ...]:
 
 @frozen
 class ModelSpec:
-    """The whole model: layer kinds in order (index = global layer id) and each cacheable kind's shape."""
+    """The whole model: layer kinds in order (index = global layer id) and each cacheable kind's shape.
+
+    ATTENTION layers are GQA (``attention``: key plus value per kv head) or MLA (``mla``: one latent per token);
+    a spec has one of the two. A layer kind is the block's mixer: a KimiLinear decoder layer (mixer plus MLP or
+    MoE) is one entry, its KDA or MLA mixer.
+    """
 
     name: str
     hidden_size: int = attrs.field(validator=_positive)
@@ -251,12 +291,15 @@ class ModelSpec:
     mamba2: Mamba2Spec | None = None
     kda: KdaSpec | None = None
     drafter: DrafterSpec | None = None
+    mla: MlaSpec | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layer_kinds:
             raise ConfigError("a model needs at least one layer")
+        if self.attention is not None and self.mla is not None:
+            raise ConfigError("attention layers are GQA or MLA, not both: give attention or mla")
         for kind, field in (
-            (LayerKind.ATTENTION, self.attention),
+            (LayerKind.ATTENTION, self.attention if self.mla is None else self.mla),
             (LayerKind.MAMBA2, self.mamba2),
             (LayerKind.KDA, self.kda),
         ):
@@ -294,6 +337,7 @@ class ModelSpec:
             else attrs.evolve(self.mamba2, conv_dtype=dtype, ssm_dtype=dtype),
             kda=None if self.kda is None else attrs.evolve(self.kda, conv_dtype=dtype, ssm_dtype=dtype),
             drafter=None if self.drafter is None else attrs.evolve(self.drafter, dtype=dtype),
+            mla=None if self.mla is None else attrs.evolve(self.mla, dtype=dtype),
         )
 
     def without_drafter(self) -> ModelSpec:
@@ -307,6 +351,10 @@ class ModelSpec:
         if self.attention is not None:
             attention_q = split_heads(self.attention.num_query_heads, tp_size, rank)
             attention_kv = split_heads(self.attention.num_kv_heads, tp_size, rank)
+        elif self.mla is not None:
+            attention_q = split_heads(self.mla.num_heads, tp_size, rank)
+            # the latent is one vector per token for all heads: every rank keeps all of it
+            attention_kv = split_heads(1, tp_size, rank)
         mamba_heads = mamba_groups = None
         if self.mamba2 is not None:
             mamba_heads = split_heads(self.mamba2.num_heads, tp_size, rank)
@@ -345,17 +393,22 @@ class ModelSpec:
         dtype: str = "float32",
         drafter: DrafterSpec | None = None,
     ) -> ModelSpec:
-        """Build a spec from a transformers ``NemotronHConfig`` (or any object with its attributes).
+        """Build a spec from a transformers ``NemotronHConfig`` or ``KimiLinearConfig`` (or any object with
+        their attributes).
 
         transformers is not imported: the config is read by attribute, so this works on a plain namespace.
         """
         raw = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
         if raw is None:
             raise ConfigError("config has no layers_block_type")
+        kimi = str(getattr(config, "model_type", "")) == "kimi_linear"
+        names = KIMI_LAYER_KINDS if kimi else HF_LAYER_KINDS
         try:
-            kinds = tuple(HF_LAYER_KINDS[str(k)] for k in raw)
+            kinds = tuple(names[str(k)] for k in raw)
         except KeyError as exc:
             raise ConfigError(f"unknown layer type {exc.args[0]!r} in config") from None
+        if kimi:
+            return cls._from_kimi_config(config, kinds, name, tokens_per_block, dtype, drafter)
         attention = mamba2 = None
         if LayerKind.ATTENTION in kinds:
             heads = int(config.num_attention_heads)
@@ -379,6 +432,45 @@ class ModelSpec:
             tokens_per_block=tokens_per_block,
             attention=attention,
             mamba2=mamba2,
+            drafter=drafter,
+        )
+
+    @classmethod
+    def _from_kimi_config(
+        cls,
+        config: Any,
+        kinds: tuple[LayerKind, ...],
+        name: str | None,
+        tokens_per_block: int,
+        dtype: str,
+        drafter: DrafterSpec | None,
+    ) -> ModelSpec:
+        kda = mla = None
+        if LayerKind.KDA in kinds:
+            kda = KdaSpec(
+                num_heads=int(config.linear_num_heads),
+                head_dim=int(config.linear_head_dim),
+                conv_kernel=int(config.linear_conv_kernel_dim),
+                conv_dtype=dtype,
+                ssm_dtype=dtype,
+            )
+        if LayerKind.ATTENTION in kinds:
+            mla = MlaSpec(
+                num_heads=int(config.num_attention_heads),
+                kv_lora_rank=int(config.kv_lora_rank),
+                qk_rope_head_dim=int(config.qk_rope_head_dim),
+                qk_nope_head_dim=int(config.qk_nope_head_dim),
+                v_head_dim=int(config.v_head_dim),
+                dtype=dtype,
+            )
+        return cls(
+            name=name or "kimi_linear",
+            hidden_size=int(config.hidden_size),
+            vocab_size=int(config.vocab_size),
+            layer_kinds=kinds,
+            tokens_per_block=tokens_per_block,
+            kda=kda,
+            mla=mla,
             drafter=drafter,
         )
 
@@ -442,6 +534,22 @@ def _tiny() -> ModelSpec:
     )
 
 
+def _tiny_kimi() -> ModelSpec:
+    # The KimiLinear reference model of the test oracles: KDA and MLA layers (mixers of decoder layers whose
+    # MLP or MoE the model's args give), byte-level vocabulary, the tiny drafter.
+    kda, mla = LayerKind.KDA, LayerKind.ATTENTION
+    return ModelSpec(
+        name="tiny-kimi",
+        hidden_size=64,
+        vocab_size=256,
+        layer_kinds=(kda, kda, mla, kda, kda, mla),
+        tokens_per_block=4,
+        kda=KdaSpec(num_heads=4, head_dim=16, conv_kernel=4),
+        mla=MlaSpec(num_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+        drafter=_tiny_drafter(),
+    )
+
+
 # Nemotron-H-1B-class layout: 28 blocks, 20 Mamba2, 4 attention, 4 MLP (see kvferry.model.presets).
 _NEMOTRON_H_1B_PATTERN = "MMMMM*-" * 4
 # Nemotron-H-8B-class layout: 52 blocks, 24 Mamba2, 4 attention, 24 MLP.
@@ -491,7 +599,12 @@ def _nemotron_h_1b() -> ModelSpec:
     return _nemotron_h("nemotron-h-1b", 2048, _NEMOTRON_H_1B_PATTERN, 16, 4, 32)
 
 
-_PRESETS = {"tiny": _tiny, "nemotron-h-1b": _nemotron_h_1b, "nemotron-h-8b": _nemotron_h_8b}
+_PRESETS = {
+    "tiny": _tiny,
+    "tiny-kimi": _tiny_kimi,
+    "nemotron-h-1b": _nemotron_h_1b,
+    "nemotron-h-8b": _nemotron_h_8b,
+}
 
 
 def preset_names() -> tuple[str, ...]:
@@ -499,8 +612,9 @@ def preset_names() -> tuple[str, ...]:
 
 
 def preset(name: str) -> ModelSpec:
-    """A built-in model spec: ``tiny`` (the reference model), ``nemotron-h-1b`` or ``nemotron-h-8b`` (real
-    proportions; :mod:`kvferry.model.presets` gives them seeded weights).
+    """A built-in model spec: ``tiny`` (the reference model), ``tiny-kimi`` (the KimiLinear reference: KDA and
+    MLA), ``nemotron-h-1b`` or ``nemotron-h-8b`` (real proportions; :mod:`kvferry.model.presets` gives them
+    seeded weights).
 
     :raises ~kvferry.errors.ConfigError: an unknown name (the message lists the presets).
     """

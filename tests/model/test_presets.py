@@ -64,7 +64,7 @@ def test_an_unknown_preset_is_refused_with_the_list() -> None:
         preset_args("tiny", scale=2)
     with pytest.raises(ConfigError, match=r"a preset .*nemotron-h-1b.* or a checkpoint directory"):
         build_engine("nemotron-h-2b", EngineOptions())
-    assert set(preset_names()) == {"tiny", "nemotron-h-1b", "nemotron-h-8b"}
+    assert set(preset_names()) == {"tiny", "tiny-kimi", "nemotron-h-1b", "nemotron-h-8b"}
 
 
 def test_weights_are_made_in_the_dtype_on_the_device_and_seeded() -> None:

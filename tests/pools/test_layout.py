@@ -112,7 +112,8 @@ def test_equal_sizes_coalesce_into_one_pool() -> None:
 
 def test_mixed_dtypes_and_alignment_for_every_preset() -> None:
     for name in preset_names():
-        for tp in (1, 2, 4, 8):
+        # tiny-kimi's 4 KDA heads split over at most 4 ranks
+        for tp in (1, 2, 4) if name == "tiny-kimi" else (1, 2, 4, 8):
             for dtype in (None, "float16", "float64"):
                 model = preset(name) if dtype is None else preset(name).with_dtype(dtype)
                 layout = CacheLayout.build(
