@@ -25,6 +25,7 @@ import attrs
 import torch
 from attrs import define
 
+from kvferry.errors import ConfigError
 from kvferry.kernels.mamba_decode import conv_update, ssm_update, triton_available
 from kvferry.kernels.norms import add_rms_norm, gated_group_norm
 from kvferry.kernels.paged_decode import paged_decode_attention
@@ -74,7 +75,10 @@ class DecodeGraphs:
 
     :param max_batch: the most rows one step brings (the engine's ``max_running``).
     :param capture: capture CUDA graphs (CUDA only); False runs the same step eagerly.
-    :param use_triton: the Triton kernels (None: where they can run, on CUDA); False: their torch forms.
+    :param use_triton: the Triton kernels (None: where they can run, on CUDA, for float32 / bfloat16 / float16
+        models; a float64 model runs their torch forms, since the kernels accumulate in float32); False: their
+        torch forms.
+    :raises ~kvferry.errors.ConfigError: ``use_triton=True`` for a float64 model.
     Not thread-safe; one step at a time, as the model.
     """
 
@@ -97,8 +101,13 @@ class DecodeGraphs:
         self.buckets = decode_buckets(self.max_batch)
         self._packed = self._inputs(INITIAL_TABLE_BLOCKS)
         self.capture = self.capture and self.model.device.type == "cuda"
+        float64 = self.model.weights.dtype == torch.float64
         if self.use_triton is None:
-            self.use_triton = triton_available(self.model.device)
+            self.use_triton = triton_available(self.model.device) and not float64
+        elif self.use_triton and float64:
+            raise ConfigError(
+                "the Triton decode kernels accumulate in float32: a float64 model runs their torch forms"
+            )
 
     def __repr__(self) -> str:
         return (

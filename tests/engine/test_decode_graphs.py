@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvferry.engine.runner import EngineOptions, build_engine
+from kvferry.errors import ConfigError
 from tests.support.triton_modes import INTERPRETED, run_interpreted
 
 CUDA = torch.cuda.is_available() and not INTERPRETED
@@ -124,6 +125,23 @@ async def test_a_saved_checkpoint_on_cuda_gives_the_cpu_float64_tokens(tmp_path:
     prompts = _prompts(10)
     oracle, _ = await _serve(EngineOptions(dtype="float64"), prompts, model=tmp_path)
     cuda, stats = await _serve(EngineOptions(device="cuda", dtype="float32"), prompts, model=tmp_path)
+    assert cuda == oracle and stats["decode_graphs"]["replays"] > 0
+
+
+def test_triton_kernels_are_refused_for_a_float64_model() -> None:
+    model = build_engine("tiny", EngineOptions(dtype="float64")).runner.model
+    with pytest.raises(ConfigError, match="float64 model runs their torch forms"):
+        model.enable_decode_graphs(4, capture=False, use_triton=True)
+    model.enable_decode_graphs(4, capture=False)
+    assert model.decode_graphs is not None and model.decode_graphs.use_triton is False
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+async def test_a_float64_model_on_cuda_runs_the_graphs_with_the_torch_kernels() -> None:
+    # the demo's default: float64 on the GPU (the Triton kernels would mix float32 and float64)
+    prompts = _prompts(10)
+    oracle, _ = await _serve(EngineOptions(dtype="float64"), prompts)
+    cuda, stats = await _serve(EngineOptions(device="cuda", dtype="float64"), prompts)
     assert cuda == oracle and stats["decode_graphs"]["replays"] > 0
 
 
