@@ -78,7 +78,7 @@ class DecodeGraphs:
     :param use_triton: the Triton kernels (None: where they can run, on CUDA, for float32 / bfloat16 / float16
         models; a float64 model runs their torch forms, since the kernels accumulate in float32); False: their
         torch forms.
-    :raises ~kvferry.errors.ConfigError: ``use_triton=True`` for a float64 model.
+    :raises ~kvferry.errors.ConfigError: ``use_triton=True`` for a float64 model on CUDA.
     Not thread-safe; one step at a time, as the model.
     """
 
@@ -104,7 +104,8 @@ class DecodeGraphs:
         float64 = self.model.weights.dtype == torch.float64
         if self.use_triton is None:
             self.use_triton = triton_available(self.model.device) and not float64
-        elif self.use_triton and float64:
+        elif self.use_triton and float64 and self.model.device.type == "cuda":
+            # (Triton's interpreter on the CPU computes in the tensors' own dtype: float64 works there)
             raise ConfigError(
                 "the Triton decode kernels accumulate in float32: a float64 model runs their torch forms"
             )

@@ -128,10 +128,8 @@ async def test_a_saved_checkpoint_on_cuda_gives_the_cpu_float64_tokens(tmp_path:
     assert cuda == oracle and stats["decode_graphs"]["replays"] > 0
 
 
-def test_triton_kernels_are_refused_for_a_float64_model() -> None:
+def test_a_float64_model_resolves_to_the_torch_kernels() -> None:
     model = build_engine("tiny", EngineOptions(dtype="float64")).runner.model
-    with pytest.raises(ConfigError, match="float64 model runs their torch forms"):
-        model.enable_decode_graphs(4, capture=False, use_triton=True)
     model.enable_decode_graphs(4, capture=False)
     assert model.decode_graphs is not None and model.decode_graphs.use_triton is False
 
@@ -143,6 +141,9 @@ async def test_a_float64_model_on_cuda_runs_the_graphs_with_the_torch_kernels() 
     oracle, _ = await _serve(EngineOptions(dtype="float64"), prompts)
     cuda, stats = await _serve(EngineOptions(device="cuda", dtype="float64"), prompts)
     assert cuda == oracle and stats["decode_graphs"]["replays"] > 0
+    model = build_engine("tiny", EngineOptions(device="cuda", dtype="float64")).runner.model
+    with pytest.raises(ConfigError, match="float64 model runs their torch forms"):
+        model.enable_decode_graphs(4, use_triton=True)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
