@@ -3,6 +3,7 @@ chunking, batching, tensor parallelism and speculative verify + replay."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import attrs
@@ -326,3 +327,37 @@ def test_shard_weights_slices_and_refuses(module: hf.KimiLinearDeltaAttention) -
         )
     with pytest.raises(ConfigError, match="rows"):
         shard_kda_weights(weights, 0, split_heads(HEADS, 1, 0), 8)
+
+
+def test_float32_equals_transformers_float32(module: hf.KimiLinearDeltaAttention) -> None:
+    m32 = copy.deepcopy(module).float()
+    h = _tokens(12, 70).float()
+    ref, _ = _hf_run(m32, [h[:7], h[7:8], h[8:9], h[9:]])
+    harness = Harness(_checkpoint(m32), 2, preset("tiny-kimi"))
+    out = _run_chunks(harness, h, [7, 1, 1, 3], slot=1)
+    assert out.dtype == torch.float32 and harness.caches[0].ssm(0).dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_cache_and_weights_stay_near_float64(module: hf.KimiLinearDeltaAttention) -> None:
+    weights = _checkpoint(module)
+    h = _tokens(14, 80)
+    script = [
+        [Row(h[:6], 0, 2)],
+        [Row(h[6:10], 6, 2, verify=True)],
+        [Row(h[8:9], 8, 2)],  # after accept(2)
+        [Row(h[9:14], 9, 2)],
+    ]
+    ref_harness = Harness(weights)
+    low = Harness(
+        {k: v.bfloat16() for k, v in weights.items()}, 1, preset("tiny-kimi").with_dtype("bfloat16")
+    )
+    for i, rows in enumerate(script):
+        if i == 2:
+            ref_harness.accept(2, 2)
+            low.accept(2, 2)
+        (ref,) = ref_harness.step(rows)
+        (out,) = low.step([attrs.evolve(r, h=r.h.bfloat16()) for r in rows])
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=5e-2)
+    assert low.caches[0].ssm(0).dtype == torch.bfloat16 and low.caches[0].replay(0).dtype == torch.bfloat16
