@@ -14,6 +14,8 @@ from kvferry.errors import ConfigError
 from kvferry.model.batch import plan_groups
 from kvferry.model.kda import kda_block, shard_kda_weights
 from kvferry.model.nemotron_h import DenseCache
+from kvferry.pools.arena import CacheArena
+from kvferry.pools.layout import CacheLayout
 from kvferry.pools.spec import ModelSpec, preset, split_heads
 
 pytest.importorskip("transformers")
@@ -93,9 +95,22 @@ class Row:
 class Harness:
     """The block over ``tp`` ranks' DenseCaches, with the model's slot rules (fresh reset, replay, accept)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], tp: int = 1, spec: ModelSpec = SPEC) -> None:
-        self.caches = [
-            DenseCache(spec.shard(tp, r), num_pages=1, num_slots=SLOTS, max_replay_tokens=REPLAY)
+    def __init__(
+        self, weights: dict[str, torch.Tensor], tp: int = 1, spec: ModelSpec = SPEC, kind: str = "dense"
+    ) -> None:
+        self.caches: list[DenseCache | CacheArena] = [
+            CacheArena(
+                CacheLayout.build(
+                    spec.shard(tp, r),
+                    num_pages=4,
+                    num_slots=SLOTS,
+                    num_draft_pages=2,
+                    max_replay_tokens=REPLAY,
+                ),
+                "cpu",
+            )
+            if kind == "arena"
+            else DenseCache(spec.shard(tp, r), num_pages=1, num_slots=SLOTS, max_replay_tokens=REPLAY)
             for r in range(tp)
         ]
         self.shards = [shard_kda_weights(weights, 0, split_heads(HEADS, tp, r), HEAD_DIM) for r in range(tp)]
@@ -262,6 +277,7 @@ def test_slots_of_other_sequences_are_untouched(module: hf.KimiLinearDeltaAttent
     for tp in (1, 2):
         harness = Harness(weights, tp)
         for cache in harness.caches:
+            assert isinstance(cache, DenseCache)
             cache.fill_garbage(seed=7)
             cache.num_accepted.zero_()
         harness.step([Row(h[:5], 0, 1)])
@@ -361,3 +377,26 @@ def test_bfloat16_cache_and_weights_stay_near_float64(module: hf.KimiLinearDelta
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=5e-2)
     assert low.caches[0].ssm(0).dtype == torch.bfloat16 and low.caches[0].replay(0).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_arena_views_run_as_dense_caches_do(module: hf.KimiLinearDeltaAttention, tp: int) -> None:
+    """The CacheArena's KDA views (slot-strided, not contiguous) take the block as plain tensors do."""
+    weights = _checkpoint(module)
+    h = _tokens(16, 90)
+    dense, arena = Harness(weights, tp), Harness(weights, tp, kind="arena")
+    script = [
+        [Row(h[:6], 0, 2), Row(h[10:13], 0, 4)],
+        [Row(h[6:10], 6, 2, verify=True), Row(h[13:14], 3, 4)],
+        [Row(h[8:9], 8, 2), Row(h[14:16], 4, 4)],
+    ]
+    for i, rows in enumerate(script):
+        if i == 2:
+            dense.accept(2, 2)
+            arena.accept(2, 2)
+        for a, b in zip(dense.step(rows), arena.step(rows), strict=True):
+            assert torch.equal(a, b)
+    for plain, views in zip(dense.caches, arena.caches, strict=True):
+        for slot in (2, 4):
+            assert torch.equal(plain.conv(0)[slot], views.conv(0)[slot])
+            assert torch.equal(plain.ssm(0)[slot], views.ssm(0)[slot])
