@@ -400,3 +400,46 @@ def test_arena_views_run_as_dense_caches_do(module: hf.KimiLinearDeltaAttention,
         for slot in (2, 4):
             assert torch.equal(plain.conv(0)[slot], views.conv(0)[slot])
             assert torch.equal(plain.ssm(0)[slot], views.ssm(0)[slot])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_block_equals_torch_block_on_cuda(dtype: torch.dtype) -> None:
+    from kvferry.kernels.kda import fla_available
+
+    if not fla_available(torch.device("cuda")):
+        pytest.skip("flash-linear-attention (fla.ops.kda) does not import")
+    heads, head_dim = 2, 64  # fla's tiles want head dims of at least 16
+    config = _config()
+    config.linear_num_heads, config.linear_head_dim = heads, head_dim
+    torch.manual_seed(5)
+    m = hf.KimiLinearDeltaAttention(config, 0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if name.endswith(("A_log", "dt_bias")) else 0.1))
+    w = {k: v.to("cuda", dtype) for k, v in _checkpoint(m).items()}
+    conv_dim = 3 * heads * head_dim
+    results = []
+    for use_fla in (True, False):
+        conv = torch.zeros(4, conv_dim, KERNEL - 1, device="cuda", dtype=dtype)
+        ssm = torch.zeros(4, heads, head_dim, head_dim, device="cuda", dtype=torch.float32)
+        replay = torch.zeros(4, REPLAY, conv_dim + heads * head_dim + heads, device="cuda", dtype=dtype)
+        h = _tokens(80, 3).to("cuda", dtype)
+        outs = []
+        empty = torch.zeros(0, dtype=torch.int64, device="cuda")
+        for rows, start, verify, resumed, counts in (
+            ((0, 70), 0, False, empty, empty),
+            ((70, 74), 70, True, torch.tensor([2], device="cuda"), torch.tensor([0], device="cuda")),
+            ((72, 73), 72, False, torch.tensor([2], device="cuda"), torch.tensor([2], device="cuda")),
+        ):
+            n = rows[1] - rows[0]
+            groups = plan_groups([(n, start, [], 2, verify)], torch.device("cuda"))
+            out = kda_block(
+                w, PREFIX, h[rows[0] : rows[1]], groups, conv, ssm, replay, resumed, counts,
+                head_dim=head_dim, eps=EPS, use_fla=use_fla,
+            )  # fmt: skip
+            outs.append(out)
+        results.append((torch.cat(outs).float(), ssm[2].clone()))
+    tol = 5e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=tol, atol=tol)
