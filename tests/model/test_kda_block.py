@@ -349,7 +349,8 @@ def test_float32_equals_transformers_float32(module: hf.KimiLinearDeltaAttention
     m32 = copy.deepcopy(module).float()
     h = _tokens(12, 70).float()
     ref, _ = _hf_run(m32, [h[:7], h[7:8], h[8:9], h[9:]])
-    harness = Harness(_checkpoint(m32), 2, preset("tiny-kimi"))
+    # the cache shapes as the spec read from the same config lays them out
+    harness = Harness(_checkpoint(m32), 2, ModelSpec.from_hf_config(_config()))
     out = _run_chunks(harness, h, [7, 1, 1, 3], slot=1)
     assert out.dtype == torch.float32 and harness.caches[0].ssm(0).dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
