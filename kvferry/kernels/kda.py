@@ -108,6 +108,7 @@ def short_conv(
     weight: torch.Tensor,
     *,
     commit: bool = True,
+    check: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal conv (no bias) + SiLU of new tokens, continuing from each slot's conv window.
 
@@ -115,9 +116,11 @@ def short_conv(
     :param conv_states: ``[num_slots, channels, kernel - 1]`` pool view; ``slots`` ``[batch]`` int64, distinct.
     :param weight: ``[channels, kernel]``.
     :param commit: write the window of the last ``kernel - 1`` inputs back into the slots (else untouched).
+    :param check: refuse a slot named twice (a host sync; a captured graph passes False and distinct slots).
     :return: ``[batch, length, channels]`` activations in ``x``'s dtype.
     """
-    _check_unique(slots)
+    if check:
+        _check_unique(slots)
     width = conv_states.shape[-1]
     window = conv_states[slots].to(x.dtype)  # gather: a copy
     full = torch.cat((window, x.transpose(1, 2)), dim=-1)  # [batch, channels, width + length]
@@ -268,6 +271,7 @@ def kda_scan(
     chunked: bool = False,
     chunk_size: int = 64,
     use_fla: bool | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """KDA of new tokens, continuing from each slot's state.
 
@@ -279,11 +283,13 @@ def kda_scan(
     :param chunked: the chunked form (prefill) rather than the per-token one (decode, verify).
     :param use_fla: flash-linear-attention's kernels (``chunk_kda`` when ``chunked``, else
         ``fused_recurrent_kda``); None: where :func:`fla_available` and the inputs are not float64.
+    :param check: as for :func:`short_conv`.
     :return: ``o`` ``[batch, length, heads, V]`` in ``q``'s dtype.
     :raises ~kvferry.errors.ConfigError: a slot named twice, or ``use_fla`` without fla on CUDA; nothing
         written.
     """
-    _check_unique(slots)
+    if check:
+        _check_unique(slots)
     if use_fla is None:
         use_fla = fla_available(q.device) and q.dtype != torch.float64
     elif use_fla and not fla_available(q.device):

@@ -20,7 +20,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvferry.errors import ConfigError
-from kvferry.kernels.kda import gated_rms_norm, kda_gate, kda_replay, kda_scan, replay_width, short_conv
+from kvferry.kernels.kda import (
+    gated_rms_norm,
+    kda_gate,
+    kda_replay,
+    kda_replay_steps,
+    kda_scan,
+    replay_width,
+    short_conv,
+)
 from kvferry.model.batch import Group
 from kvferry.pools.spec import HeadShard
 
@@ -101,6 +109,7 @@ def _check(
     heads: int,
     head_dim: int,
     kernel: int,
+    unique: bool,
 ) -> None:
     conv_dim = 3 * heads * head_dim
     if tuple(conv.shape[1:]) != (conv_dim, kernel - 1):
@@ -110,9 +119,10 @@ def _check(
     width = replay_width(conv_dim, heads, head_dim)
     if replay.ndim != 3 or replay.shape[2] != width:
         raise ConfigError(f"replay shape {tuple(replay.shape)} is not [slots, tokens, {width}]")
-    slots = torch.cat([g.slots for g in groups]) if groups else resumed
-    if slots.numel() != torch.unique(slots).numel():
-        raise ConfigError("a batch names the same state slot twice")
+    if unique:
+        slots = torch.cat([g.slots for g in groups]) if groups else resumed
+        if slots.numel() != torch.unique(slots).numel():
+            raise ConfigError("a batch names the same state slot twice")
     for g in groups:
         if g.verify and g.rows.shape[1] > replay.shape[1]:
             raise ConfigError(
@@ -136,6 +146,7 @@ def kda_block(
     head_dim: int,
     eps: float,
     use_fla: bool | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """One rank's share of a KDA block for the rows ``h`` ``[rows, hidden]`` (the normed residual stream).
 
@@ -148,6 +159,9 @@ def kda_block(
         ``num_accepted`` (tokens of their last verify step to replay first; 0: none).
     :param eps: ``o_norm``'s epsilon (the config's ``rms_norm_eps``).
     :param use_fla: see :func:`~kvferry.kernels.kda.kda_scan`.
+    :param check: check slots and replay counts on the host (syncs). False (a captured decode graph): slots
+        must be distinct and counts in ``[0, max_replay_tokens]``; resumed slots replay masked over
+        ``max_replay_tokens`` steps, so nothing is read back; the results are the same.
     :return: ``[rows, hidden]`` the rank's partial output (after its ``o_proj`` columns); the caller sums ranks.
 
     Reads and writes: the resumed slots' conv window and state advance by their replayed tokens; every group's
@@ -164,9 +178,11 @@ def kda_block(
     conv_w = conv_w.reshape(conv_w.shape[0], conv_w.shape[-1])  # [channels, kernel]
     heads = w[prefix + "b_proj.weight"].shape[0]
     section = heads * head_dim
-    _check(groups, conv, ssm, replay, resumed, replay_counts, heads, head_dim, conv_w.shape[1])
-    if resumed.numel():
+    _check(groups, conv, ssm, replay, resumed, replay_counts, heads, head_dim, conv_w.shape[1], check)
+    if resumed.numel() and check:
         kda_replay(conv, ssm, replay, resumed, replay_counts, conv_w)
+    elif resumed.numel():
+        kda_replay_steps(conv, ssm, replay, resumed, replay_counts, replay.shape[1], conv_w)
 
     qkv = torch.cat(
         (
@@ -187,11 +203,11 @@ def kda_block(
         if grp.verify:
             staged = (raw, g[grp.rows].flatten(-2), beta[grp.rows])
             replay[grp.slots, :n] = torch.cat([t.to(replay.dtype) for t in staged], dim=-1)
-        x = short_conv(raw, conv, grp.slots, conv_w, commit=commit)
+        x = short_conv(raw, conv, grp.slots, conv_w, commit=commit, check=check)
         q, k, v = (t.reshape(b, n, heads, head_dim) for t in torch.split(x, section, dim=-1))
         o = kda_scan(
             q, k, v, g[grp.rows], beta[grp.rows], ssm, grp.slots,
-            commit=commit, chunked=n > 1 and commit, use_fla=use_fla,
+            commit=commit, chunked=n > 1 and commit, use_fla=use_fla, check=check,
         )  # fmt: skip
         out[grp.rows.reshape(-1)] = o.reshape(b * n, heads, head_dim)
     gate = (h @ w[prefix + "g_a_proj.weight"].T) @ w[prefix + "g_b_proj.weight"].T

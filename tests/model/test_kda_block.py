@@ -96,8 +96,14 @@ class Harness:
     """The block over ``tp`` ranks' DenseCaches, with the model's slot rules (fresh reset, replay, accept)."""
 
     def __init__(
-        self, weights: dict[str, torch.Tensor], tp: int = 1, spec: ModelSpec = SPEC, kind: str = "dense"
+        self,
+        weights: dict[str, torch.Tensor],
+        tp: int = 1,
+        spec: ModelSpec = SPEC,
+        kind: str = "dense",
+        check: bool = True,
     ) -> None:
+        self.check = check
         self.caches: list[DenseCache | CacheArena] = [
             CacheArena(
                 CacheLayout.build(
@@ -128,7 +134,7 @@ class Harness:
         parts = [
             kda_block(
                 w, PREFIX, h, groups, c.conv(0), c.ssm(0), c.replay(0), resumed, counts,
-                head_dim=HEAD_DIM, eps=EPS,
+                head_dim=HEAD_DIM, eps=EPS, check=self.check,
             )
             for w, c in zip(self.shards, self.caches, strict=True)
         ]  # fmt: skip
@@ -444,3 +450,32 @@ def test_fla_block_equals_torch_block_on_cuda(dtype: torch.dtype) -> None:
     tol = 5e-2 if dtype == torch.bfloat16 else 5e-3
     torch.testing.assert_close(results[0][0], results[1][0], rtol=tol, atol=tol)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=tol, atol=tol)
+
+
+def test_unchecked_block_gives_the_same_results(module: hf.KimiLinearDeltaAttention) -> None:
+    """``check=False`` (no host reads: slots unchecked, replay masked over every replay token) changes nothing,
+    garbage (NaN, inf) in the replay rows past the accepted ones included."""
+    weights = _checkpoint(module)
+    h = _tokens(20, 100)
+    harnesses = [Harness(weights, 2), Harness(weights, 2, check=False)]
+    for harness in harnesses:
+        for cache in harness.caches:
+            assert isinstance(cache, DenseCache)
+            cache.fill_garbage(seed=3)
+            cache.num_accepted.zero_()
+    script = [
+        [Row(h[:6], 0, 1), Row(h[10:13], 0, 4)],
+        [Row(h[6:10], 6, 1, verify=True), Row(h[13:15], 0, 2, verify=True)],
+        [Row(h[7:8], 7, 1), Row(h[15:16], 1, 2), Row(h[16:17], 3, 4)],
+    ]
+    for i, rows in enumerate(script):
+        if i == 2:
+            for harness in harnesses:
+                harness.accept(1, 1)
+                harness.accept(2, 1)
+        outs = [harness.step(rows) for harness in harnesses]
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
+    for checked, unchecked in zip(harnesses[0].caches, harnesses[1].caches, strict=True):
+        for name in ("conv", "ssm", "replay"):
+            assert _same_bytes(getattr(checked, name)(0), getattr(unchecked, name)(0)), name
