@@ -1,7 +1,7 @@
 """The reference NemotronH model run through kvferry's pools: weights, drafter, tokenizer, tensor parallelism,
 and the attention and Mamba2 maths.
 
-Import direction: attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; weights -> presets;
+Import direction: batch / attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; weights -> presets;
 device and tokenizer stand alone.
 """
 

@@ -23,15 +23,15 @@ import torch
 from attrs import define, frozen
 
 from kvferry.errors import ConfigError
+from kvferry.model.batch import Group as _Group
+from kvferry.model.batch import plan_groups as _plan_groups
 from kvferry.model.nemotron_h import (
     CacheViews,
     DenseCache,
     Model,
     SequenceInput,
     _attention_block,
-    _Group,
     _int_tuple,
-    _plan_groups,
     rms_norm,
 )
 from kvferry.model.tensor_parallel import all_reduce, shard_attention

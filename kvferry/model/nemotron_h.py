@@ -31,6 +31,8 @@ from attrs import define, frozen
 from kvferry.errors import ConfigError
 from kvferry.kernels.norms import rms_norm
 from kvferry.model.attention import attention_step
+from kvferry.model.batch import Group as _Group
+from kvferry.model.batch import plan_groups as _plan_groups
 from kvferry.model.decode_graph import is_decode_row
 from kvferry.model.mamba2 import causal_conv1d, mamba2_replay, ssm_chunk_scan, ssm_step
 from kvferry.model.tensor_parallel import RankWeights, all_reduce, shard_weights
@@ -259,46 +261,6 @@ class StepOutput:
 
     logits: Sequence[torch.Tensor]
     hidden: Sequence[torch.Tensor]
-
-
-@frozen
-class _Group:
-    # Sequences of one batch that run together: same token count and mode.
-    index: tuple[int, ...]  # positions in the batch
-    rows: torch.Tensor  # [b, n] rows of the flat token tensor
-    positions: torch.Tensor  # [b, n]
-    block_tables: torch.Tensor  # [b, max_blocks], padded with page 0
-    slots: torch.Tensor  # [b]
-    verify: bool
-
-
-def _plan_groups(
-    rows: Sequence[tuple[int, int, Sequence[int], int, bool]], device: torch.device
-) -> list[_Group]:
-    """Group a batch's sequences for batched kernels: ``rows`` are ``(num_tokens, start, block_table, slot,
-    verify)`` per sequence, in batch (= flat token) order."""
-    offsets, total = [], 0
-    for n, *_ in rows:
-        offsets.append(total)
-        total += n
-    keyed: dict[tuple[int, bool], list[int]] = {}
-    for i, (n, _start, _table, _slot, verify) in enumerate(rows):
-        keyed.setdefault((n, verify), []).append(i)
-    groups = []
-    for (n, verify), index in keyed.items():
-        width = max(len(rows[i][2]) for i in index)
-        tables = [list(rows[i][2]) + [0] * (width - len(rows[i][2])) for i in index]
-        groups.append(
-            _Group(
-                index=tuple(index),
-                rows=torch.tensor([[offsets[i] + t for t in range(n)] for i in index], device=device),
-                positions=torch.tensor([[rows[i][1] + t for t in range(n)] for i in index], device=device),
-                block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-                slots=torch.tensor([rows[i][3] for i in index], dtype=torch.int64, device=device),
-                verify=verify,
-            )
-        )
-    return groups
 
 
 @define(eq=False)
