@@ -218,12 +218,12 @@ class DecodeGraphs:
         )
         lengths = positions + 1
         weights = model.weights
-        eps = weights.args.layer_norm_epsilon
+        eps = model.args.layer_norm_epsilon
         replay_steps = model.max_replay_tokens if model.max_replay_tokens > 1 else 0
         mamba_layers = spec.layer_ids(LayerKind.MAMBA2)
         counts = model.caches[0].num_accepted[slots] if mamba_layers and replay_steps else None
 
-        x = weights["model.embeddings.weight"][tokens]
+        x = weights.embeddings[tokens]
         out: torch.Tensor | None = None
         for layer, kind in enumerate(spec.layer_kinds):
             # the residual add of the last block and this block's norm: one kernel
@@ -240,7 +240,7 @@ class DecodeGraphs:
         if counts is not None:
             for cache in model.caches:
                 cache.num_accepted.index_fill_(0, slots, 0)  # no host scalar: capturable
-        x, normed = add_rms_norm(x, out, weights["model.norm_f.weight"], eps, use_triton=self.use_triton)
+        x, normed = add_rms_norm(x, out, weights.final_norm, eps, use_triton=self.use_triton)
         return normed @ weights.lm_head.T, x
 
     def _attention(
@@ -252,7 +252,7 @@ class DecodeGraphs:
         tables: torch.Tensor,
     ) -> torch.Tensor:
         model = self.model
-        d = model.weights.args.head_dim
+        d = model.args.head_dim
         prefix = f"model.layers.{layer}.mixer."
         page_ids, offsets = pages
         parts = []
@@ -305,7 +305,7 @@ class DecodeGraphs:
         replay_steps: int,
     ) -> torch.Tensor:
         model = self.model
-        args = model.weights.args
+        args = model.args
         mamba = model.spec.mamba2
         assert mamba is not None
         m = f"model.layers.{layer}.mixer."

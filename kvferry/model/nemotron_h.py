@@ -36,13 +36,22 @@ from kvferry.model.batch import plan_groups as _plan_groups
 from kvferry.model.decode_graph import is_decode_row
 from kvferry.model.mamba2 import causal_conv1d, mamba2_replay, ssm_chunk_scan, ssm_step
 from kvferry.model.tensor_parallel import RankWeights, all_reduce, shard_weights
-from kvferry.model.weights import ModelWeights
+from kvferry.model.weights import ModelWeights, NemotronHArgs
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT, LayerKind, ModelSpec, RankSpec, dtype_from_name
 
 if TYPE_CHECKING:
     from kvferry.model.decode_graph import DecodeGraphs
 
-__all__ = ["CacheViews", "DenseCache", "Model", "RowViews", "SequenceInput", "StepOutput", "rms_norm"]
+__all__ = [
+    "CacheViews",
+    "DenseCache",
+    "Model",
+    "RowViews",
+    "SequenceInput",
+    "StepOutput",
+    "rms_norm",
+    "validate_batch",
+]
 
 
 class CacheViews(Protocol):
@@ -294,6 +303,8 @@ class Model:
         :raises ~kvferry.errors.ConfigError: when the spec, the weights and the caches' shapes disagree.
         """
         args = weights.args
+        if not isinstance(args, NemotronHArgs):
+            raise ConfigError(f"Model runs NemotronH weights, not {type(args).__name__} (see build_model)")
         if spec.layer_kinds != args.layer_kinds or spec.hidden_size != args.hidden_size:
             raise ConfigError("spec layer kinds / hidden size differ from the weights' config")
         if spec.vocab_size != args.vocab_size:
@@ -313,7 +324,7 @@ class Model:
             )
             _check_cache(rank_spec, cache)
             ranks.append(_Rank(shard, cache))
-        device = weights["model.embeddings.weight"].device
+        device = weights.device
         return cls(weights=weights, spec=spec, ranks=ranks, device=device)
 
     def rebind(self, caches: Sequence[CacheViews]) -> None:
@@ -336,6 +347,12 @@ class Model:
             f"<Model {self.spec.name} tp={self.tp_size} {self.weights.dtype} layers={self.spec.num_layers} "
             f"steps={self._steps} tokens={self._tokens}>"
         )
+
+    @property
+    def args(self) -> NemotronHArgs:
+        args = self.weights.args
+        assert isinstance(args, NemotronHArgs)  # build refuses others
+        return args
 
     @property
     def tp_size(self) -> int:
@@ -375,48 +392,15 @@ class Model:
     # --- validation ------------------------------------------------------------------------------------------
 
     def _validate(self, batch: Sequence[SequenceInput], *, check_replay: bool = True) -> None:
-        if not batch:
-            raise ConfigError("empty batch")
-        tpb = self.spec.tokens_per_block
-        has_attention = bool(self.spec.attention_layer_ids)
-        has_state = bool(self.spec.layer_ids(LayerKind.MAMBA2))
-        num_pages = self.num_pages if has_attention else 0
-        num_slots, vocab = self.num_slots, self.spec.vocab_size
-        slots = [s.slot for s in batch]
-        if len(set(slots)) != len(slots):
-            raise ConfigError(f"a batch names the same slot twice: {slots}")
-        for s in batch:
-            n = len(s.token_ids)
-            if n == 0:
-                raise ConfigError("a sequence step needs at least one token")
-            if s.start < 0:
-                raise ConfigError(f"negative start {s.start}")
-            # min/max run in C: a batch of hundreds of rows is checked in well under a millisecond
-            if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
-                raise ConfigError(f"token ids outside the vocabulary [0, {vocab})")
-            if not 0 <= s.slot < num_slots:
-                raise ConfigError(f"slot {s.slot} outside [0, {num_slots})")
-            if has_attention:
-                needed = -(-(s.start + n) // tpb)
-                if len(s.block_table) < needed:
-                    raise ConfigError(
-                        f"block table of {len(s.block_table)} blocks cannot hold {s.start + n} tokens"
-                    )
-                pages = s.block_table[:needed]
-                if pages and (min(pages) < 0 or max(pages) >= num_pages):
-                    raise ConfigError(f"page ids outside [0, {num_pages})")
-            if s.verify and has_state and n > self.max_replay_tokens:
-                raise ConfigError(f"verify of {n} tokens exceeds max_replay_tokens {self.max_replay_tokens}")
-        resumed = [s.slot for s in batch if s.start > 0]
-        if has_state and resumed and check_replay:
-            # one gather (one device sync) for the whole batch
-            accepted = self._ranks[0].cache.num_accepted
-            pending = accepted[torch.tensor(resumed, device=accepted.device)].tolist()
-            for slot, count in zip(resumed, pending, strict=True):
-                if not 0 <= count <= self.max_replay_tokens:
-                    raise ConfigError(
-                        f"slot {slot} has num_accepted {count} outside [0, {self.max_replay_tokens}]"
-                    )
+        validate_batch(
+            batch,
+            self.spec,
+            num_pages=self.num_pages,
+            num_slots=self.num_slots,
+            max_replay_tokens=self.max_replay_tokens,
+            num_accepted=self._ranks[0].cache.num_accepted if self.spec.layer_ids(LayerKind.MAMBA2) else None,
+            check_replay=check_replay,
+        )
 
     # --- the step --------------------------------------------------------------------------------------------
 
@@ -486,8 +470,8 @@ class Model:
                 rank.cache.num_accepted[fresh] = 0
             replay_counts = self._ranks[0].cache.num_accepted[resumed].clone()
 
-        eps = self.weights.args.layer_norm_epsilon
-        x = self.weights["model.embeddings.weight"][tokens]
+        eps = self.args.layer_norm_epsilon
+        x = self.weights.embeddings[tokens]
         for layer, kind in enumerate(self.spec.layer_kinds):
             h = rms_norm(x, self.weights[f"model.layers.{layer}.norm.weight"], eps)
             if kind == LayerKind.ATTENTION:
@@ -505,7 +489,7 @@ class Model:
 
         hidden, logits = [], []
         offset = 0
-        norm_f = self.weights["model.norm_f.weight"]
+        norm_f = self.weights.final_norm
         for s in batch:
             n = len(s.token_ids)
             rows = x[offset : offset + n]
@@ -536,7 +520,7 @@ class Model:
         key_cache, value_cache = rank.cache.kv(layer)
         return _attention_block(
             rank.weights.tensors, f"model.layers.{layer}.mixer.", h, key_cache, value_cache, groups,
-            self.weights.args.head_dim,
+            self.args.head_dim,
         )  # fmt: skip
 
     def mlp(self, rank: int, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -557,7 +541,7 @@ class Model:
         resumed: torch.Tensor,
         replay_counts: torch.Tensor,
     ) -> torch.Tensor:
-        args = self.weights.args
+        args = self.args
         mamba = self.spec.mamba2
         assert mamba is not None
         m = f"model.layers.{layer}.mixer."
@@ -642,9 +626,7 @@ class Model:
         for rank, (gate, group_of) in zip(self._ranks, gated, strict=True):
             w = rank.weights
             variance = totals[:, group_of] / group_size
-            normed = w[m + "norm.weight"] * (
-                gate * torch.rsqrt(variance + self.weights.args.layer_norm_epsilon)
-            )
+            normed = w[m + "norm.weight"] * (gate * torch.rsqrt(variance + self.args.layer_norm_epsilon))
             partial.append(normed @ w[m + "out_proj.weight"].T)
         return all_reduce(partial)
 
@@ -720,3 +702,59 @@ def _check_cache(rank: RankSpec, cache: CacheViews) -> None:
                 raise ConfigError(
                     f"draft layer {layer - DRAFT_LAYER_SHIFT}: K/V shape {tuple(k.shape)} vs {want}"
                 )
+
+
+def validate_batch(
+    batch: Sequence[SequenceInput],
+    spec: ModelSpec,
+    *,
+    num_pages: int,
+    num_slots: int,
+    max_replay_tokens: int,
+    num_accepted: torch.Tensor | None,
+    check_replay: bool = True,
+) -> None:
+    """Refuse a bad batch before anything is written (either family's model).
+
+    :param num_accepted: rank 0's ``num_accepted`` when the model has recurrent layers (None: it has none);
+        with ``check_replay`` every resumed slot's count must lie in ``[0, max_replay_tokens]``.
+    :raises ~kvferry.errors.ConfigError: the first problem found.
+    """
+    if not batch:
+        raise ConfigError("empty batch")
+    tpb = spec.tokens_per_block
+    has_attention = bool(spec.attention_layer_ids)
+    has_state = num_accepted is not None
+    vocab = spec.vocab_size
+    slots = [s.slot for s in batch]
+    if len(set(slots)) != len(slots):
+        raise ConfigError(f"a batch names the same slot twice: {slots}")
+    for s in batch:
+        n = len(s.token_ids)
+        if n == 0:
+            raise ConfigError("a sequence step needs at least one token")
+        if s.start < 0:
+            raise ConfigError(f"negative start {s.start}")
+        # min/max run in C: a batch of hundreds of rows is checked in well under a millisecond
+        if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
+            raise ConfigError(f"token ids outside the vocabulary [0, {vocab})")
+        if not 0 <= s.slot < num_slots:
+            raise ConfigError(f"slot {s.slot} outside [0, {num_slots})")
+        if has_attention:
+            needed = -(-(s.start + n) // tpb)
+            if len(s.block_table) < needed:
+                raise ConfigError(
+                    f"block table of {len(s.block_table)} blocks cannot hold {s.start + n} tokens"
+                )
+            pages = s.block_table[:needed]
+            if pages and (min(pages) < 0 or max(pages) >= num_pages):
+                raise ConfigError(f"page ids outside [0, {num_pages})")
+        if s.verify and has_state and n > max_replay_tokens:
+            raise ConfigError(f"verify of {n} tokens exceeds max_replay_tokens {max_replay_tokens}")
+    resumed = [s.slot for s in batch if s.start > 0]
+    if num_accepted is not None and resumed and check_replay:
+        # one gather (one device sync) for the whole batch
+        pending = num_accepted[torch.tensor(resumed, device=num_accepted.device)].tolist()
+        for slot, count in zip(resumed, pending, strict=True):
+            if not 0 <= count <= max_replay_tokens:
+                raise ConfigError(f"slot {slot} has num_accepted {count} outside [0, {max_replay_tokens}]")

@@ -1,7 +1,11 @@
-"""NemotronH weights: the architecture's hyper-parameters, seeded tiny weights, checkpoints, a transformers twin.
+"""Model weights: the architecture's hyper-parameters, seeded tiny weights, checkpoints, a transformers twin.
 
+One :class:`ModelWeights` serves both families: NemotronH (:class:`NemotronHArgs`) and KimiLinear
+(:class:`~kvferry.model.kimi_args.KimiLinearArgs`); the family-neutral accessors (:attr:`ModelWeights.embeddings`,
+:attr:`ModelWeights.final_norm`, :attr:`ModelWeights.lm_head`, ``args.norm_eps``) hide their tensor names.
 Tensors keep transformers' state-dict names (``model.layers.3.mixer.in_proj.weight``), so a state dict moves
-between kvferry and ``NemotronHForCausalLM`` unchanged. Checkpoints are read from a local directory
+between kvferry and ``NemotronHForCausalLM`` / ``KimiLinearForCausalLM`` unchanged. Checkpoints are read from a
+local directory
 (``config.json`` + ``*.safetensors`` as ``save_pretrained`` writes them) by a small safetensors reader here:
 no hub, no transformers. transformers is imported only by :func:`tiny_hf_config`, :func:`hf_model` and
 :func:`hf_generate`, the oracle side of the tests.
@@ -24,9 +28,16 @@ import torch
 from attrs import frozen
 
 from kvferry.errors import ConfigError, MissingExtraError
+from kvferry.model.kimi_args import (
+    KimiLinearArgs,
+    from_checkpoint_names,
+    kimi_expected_shapes,
+    to_checkpoint_names,
+)
 from kvferry.pools.spec import HF_LAYER_KINDS, DrafterSpec, LayerKind, ModelSpec
 
 __all__ = [
+    "ModelArgs",
     "ModelWeights",
     "NemotronHArgs",
     "exact_float64",
@@ -88,6 +99,18 @@ class NemotronHArgs:
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return tuple(HF_LAYER_KINDS[t] for t in self.layers_block_type)
+
+    @property
+    def embeddings_name(self) -> str:
+        return "model.embeddings.weight"
+
+    @property
+    def final_norm_name(self) -> str:
+        return "model.norm_f.weight"
+
+    @property
+    def norm_eps(self) -> float:
+        return self.layer_norm_epsilon
 
     @property
     def mamba_intermediate(self) -> int:
@@ -213,19 +236,42 @@ def _transformers() -> types.ModuleType:
     return transformers
 
 
-def _hf_config(args: NemotronHArgs) -> Any:
+def _hf_config(args: ModelArgs) -> Any:
     transformers = _transformers()
     body = args.to_dict()
     body.pop("architectures")
     body.pop("model_type")
+    if isinstance(args, KimiLinearArgs):
+        return transformers.KimiLinearConfig(**body)
     body["layers_block_type"] = list(args.layers_block_type)
     return transformers.NemotronHConfig(**body)
+
+
+#: The hyper-parameters of either family.
+ModelArgs = NemotronHArgs | KimiLinearArgs
+
+
+def args_from_config(config: Any) -> ModelArgs:
+    """The family's args from a ``config.json`` dict or a transformers config, by its ``model_type``.
+
+    :raises ~kvferry.errors.ConfigError: an unsupported ``model_type`` or a bad field.
+    """
+    model_type = (
+        config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    )
+    if model_type == "kimi_linear":
+        return KimiLinearArgs.from_config(config)
+    if model_type in (None, "nemotron_h"):
+        return NemotronHArgs.from_config(config)
+    raise ConfigError(f"model_type {model_type!r} is not supported (nemotron_h, kimi_linear)")
 
 
 # --- tensors ---------------------------------------------------------------------------------------------
 
 
-def _expected_shapes(args: NemotronHArgs) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    if isinstance(args, KimiLinearArgs):
+        return kimi_expected_shapes(args)
     h = args.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embeddings.weight": (args.vocab_size, h),
@@ -261,9 +307,9 @@ def _expected_shapes(args: NemotronHArgs) -> dict[str, tuple[int, ...]]:
 
 @frozen
 class ModelWeights:
-    """A NemotronH model's tensors by transformers state-dict name, validated against ``args``."""
+    """A model's tensors by transformers state-dict name, validated against ``args`` (either family)."""
 
-    args: NemotronHArgs
+    args: ModelArgs
     tensors: Mapping[str, torch.Tensor] = attrs.field(repr=lambda t: f"<{len(t)} tensors>")
 
     def __attrs_post_init__(self) -> None:
@@ -277,15 +323,29 @@ class ModelWeights:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensors["model.embeddings.weight"].dtype
+        return self.embeddings.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.device
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
     @property
+    def embeddings(self) -> torch.Tensor:
+        """The token embedding ``[vocab, hidden]`` (NemotronH ``model.embeddings``, KimiLinear
+        ``model.embed_tokens``)."""
+        return self.tensors[self.args.embeddings_name]
+
+    @property
+    def final_norm(self) -> torch.Tensor:
+        """The final RMSNorm's weight ``[hidden]`` (``model.norm_f`` / ``model.norm``)."""
+        return self.tensors[self.args.final_norm_name]
+
+    @property
     def lm_head(self) -> torch.Tensor:
-        key = "model.embeddings.weight" if self.args.tie_word_embeddings else "lm_head.weight"
-        return self.tensors[key]
+        return self.embeddings if self.args.tie_word_embeddings else self.tensors["lm_head.weight"]
 
     def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> ModelWeights:
         """The same weights cast to ``dtype`` (and moved to ``device``)."""
@@ -294,17 +354,18 @@ class ModelWeights:
     @classmethod
     def from_state_dict(
         cls,
-        args: NemotronHArgs | Any,
+        args: ModelArgs | Any,
         state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype | None = None,
     ) -> ModelWeights:
         """From a transformers state dict (extra keys such as ``mtp.*`` are ignored).
 
-        :param args: a :class:`NemotronHArgs` or anything :meth:`NemotronHArgs.from_config` reads.
+        :param args: a :class:`NemotronHArgs` / :class:`KimiLinearArgs` or a config :func:`args_from_config`
+            reads.
         :raises ~kvferry.errors.ConfigError: when a tensor is missing or has the wrong shape.
         """
-        if not isinstance(args, NemotronHArgs):
-            args = NemotronHArgs.from_config(args)
+        if not isinstance(args, NemotronHArgs | KimiLinearArgs):
+            args = args_from_config(args)
         wanted = _expected_shapes(args)
         tensors = {k: v.detach() for k, v in state_dict.items() if k in wanted}
         if dtype is not None:
@@ -314,7 +375,7 @@ class ModelWeights:
     @classmethod
     def seeded(
         cls,
-        args: NemotronHArgs,
+        args: ModelArgs,
         seed: int,
         dtype: torch.dtype = torch.float32,
         *,
@@ -360,7 +421,7 @@ class ModelWeights:
             leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 t[name] = near_one(shape[0])
-            elif leaf == "embeddings":
+            elif name == args.embeddings_name:
                 t[name] = randn(*shape)
             elif name.endswith("conv1d.weight"):
                 t[name] = randn(*shape, std=0.5)
@@ -370,8 +431,11 @@ class ModelWeights:
                 u = torch.rand(shape, generator=gen, dtype=small, device=where)
                 dt = torch.exp(u * (math.log(0.5) - math.log(0.01)) + math.log(0.01))
                 t[name] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-            elif name.endswith("A_log"):
-                t[name] = torch.log(torch.arange(1, shape[0] + 1, dtype=small, device=where))
+            elif name.endswith("A_log"):  # NemotronH [heads], KimiLinear [1, 1, heads, 1]
+                heads = math.prod(shape)
+                t[name] = torch.log(torch.arange(1, heads + 1, dtype=small, device=where)).reshape(shape)
+            elif name.endswith("e_score_correction_bias"):  # a router bias that changes some choices
+                t[name] = randn(*shape, std=0.1)
             elif name.endswith(".D"):
                 t[name] = near_one(shape[0])
             elif leaf == "lm_head":
@@ -380,7 +444,7 @@ class ModelWeights:
                 perm = torch.randperm(shape[0], generator=gen, device=where)
                 predecessor = torch.empty_like(perm)
                 predecessor[perm] = torch.arange(shape[0], device=where)
-                head = randn(*shape).add_(bigram * t["model.embeddings.weight"][predecessor])
+                head = randn(*shape).add_(bigram * t[args.embeddings_name][predecessor])
                 t[name] = head.mul_(2.0 / math.sqrt(shape[1]) / math.sqrt(1.0 + bigram**2))
             elif leaf in ("out_proj", "o_proj", "down_proj"):  # what each block adds to the residual stream
                 t[name] = randn(*shape, std=residual_scale / math.sqrt(shape[-1]))
@@ -390,7 +454,8 @@ class ModelWeights:
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, dtype: torch.dtype | None = None) -> ModelWeights:
-        """From a local directory: ``config.json`` plus one or more ``*.safetensors`` files.
+        """From a local directory: ``config.json`` plus one or more ``*.safetensors`` files, of the family its
+        ``model_type`` names (``nemotron_h``, ``kimi_linear``).
 
         :raises ~kvferry.errors.ConfigError: when the directory, config or a tensor is missing or malformed.
         """
@@ -402,6 +467,7 @@ class ModelWeights:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"no *.safetensors files in {path}")
+        args = args_from_config(config)
         state: dict[str, torch.Tensor] = {}
         for file in files:
             for name, tensor in load_safetensors(file).items():
@@ -409,7 +475,9 @@ class ModelWeights:
                 state["model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name] = (
                     tensor
                 )
-        return cls.from_state_dict(NemotronHArgs.from_config(config), state, dtype)
+        if isinstance(args, KimiLinearArgs):
+            state = from_checkpoint_names(state)
+        return cls.from_state_dict(args, state, dtype)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (what ``from_pretrained`` reads)."""
@@ -418,10 +486,13 @@ class ModelWeights:
         body = self.args.to_dict()
         body["torch_dtype"] = str(self.dtype).removeprefix("torch.")
         (path / "config.json").write_text(json.dumps(body, indent=2))
-        renamed = {
-            ("backbone." + k.removeprefix("model.")) if k.startswith("model.") else k: v
-            for k, v in self.tensors.items()
-        }
+        if isinstance(self.args, KimiLinearArgs):
+            renamed = to_checkpoint_names(self.args, self.tensors)
+        else:
+            renamed = {
+                ("backbone." + k.removeprefix("model.")) if k.startswith("model.") else k: v
+                for k, v in self.tensors.items()
+            }
         save_safetensors(path / "model.safetensors", renamed)
 
 
@@ -489,18 +560,26 @@ def save_safetensors(file: str | Path, tensors: Mapping[str, torch.Tensor]) -> N
 
 
 def hf_model(weights: ModelWeights, *, share: bool = False) -> Any:
-    """A transformers ``NemotronHForCausalLM`` holding exactly ``weights`` (in their dtype), in eval mode.
+    """A transformers ``NemotronHForCausalLM`` / ``KimiLinearForCausalLM`` holding exactly ``weights`` (in their
+    dtype), in eval mode. KimiLinear runs transformers' eager attention and eager experts (the forms that
+    compute in float64 on the CPU).
 
     :param share: the model's parameters are ``weights``' own tensors, on their device (the model is built
         on the meta device: no copy and no initialisation of a large model); else it holds CPU copies.
     """
     transformers = _transformers()
     config = _hf_config(weights.args)
+    if isinstance(weights.args, KimiLinearArgs):
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model_class = transformers.KimiLinearForCausalLM
+    else:
+        model_class = transformers.NemotronHForCausalLM
     if share:
         with torch.device("meta"):
-            model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+            model = model_class(config).to(weights.dtype).eval()
     else:
-        model = transformers.NemotronHForCausalLM(config).to(weights.dtype).eval()
+        model = model_class(config).to(weights.dtype).eval()
     missing, unexpected = model.load_state_dict(dict(weights.tensors), strict=False, assign=share)
     if share:
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -524,16 +603,20 @@ class _Float32IsFloat64:
         return getattr(self._real, name)
 
 
+#: transformers' modelling files whose float32 casts :func:`exact_float64` keeps in float64
+_FLOAT32_MODULES = ("nemotron_h.modeling_nemotron_h", "kimi_linear.modeling_kimi_linear")
+
+
 @contextlib.contextmanager
 def exact_float64() -> Iterator[None]:
-    """Make transformers' NemotronH compute in float64 end to end while the context is open.
+    """Make transformers' NemotronH and KimiLinear compute in float64 end to end while the context is open.
 
-    Its norms, its Mamba2 scans and its logits cast to float32 internally (``.to(torch.float32)``,
+    Their norms, their Mamba2 / KDA scans, KimiLinear's router and their logits cast to float32 internally (``.to(torch.float32)``,
     ``.float()``), which caps agreement near 1e-7 whatever dtype the weights have. Inside this context those
     casts keep float64, so a float64 model is compared with float64 arithmetic. Only for the oracle side of
     tests; not thread-safe (it patches ``torch.Tensor.float`` for the duration).
     """
-    module: Any = importlib.import_module("transformers.models.nemotron_h.modeling_nemotron_h")
+    modules: list[Any] = [importlib.import_module(f"transformers.models.{m}") for m in _FLOAT32_MODULES]
 
     real_float = torch.Tensor.float
 
@@ -542,14 +625,16 @@ def exact_float64() -> Iterator[None]:
             return self
         return real_float(self, *args, **kwargs)
 
-    real_torch = module.torch
-    module.torch = _Float32IsFloat64(real_torch)
+    real_torch = [module.torch for module in modules]
+    for module, real in zip(modules, real_torch, strict=True):
+        module.torch = _Float32IsFloat64(real)
     torch.Tensor.float = keep_float64  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         torch.Tensor.float = real_float  # type: ignore[method-assign]
-        module.torch = real_torch
+        for module, real in zip(modules, real_torch, strict=True):
+            module.torch = real
 
 
 def hf_generate(
