@@ -2,11 +2,11 @@
 
 - :class:`LockstepCache` drives one :class:`~kvferry.pools.manager.CacheManager` per tensor-parallel rank (each
   rank owns its own arena) through the same operations, so every rank holds the same page and slot ids.
-- :class:`PagedRunner` runs :class:`~kvferry.model.nemotron_h.Model` steps over the managers' block tables and
+- :class:`PagedRunner` runs :class:`~kvferry.model.family.PagedModel` steps (NemotronH or KimiLinear) over the managers' block tables and
   slots, feeds the drafter the target's hidden states, and records verify outcomes (``num_accepted``) in the
   replay state through the managers.
 - :func:`build_engine` builds an :class:`~kvferry.engine.engine.Engine` for a preset (seeded random weights,
-  :mod:`kvferry.model.presets`) or a local NemotronH checkpoint directory.
+  :mod:`kvferry.model.presets`) or a local NemotronH or KimiLinear checkpoint directory.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, KvferryError, UnknownRequest, WireFormatError
 from kvferry.model.device import resolve_device
 from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
+from kvferry.model.family import PagedModel, build_model
 from kvferry.model.nemotron_h import Model, RowViews, SequenceInput
 from kvferry.model.presets import load_preset
 from kvferry.model.weights import ModelWeights
@@ -276,7 +277,7 @@ class PagedRunner:
     keeps only its accepted rows.
     """
 
-    model: Model
+    model: PagedModel
     cache: LockstepCache
     drafter: Drafter | None = None
     _fed: dict[int, list[_Fed]] = attrs.field(factory=dict, init=False)
@@ -543,8 +544,9 @@ def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, Mode
 
 
 def build_engine(model: str | Path = "tiny", options: EngineOptions | None = None) -> BuiltEngine:
-    """An engine over the paged model: a preset (``tiny``, ``nemotron-h-1b``, ``nemotron-h-8b``: seeded random
-    weights made on ``options.device``, see :mod:`kvferry.model.presets`) or a checkpoint directory.
+    """An engine over the paged model: a preset (``tiny``, ``tiny-kimi``, ``nemotron-h-1b``, ``nemotron-h-8b``:
+    seeded random weights made on ``options.device``, see :mod:`kvferry.model.presets`) or a checkpoint
+    directory of either family (``config.json``'s ``model_type``: ``nemotron_h`` or ``kimi_linear``).
 
     Each of ``options.tp`` simulated ranks gets its own arena and manager. With ``max_spec_k > 0`` the drafter
     is built too (its own paged KV). The engine is not started: use ``async with built.engine:``.
@@ -584,10 +586,11 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
     ]
     cache = LockstepCache(tuple(managers))
     weights = weights.to(dtype_from_name(options.dtype), options.device)
-    target = Model.build(weights, spec, arenas)
+    target = build_model(weights, spec, arenas)
     decode_graphs = options.decode_graphs
     if decode_graphs is None:
-        decode_graphs = torch.device(options.device).type == "cuda"
+        # the fused decode path exists for NemotronH only (KimiLinearModel refuses it when asked outright)
+        decode_graphs = torch.device(options.device).type == "cuda" and isinstance(target, Model)
     if decode_graphs:
         target.enable_decode_graphs(options.max_running)
     drafter = None

@@ -25,10 +25,10 @@ from attrs import define, frozen
 from kvferry.errors import ConfigError
 from kvferry.model.batch import Group as _Group
 from kvferry.model.batch import plan_groups as _plan_groups
+from kvferry.model.family import PagedModel, build_model
 from kvferry.model.nemotron_h import (
     CacheViews,
     DenseCache,
-    Model,
     SequenceInput,
     _attention_block,
     _int_tuple,
@@ -134,12 +134,12 @@ class DrafterWeights:
         u = _rounded(mean / mean.norm())
         eye = torch.eye(h, dtype=torch.float64)
         fc = torch.cat((hidden_mix * eye + context_gain * torch.outer(nu, u), embed_mix * eye), dim=1)
-        embeddings = target["model.embeddings.weight"].to(dtype=torch.float64, device="cpu")[probe[:, 1:]]
+        embeddings = target.embeddings.to(dtype=torch.float64, device="cpu")[probe[:, 1:]]
         features = torch.cat((hidden[:, :-1], embeddings), dim=-1) @ fc.T
         rms = _rounded(features.pow(2).mean(-1).sqrt().mean())
         tensors: dict[str, torch.Tensor] = {
             "fc.weight": fc,
-            "norm_f.weight": target["model.norm_f.weight"].to(dtype=torch.float64, device="cpu"),
+            "norm_f.weight": target.final_norm.to(dtype=torch.float64, device="cpu"),
         }
         for i in range(spec.num_layers):
             p = f"layers.{i}."
@@ -155,7 +155,7 @@ class DrafterWeights:
                 o[:, ::d] = (-float(rms) / q_heads) * nu[:, None]
             tensors[p + "mixer.v_proj.weight"] = v
             tensors[p + "mixer.o_proj.weight"] = o
-        device = target["model.embeddings.weight"].device
+        device = target.device
         return cls(spec, h, {k: v.to(dtype=target.dtype, device=device) for k, v in tensors.items()})
 
     @classmethod
@@ -178,9 +178,8 @@ def _probe_hidden(target: ModelWeights, tokens: torch.Tensor) -> torch.Tensor:
     tpb = 16
     blocks = -(-t // tpb)
     spec = target.args.model_spec(tokens_per_block=tpb, dtype=dtype_name(target.dtype))
-    device = target["model.embeddings.weight"].device
-    cache = DenseCache(spec.shard(1, 0), num_pages=n * blocks, num_slots=n, device=device)
-    model = Model.build(target, spec, [cache])
+    cache = DenseCache(spec.shard(1, 0), num_pages=n * blocks, num_slots=n, device=target.device)
+    model = build_model(target, spec, [cache])
     batch = [
         SequenceInput(
             tokens[i].tolist(),  # type: ignore[arg-type,unused-ignore]
@@ -229,13 +228,14 @@ class _DraftRank:
 
 @define(eq=False)
 class Drafter:
-    """The drafter of one target :class:`~kvferry.model.nemotron_h.Model`, over the same ranks and caches.
+    """The drafter of one target :class:`~kvferry.model.family.PagedModel` (either family), over the same ranks
+    and caches.
 
     Build with :meth:`build`. Not thread-safe. A failure inside :meth:`propose` may leave draft KV of the
     positions it was writing; those positions are rewritten by the next catch-up.
     """
 
-    target: Model
+    target: PagedModel
     weights: DrafterWeights
     spec: DrafterSpec
     _ranks: list[_DraftRank]
@@ -243,7 +243,7 @@ class Drafter:
     _drafted: int = 0
 
     @classmethod
-    def build(cls, target: Model, weights: DrafterWeights) -> Drafter:
+    def build(cls, target: PagedModel, weights: DrafterWeights) -> Drafter:
         """A drafter for ``target``; each rank gets its draft-head shard and its cache's draft layers.
 
         :raises ~kvferry.errors.ConfigError: when the target spec has no drafter, shapes differ, or a cache
@@ -330,9 +330,9 @@ class Drafter:
     def _forward(self, h_in: torch.Tensor, tokens: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
         # one drafter pass over flat rows; returns the pre-norm x
         w = self.weights
-        embeddings = self.target.weights["model.embeddings.weight"][tokens]
+        embeddings = self.target.weights.embeddings[tokens]
         x = torch.cat((h_in, embeddings), dim=-1) @ w["fc.weight"].T
-        eps = self.target.weights.args.layer_norm_epsilon
+        eps = self.target.weights.args.norm_eps
         for i, layer in enumerate(self.spec.global_layer_ids):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "norm.weight"], eps)
@@ -348,7 +348,7 @@ class Drafter:
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.target.weights.args.layer_norm_epsilon
+        eps = self.target.weights.args.norm_eps
         return rms_norm(x, self.weights["norm_f.weight"], eps) @ self.target.weights.lm_head.T
 
     @torch.no_grad()

@@ -21,15 +21,16 @@ import torch
 from attrs import frozen
 
 from kvferry.errors import ConfigError
-from kvferry.pools.spec import DrafterSpec, LayerKind, ModelSpec
+from kvferry.pools.spec import KIMI_LAYER_KINDS, DrafterSpec, LayerKind, ModelSpec
 
-__all__ = ["KimiLinearArgs", "from_checkpoint_names", "kimi_expected_shapes", "to_checkpoint_names"]
+__all__ = [
+    "KimiLinearArgs",
+    "from_checkpoint_names",
+    "kimi_expected_shapes",
+    "tiny_kimi_args",
+    "to_checkpoint_names",
+]
 
-#: transformers' ``layer_types`` entry of a KimiLinear block -> the mixer kind of that block
-KIMI_LAYER_KINDS: Mapping[str, LayerKind] = {
-    "linear_attention": LayerKind.KDA,
-    "full_attention": LayerKind.ATTENTION,
-}
 _MLP_TYPES = ("dense", "sparse")
 
 
@@ -239,6 +240,43 @@ class KimiLinearArgs:
         return ModelSpec.from_hf_config(
             self, name=name, tokens_per_block=tokens_per_block, dtype=dtype, drafter=drafter
         )
+
+
+def tiny_kimi_args(spec: ModelSpec) -> KimiLinearArgs:
+    """The KimiLinear hyper-parameters whose caches have the shapes of ``spec`` (the ``tiny-kimi`` preset),
+    with its model-side dims: MLP intermediate 128; MoE of 8 experts of 32 in 2 groups, 2 chosen from the best
+    group, one shared expert, routed scaling 2.446; the first layer's MLP dense, the others MoE.
+
+    :raises ~kvferry.errors.ConfigError: a spec whose layers are not KDA / MLA.
+    """
+    mla, kda = spec.mla, spec.kda
+    if mla is None or not set(spec.layer_kinds) <= {LayerKind.ATTENTION, LayerKind.KDA}:
+        raise ConfigError("tiny_kimi_args needs a spec of MLA (and KDA) layers")
+    types_ = {LayerKind.ATTENTION: "full_attention", LayerKind.KDA: "linear_attention"}
+    return KimiLinearArgs(
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        layer_types=tuple(types_[k] for k in spec.layer_kinds),
+        mlp_layer_types=tuple("dense" if i < 1 else "sparse" for i in range(spec.num_layers)),
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=mla.num_heads,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        num_experts=8,
+        num_experts_per_tok=2,
+        linear_num_heads=kda.num_heads if kda is not None else 4,
+        linear_head_dim=kda.head_dim if kda is not None else 16,
+        linear_conv_kernel_dim=kda.conv_kernel if kda is not None else 4,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.446,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+    )
 
 
 def kimi_expected_shapes(args: KimiLinearArgs) -> dict[str, tuple[int, ...]]:

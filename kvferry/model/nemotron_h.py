@@ -716,8 +716,9 @@ def validate_batch(
 ) -> None:
     """Refuse a bad batch before anything is written (either family's model).
 
-    :param num_accepted: rank 0's ``num_accepted`` when the model has recurrent layers (None: it has none);
-        with ``check_replay`` every resumed slot's count must lie in ``[0, max_replay_tokens]``.
+    :param num_accepted: rank 0's ``num_accepted`` when the model has recurrent layers (None: it has none, and
+        slots are not checked); with ``check_replay`` every resumed slot's count must lie in
+        ``[0, max_replay_tokens]``.
     :raises ~kvferry.errors.ConfigError: the first problem found.
     """
     if not batch:
@@ -727,7 +728,8 @@ def validate_batch(
     has_state = num_accepted is not None
     vocab = spec.vocab_size
     slots = [s.slot for s in batch]
-    if len(set(slots)) != len(slots):
+    # slots hold recurrent state: a model without any (MLA / attention only) ignores them
+    if has_state and len(set(slots)) != len(slots):
         raise ConfigError(f"a batch names the same slot twice: {slots}")
     for s in batch:
         n = len(s.token_ids)
@@ -738,7 +740,7 @@ def validate_batch(
         # min/max run in C: a batch of hundreds of rows is checked in well under a millisecond
         if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
             raise ConfigError(f"token ids outside the vocabulary [0, {vocab})")
-        if not 0 <= s.slot < num_slots:
+        if has_state and not 0 <= s.slot < num_slots:
             raise ConfigError(f"slot {s.slot} outside [0, {num_slots})")
         if has_attention:
             needed = -(-(s.start + n) // tpb)

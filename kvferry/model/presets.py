@@ -1,7 +1,10 @@
-"""Built-in models with seeded random weights: ``tiny`` and two NemotronH models at real proportions.
+"""Built-in models with seeded random weights: ``tiny``, ``tiny-kimi`` and two NemotronH models at real
+proportions.
 
 - ``tiny``: the reference model of the test oracles (:func:`~kvferry.model.weights.tiny_args`; weights drawn
   in float64 on the CPU, then cast and moved).
+- ``tiny-kimi``: the KimiLinear reference model (KDA, MLA, MoE; :func:`~kvferry.model.kimi_args.tiny_kimi_args`),
+  drawn the same way.
 - ``nemotron-h-1b`` (about 1.05 B parameters): hidden 2048, vocabulary 131072 (untied LM head), 28 blocks in
   the pattern ``MMMMM*-`` x 4: 20 Mamba2 (32 heads of 64 channels, state 128, 8 groups, conv 4), 4 attention
   (16 query / 4 kv heads of 128) and 4 MLP (relu2, intermediate 8192 = 4 x hidden). About half of the
@@ -25,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from kvferry.errors import ConfigError
-from kvferry.model.weights import ModelWeights, NemotronHArgs, tiny_args
+from kvferry.model.kimi_args import tiny_kimi_args
+from kvferry.model.weights import ModelArgs, ModelWeights, NemotronHArgs, tiny_args
 from kvferry.pools.spec import DrafterSpec, LayerKind, ModelSpec, dtype_from_name, preset
 
 __all__ = ["load_preset", "preset_args"]
@@ -66,18 +70,19 @@ def _args_of(name: str, spec: ModelSpec, intermediate_size: int, scale: int) -> 
     )
 
 
-def preset_args(name: str, *, scale: int = 1) -> NemotronHArgs:
-    """The NemotronH hyper-parameters of a preset, widths divided by ``scale`` (1: the real proportions).
+def preset_args(name: str, *, scale: int = 1) -> ModelArgs:
+    """The hyper-parameters of a preset (NemotronH; KimiLinear for ``tiny-kimi``), widths divided by ``scale``
+    (1: the real proportions).
 
     :raises ~kvferry.errors.ConfigError: an unknown preset (the message lists them) or a bad ``scale``.
     """
     if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1:
         raise ConfigError(f"preset scale must be an int >= 1, got {scale!r}")
     spec = preset(name)  # ConfigError listing the presets for an unknown name
-    if name == "tiny":
+    if name in ("tiny", "tiny-kimi"):
         if scale != 1:
-            raise ConfigError("the tiny preset cannot be scaled down")
-        return tiny_args(spec)
+            raise ConfigError(f"the {name} preset cannot be scaled down")
+        return tiny_args(spec) if name == "tiny" else tiny_kimi_args(spec)
     return _args_of(name, spec, _INTERMEDIATE[name], scale)
 
 
@@ -109,9 +114,10 @@ def load_preset(
     """
     torch_dtype = dtype_from_name(dtype)
     args = preset_args(name, scale=scale)
-    if name == "tiny":
-        spec = preset("tiny").with_dtype(dtype)
+    if name in ("tiny", "tiny-kimi"):
+        spec = preset(name).with_dtype(dtype)
         return ModelWeights.seeded(args, seed, torch_dtype).to(torch_dtype, device), spec
+    assert isinstance(args, NemotronHArgs)
     weights = ModelWeights.seeded(args, seed, torch_dtype, device=device)
     spec = args.model_spec(
         name=name if scale == 1 else f"{name}/{scale}",

@@ -11,7 +11,7 @@ from kvferry.engine.runner import EngineOptions, build_engine
 from kvferry.errors import ConfigError
 from kvferry.model.nemotron_h import Model, SequenceInput
 from kvferry.model.presets import load_preset, preset_args
-from kvferry.model.weights import ModelWeights
+from kvferry.model.weights import ModelWeights, NemotronHArgs
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
 from kvferry.pools.spec import LayerKind, preset, preset_names
@@ -21,6 +21,7 @@ PROMPT = 128
 
 def test_the_presets_have_their_stated_proportions() -> None:
     small = preset_args("nemotron-h-1b")
+    assert isinstance(small, NemotronHArgs)
     assert (small.hidden_size, small.vocab_size, small.intermediate_size) == (2048, 131072, 8192)
     kinds = small.layer_kinds
     assert (kinds.count(LayerKind.MAMBA2), kinds.count(LayerKind.ATTENTION), kinds.count(LayerKind.MLP)) == (
