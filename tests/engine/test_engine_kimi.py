@@ -1,0 +1,213 @@
+"""The engine over a KimiLinear model: ``tiny-kimi`` (KDA + MLA + MoE, seeded) and KimiLinear checkpoint
+directories give the model's own greedy tokens and transformers' (float64), batched, tensor-parallel, with the
+real drafter, with replay state suspended and offloaded between a verify step and the next, and across pool
+rebalances (KDA replay buffers follow the state pool)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from kvferry.engine.engine import Engine
+from kvferry.engine.runner import BuiltEngine, build_engine
+from kvferry.errors import ConfigError
+from kvferry.model.family import build_model
+from kvferry.model.kimi_args import KimiLinearArgs, tiny_kimi_args
+from kvferry.model.nemotron_h import DenseCache, SequenceInput
+from kvferry.model.weights import ModelWeights
+from kvferry.pools.spec import ModelSpec, preset
+from tests.engine.test_engine import (
+    MAX_TOKENS,
+    PROMPTS,
+    OracleDraftRunner,
+    assert_all_free,
+    free_counts,
+    options,
+    run_all,
+    submits_in_order,
+)
+
+HAS_KDA = importlib.util.find_spec("kvferry.model.kda") is not None
+needs_kda = pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
+
+#: an MLA-only KimiLinear (every layer full attention): runs without the KDA block
+MLA_ARGS = KimiLinearArgs(
+    hidden_size=48,
+    vocab_size=256,
+    layer_types=("full_attention",) * 3,
+    mlp_layer_types=("dense", "sparse", "sparse"),
+    intermediate_size=96,
+    moe_intermediate_size=16,
+    num_attention_heads=4,
+    kv_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    num_experts=6,
+    num_experts_per_tok=2,
+    linear_num_heads=2,
+    linear_head_dim=8,
+    n_group=3,
+    topk_group=2,
+)
+
+
+def model_greedy(weights: ModelWeights, spec: ModelSpec, prompt: Sequence[int], new: int) -> list[int]:
+    """The paged model's own greedy run (one sequence, a dense cache, no engine)."""
+    blocks = -(-(len(prompt) + new) // spec.tokens_per_block)
+    model = build_model(
+        weights, spec.without_drafter(), [DenseCache(spec.shard(1, 0), num_pages=blocks, num_slots=2)]
+    )
+    table = list(range(blocks))
+    out = model.step([SequenceInput(prompt, 0, table, 1)])
+    tokens = [int(out.logits[0][-1].argmax())]
+    while len(tokens) < new:
+        out = model.step([SequenceInput(tokens[-1:], len(prompt) + len(tokens) - 1, table, 1)])
+        tokens.append(int(out.logits[0][-1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLA-only KimiLinear checkpoint as transformers' save_pretrained writes it."""
+    pytest.importorskip("transformers")
+    from kvferry.model.weights import hf_model
+
+    path = tmp_path_factory.mktemp("kimi")
+    hf_model(ModelWeights.seeded(MLA_ARGS, 3, torch.float64)).save_pretrained(path)
+    return path
+
+
+def test_a_checkpoint_directory_serves_transformers_tokens(checkpoint: Path) -> None:
+    from kvferry.model.weights import hf_generate, hf_model
+
+    weights = ModelWeights.from_checkpoint(checkpoint)
+    built = build_engine(checkpoint, options())
+    assert type(built.runner.model).__name__ == "KimiLinearModel"
+    tokens = anyio.run(run_all, built, PROMPTS[2:5], MAX_TOKENS[2:5])
+    for prompt, new, got in zip(PROMPTS[2:5], MAX_TOKENS[2:5], tokens, strict=True):
+        assert got == hf_generate(hf_model(weights), prompt, new)[0]
+        assert got == model_greedy(weights, built.runner.model.spec, prompt, new)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("tp", "k"), [(1, 0), (2, 0), (1, 3), (2, 2)])
+async def test_a_checkpoint_batched_tensor_parallel_and_drafted_gives_the_same_tokens(
+    checkpoint: Path, tp: int, k: int
+) -> None:
+    alone = await run_all(build_engine(checkpoint, options(enable_reuse=False)), sequential=True)
+    built = build_engine(checkpoint, options(tp=tp, max_spec_k=k, num_pages=64, max_prefill_chunk=5))
+    initial = free_counts(built)
+    assert await run_all(built, spec_k=k) == alone
+    if k:
+        stats = built.engine.statistics()
+        assert 0 < stats.num_accepted < stats.num_drafted  # the drafter runs on a KimiLinear target
+    assert_all_free(built, initial)
+
+
+def test_decode_graphs_are_refused_for_kimi_and_off_by_default(checkpoint: Path) -> None:
+    with pytest.raises(ConfigError, match="decode graphs"):
+        build_engine(checkpoint, options(decode_graphs=True))
+    assert build_engine(checkpoint, options()).runner.model.decode_graphs is None
+
+
+# --- tiny-kimi: KDA + MLA + MoE --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi_alone() -> list[list[int]]:
+    """Each prompt on its own through tiny-kimi (sequential, no reuse): the reference of every batched run."""
+    if not HAS_KDA:
+        pytest.skip("the KDA block (kvferry.model.kda) is not here yet")
+    built = build_engine("tiny-kimi", options(enable_reuse=False))
+    return anyio.run(lambda: run_all(built, sequential=True))
+
+
+@needs_kda
+def test_tiny_kimi_engine_equals_its_model_and_transformers(kimi_alone: list[list[int]]) -> None:
+    pytest.importorskip("transformers")
+    from kvferry.model.weights import hf_generate, hf_model
+
+    spec = preset("tiny-kimi").with_dtype("float64")
+    weights = ModelWeights.seeded(tiny_kimi_args(spec), 0, torch.float64)
+    for i in (1, 4):
+        assert kimi_alone[i] == model_greedy(weights, spec, PROMPTS[i], MAX_TOKENS[i])
+        assert kimi_alone[i] == hf_generate(hf_model(weights), PROMPTS[i], MAX_TOKENS[i])[0]
+
+
+@needs_kda
+@pytest.mark.anyio
+@pytest.mark.parametrize(("tp", "k"), [(1, 0), (2, 0), (1, 2), (2, 3)])
+async def test_tiny_kimi_batched_tensor_parallel_and_drafted_gives_the_same_tokens(
+    kimi_alone: list[list[int]], tp: int, k: int
+) -> None:
+    built = build_engine("tiny-kimi", options(tp=tp, max_spec_k=k, num_pages=64, max_prefill_chunk=5))
+    initial = free_counts(built)
+    assert await run_all(built, spec_k=k) == kimi_alone
+    if k:
+        stats = built.engine.statistics()
+        assert 0 < stats.num_accepted < stats.num_drafted
+        assert built.runner.model.statistics()["replayed_tokens"] > 0
+    assert_all_free(built, initial)
+
+
+@needs_kda
+@pytest.mark.anyio
+@pytest.mark.parametrize(("k", "pages"), [(1, 40), (2, 14), (3, 13)])
+async def test_tiny_kimi_replay_state_survives_suspend_offload_and_resume_in_another_slot(
+    kimi_alone: list[list[int]], k: int, pages: int, anyio_backend: str
+) -> None:
+    """Verify steps whose acceptance the next step replays; with tight pools requests are preempted between a
+    verify step and that replay, their KDA slot, replay buffer and num_accepted go to the host and come back
+    into another slot: the tokens stay those of an uninterrupted run."""
+    built = build_engine(
+        "tiny-kimi",
+        options(max_spec_k=k, drafter=False, num_pages=pages, max_prefill_chunk=5, step_in_thread=True),
+    )
+    runner = OracleDraftRunner(built.runner, dict(zip(PROMPTS, kimi_alone, strict=True)))
+    engine = Engine(runner, built.cache, built.engine.config)
+    initial = free_counts(built)
+    assert await run_all(built._replace(engine=engine, runner=runner), spec_k=k) == kimi_alone
+    stats = engine.statistics()
+    assert 0 < stats.num_accepted < stats.num_drafted
+    assert runner.model.statistics()["replayed_tokens"] > 0
+    if pages < 20 and submits_in_order(anyio_backend):
+        assert engine.scheduler.statistics().num_preemptions > 0 and built.cache.statistics().restores > 0
+    assert_all_free(built, initial)
+
+
+@needs_kda
+@pytest.mark.anyio
+async def test_tiny_kimi_rebalances_mid_run_keep_every_token(kimi_alone: list[list[int]]) -> None:
+    built: BuiltEngine = build_engine("tiny-kimi", options(num_pages=40, max_spec_k=2))
+    expected = await run_all(build_engine("tiny-kimi", options(enable_reuse=False, max_spec_k=2)), spec_k=2)
+    assert expected == kimi_alone
+    results: list[list[int]] = [[] for _ in PROMPTS]
+    sizes = [{"num_pages": 128, "num_slots": 40}, {"num_pages": 30, "num_slots": 12}]
+    done: list[int] = []
+    with anyio.fail_after(120):
+        async with built.engine:
+
+            async def one(i: int) -> None:
+                generation = built.engine.generate(PROMPTS[i], max_tokens=MAX_TOKENS[i], spec_k=2)
+                async for token in generation:
+                    results[i].append(token)
+                    if i == 2 and len(done) < len(sizes) and len(results[i]) >= 2 + 3 * len(done):
+                        await built.engine.rebalance(**sizes[len(done)])
+                        done.append(len(results[i]))
+                        # the model runs over the new arenas: the KDA replay buffers grew with the slots
+                        layer = built.runner.model.spec.recurrent_layer_ids[0]
+                        arena = built.runner.model.caches[0]
+                        assert arena.replay(layer).shape[0] == sizes[len(done) - 1]["num_slots"]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(one, i)
+    assert len(done) == len(sizes)
+    assert results == expected
+    assert built.engine.statistics().num_failed == 0
