@@ -68,7 +68,7 @@ def test_a_missing_model_directory_says_so(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert err == (
         f"kvferry generate: error: --model {missing}: no such preset or directory (presets: tiny, "
-        "nemotron-h-1b, nemotron-h-8b) (ConfigError)\n"
+        "tiny-kimi, nemotron-h-1b, nemotron-h-8b) (ConfigError)\n"
     )
 
 
@@ -114,8 +114,8 @@ def test_an_empty_model_is_refused_not_read_as_the_current_directory(
 ) -> None:
     assert main(["generate", "--model", "", "--prompt", "hi", "--max-tokens", "2"]) == 2
     assert capsys.readouterr().err == (
-        "kvferry generate: error: --model is empty (give a preset: tiny, nemotron-h-1b, nemotron-h-8b; or a "
-        "checkpoint directory) (ConfigError)\n"
+        "kvferry generate: error: --model is empty (give a preset: tiny, tiny-kimi, nemotron-h-1b, nemotron-h-8b; "
+        "or a checkpoint directory) (ConfigError)\n"
     )
 
 
@@ -224,7 +224,8 @@ def test_a_preset_has_no_tokenizer_but_takes_ids_and_an_unknown_one_is_listed(
     assert "nemotron-h-1b has no tokenizer: give token ids with --ids" in capsys.readouterr().err
     assert main(["generate", "--model", "nemotron-h-9b", "--ids", "1", "--max-tokens", "2"]) == 2
     assert (
-        "no such preset or directory (presets: tiny, nemotron-h-1b, nemotron-h-8b)" in capsys.readouterr().err
+        "no such preset or directory (presets: tiny, tiny-kimi, nemotron-h-1b, nemotron-h-8b)"
+        in capsys.readouterr().err
     )
 
 

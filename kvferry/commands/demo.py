@@ -1,4 +1,7 @@
-"""``kvferry demo``: aggregated vs disaggregated serving of the reference model, token for token.
+"""``kvferry demo``: aggregated vs disaggregated serving of a model, token for token.
+
+The model (``--model``) is a preset (``tiny``, the default; ``tiny-kimi``, the KimiLinear reference) or a local
+NemotronH or KimiLinear checkpoint directory; both passes serve the same one.
 
 Runs N generated prompts of mixed lengths through one aggregated engine (the reference), then through a
 context engine (prefill, another OS process when a cross-process transport is installed) and a generation
@@ -22,12 +25,15 @@ import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from kvferry._percentile import nearest_rank
 from kvferry.commands._common import (
     DTYPES,
+    PRESETS,
     check_device,
+    check_model,
     check_tp,
     non_negative_int,
     positive_int,
@@ -76,6 +82,12 @@ def _at_least_two(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--model",
+        default="tiny",
+        help="a preset (tiny, tiny-kimi, ...) or a local NemotronH / KimiLinear checkpoint directory "
+        "(default tiny)",
+    )
+    parser.add_argument(
         "--transport",
         choices=["auto", "nixl", "ucx", "local"],
         default="auto",
@@ -123,11 +135,10 @@ def _check_fits(args: argparse.Namespace) -> None:
     """Refuse a ``--max-tokens`` that the engines' pages cannot hold for the longest prompt, before anything
     runs (it failed with PoolExhausted once the aggregated pass had decoded that far: minutes)."""
     from kvferry.disagg.serve import _options
-    from kvferry.pools.spec import preset
 
-    tokens_per_block = preset("tiny").tokens_per_block
+    tokens_per_block, vocab = _model_shape(args.model)
     pages = _options(1, 0, args.seed, "float64").num_pages - 1  # per rank; page 0 is reserved
-    longest = max(map(len, _prompts(args.requests, args.seed)))
+    longest = max(map(len, _prompts(args.requests, args.seed, vocab)))
     most = pages * tokens_per_block - longest + 1  # the last token's KV is never written
     if args.max_tokens > most:
         raise ConfigError(
@@ -136,10 +147,30 @@ def _check_fits(args: argparse.Namespace) -> None:
         )
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
+def _model_shape(model: str) -> tuple[int, int]:
+    """(tokens per block, vocabulary size) of ``model``: a preset's spec, or a checkpoint's ``config.json``
+    with the block size :func:`~kvferry.engine.runner.build_engine` gives checkpoints."""
+    from kvferry.engine.runner import CHECKPOINT_TOKENS_PER_BLOCK
+
+    if model in PRESETS:
+        from kvferry.pools.spec import preset
+
+        spec = preset(model)
+        return spec.tokens_per_block, spec.vocab_size
+    from kvferry.model.weights import args_from_config
+
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    return CHECKPOINT_TOKENS_PER_BLOCK, args_from_config(config).vocab_size
+
+
+def _prompts(n: int, seed: int, vocab: int = 256) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [rng.choice((3, 7, 16, 33, 61, 100)) + rng.randrange(4) for _ in range(n)]
-    return [[rng.randrange(256) for _ in range(length)] for length in lengths]
+    return [[rng.randrange(min(256, vocab)) for _ in range(length)] for length in lengths]
 
 
 async def _each(n: int, one: Callable[[int], Awaitable[None]]) -> None:
@@ -163,7 +194,7 @@ async def _aggregated(
     from kvferry.disagg.serve import _options
     from kvferry.engine.runner import build_engine
 
-    built = build_engine("tiny", _options(1, spec_k, args.seed, args.dtype, device=args.device))
+    built = build_engine(args.model, _options(1, spec_k, args.seed, args.dtype, device=args.device))
     out: list[dict[str, Any]] = [{}] * len(prompts)
     with progress("aggregated reference", len(prompts)) as bar:
         async with built.engine:
@@ -198,6 +229,7 @@ async def _disaggregated(
     where = "another OS process" if separate_process else "this process"
     say(f"starting a context engine (TP {args.ctx_tp}, {where}) and a generation engine (TP {args.gen_tp})")
     async with disaggregated(
+        model=args.model,
         transport=transport,
         ctx_tp=args.ctx_tp,
         gen_tp=args.gen_tp,
@@ -317,7 +349,7 @@ async def _run(
     args: argparse.Namespace, spec_k: int, transport: str, separate_process: bool, children: list[Any]
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    prompts = _prompts(args.requests, args.seed)
+    prompts = _prompts(args.requests, args.seed, _model_shape(args.model)[1])
     say(
         f"aggregated reference: {len(prompts)} requests, prompts of {min(map(len, prompts))}.."
         f"{max(map(len, prompts))} tokens, spec_k={spec_k}"
@@ -401,8 +433,9 @@ def run(args: argparse.Namespace) -> int:
     from kvferry.transports.handshake import load_secret
 
     check_device(args.device)
-    check_tp("tiny", "--ctx-tp", args.ctx_tp)
-    check_tp("tiny", "--gen-tp", args.gen_tp)
+    check_model(args.model)
+    check_tp(args.model, "--ctx-tp", args.ctx_tp)
+    check_tp(args.model, "--gen-tp", args.gen_tp)
     _check_fits(args)
     args.secret = load_secret(args.secret_file)  # before anything runs: a bad secret is a usage error
     spec_k = args.spec_k

@@ -1,4 +1,5 @@
-"""``kvferry generate``: generate tokens with the paged reference model (or a local NemotronH checkpoint).
+"""``kvferry generate``: generate tokens with the paged reference model (or a local NemotronH or KimiLinear
+checkpoint).
 
 Text streams to stdout as it is generated (characters that are not printable, such as control bytes, are
 escaped: ``\\x1b``); a line of statistics per prompt goes to stderr. With ``--json``: one object per prompt,
@@ -48,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="a preset: tiny (the seeded reference model), nemotron-h-1b, nemotron-h-8b (seeded weights at real "
-        "proportions); or a local transformers NemotronH checkpoint directory",
+        help="a preset: tiny (the seeded reference model), tiny-kimi (the seeded KimiLinear reference: KDA, MLA, "
+        "MoE), nemotron-h-1b, nemotron-h-8b (seeded weights at real proportions); or a local transformers "
+        "NemotronH or KimiLinear checkpoint directory",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(

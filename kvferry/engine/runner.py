@@ -34,7 +34,14 @@ from kvferry.pools.layout import CacheLayout
 from kvferry.pools.manager import CacheManager, CacheManagerStatistics, PendingMove, Resumed
 from kvferry.pools.spec import ModelSpec, dtype_from_name, dtype_name, preset, preset_names
 
-__all__ = ["DrafterHandoff", "EngineOptions", "LockstepCache", "PagedRunner", "build_engine"]
+__all__ = [
+    "CHECKPOINT_TOKENS_PER_BLOCK",
+    "DrafterHandoff",
+    "EngineOptions",
+    "LockstepCache",
+    "PagedRunner",
+    "build_engine",
+]
 
 
 # --- cache: one manager per rank, in lockstep -------------------------------------------------------------
@@ -520,6 +527,10 @@ class BuiltEngine(NamedTuple):
     arenas: tuple[CacheArena, ...]
 
 
+#: attention tokens per page of an engine built from a checkpoint directory
+CHECKPOINT_TOKENS_PER_BLOCK = 32
+
+
 def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, ModelSpec]:
     device = resolve_device(options.device)
     dtype_from_name(options.dtype)
@@ -538,7 +549,10 @@ def _load(model: str | Path, options: EngineOptions) -> tuple[ModelWeights, Mode
     tiny = preset("tiny")
     assert tiny.drafter is not None
     spec = weights.args.model_spec(
-        name=path.name, tokens_per_block=32, dtype=options.dtype, drafter=tiny.drafter
+        name=path.name,
+        tokens_per_block=CHECKPOINT_TOKENS_PER_BLOCK,
+        dtype=options.dtype,
+        drafter=tiny.drafter,
     ).with_dtype(options.dtype)
     return weights, spec
 

@@ -1,8 +1,8 @@
-"""The reference NemotronH model run through kvferry's pools: weights, drafter, tokenizer, tensor parallelism,
-and the attention and Mamba2 maths.
+"""The reference models run through kvferry's pools, NemotronH and KimiLinear: weights, drafter, tokenizer,
+tensor parallelism, and the attention, Mamba2, MLA and MoE maths.
 
-Import direction: batch / attention / mamba2 -> weights -> tensor_parallel -> nemotron_h -> drafter; weights -> presets;
-device and tokenizer stand alone.
+Import direction: batch / attention / mamba2 -> kimi_args -> weights -> tensor_parallel -> nemotron_h -> mla /
+moe / kda -> kimi_linear -> family -> drafter; weights -> presets; device and tokenizer stand alone.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from kvferry.model.drafter import DrafterWeights as DrafterWeights
     from kvferry.model.drafter import DraftInput as DraftInput
     from kvferry.model.drafter import Proposal as Proposal
+    from kvferry.model.family import PagedModel as PagedModel
+    from kvferry.model.family import build_model as build_model
+    from kvferry.model.kimi_args import KimiLinearArgs as KimiLinearArgs
+    from kvferry.model.kimi_args import tiny_kimi_args as tiny_kimi_args
+    from kvferry.model.kimi_linear import KimiLinearModel as KimiLinearModel
     from kvferry.model.nemotron_h import Model as Model
     from kvferry.model.nemotron_h import SequenceInput as SequenceInput
     from kvferry.model.nemotron_h import StepOutput as StepOutput
@@ -35,6 +40,11 @@ if TYPE_CHECKING:
 #: public name -> module that defines it
 _LAZY: dict[str, str] = {
     "Model": "kvferry.model.nemotron_h",
+    "KimiLinearModel": "kvferry.model.kimi_linear",
+    "KimiLinearArgs": "kvferry.model.kimi_args",
+    "tiny_kimi_args": "kvferry.model.kimi_args",
+    "PagedModel": "kvferry.model.family",
+    "build_model": "kvferry.model.family",
     "SequenceInput": "kvferry.model.nemotron_h",
     "StepOutput": "kvferry.model.nemotron_h",
     "ModelWeights": "kvferry.model.weights",

@@ -54,11 +54,12 @@ class HfTokenizer:
 
 
 def load_tokenizer(model: str | Path) -> Tokenizer | None:
-    """The tokenizer for ``model``: bytes for ``tiny``, the directory's own if it has one, else None.
+    """The tokenizer for ``model``: bytes for ``tiny`` and ``tiny-kimi``, the directory's own if it has one, else
+    None.
 
     :raises ~kvferry.errors.ConfigError: when the directory has tokenizer files that cannot be loaded.
     """
-    if str(model) == "tiny":
+    if str(model) in ("tiny", "tiny-kimi"):  # byte-level vocabularies of 256
         return ByteTokenizer()
     path = Path(model)
     if (path / "tokenizer.json").is_file():
