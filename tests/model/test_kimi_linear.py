@@ -126,6 +126,17 @@ def test_greedy_tokens_and_logits_equal_transformers_generate(
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_float32_tokens_equal_transformers_float32(spec: ModelSpec) -> None:
+    spec32 = spec.with_dtype("float32")
+    w = ModelWeights.seeded(tiny_kimi_args(spec32), 3, torch.float32)
+    prompt = list(range(40, 50))
+    ref_tokens, ref_logits = hf_generate(hf_model(w), prompt, 10, exact=False)
+    tokens, logits = greedy(_model(w, spec32), prompt, 10)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+
+
 def test_the_seeded_router_uses_every_expert_and_its_bias_changes_choices() -> None:
     # otherwise the MoE equality above could hold with a degenerate router
     from kvferry.model.moe import route
