@@ -31,6 +31,7 @@ TINY_KIMI = preset("tiny-kimi").with_dtype("float64")
 #: tiny-kimi's dims with every layer MLA
 MLA_ONLY = attrs.evolve(TINY_KIMI, layer_kinds=(LayerKind.ATTENTION,) * TINY_KIMI.num_layers, kda=None)
 HAS_KDA = importlib.util.find_spec("kvferry.model.kda") is not None
+needs_kda = pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
 SPECS = [
     pytest.param(MLA_ONLY, id="mla"),
     pytest.param(
@@ -339,7 +340,7 @@ def spec_decode(
     return tokens[:new], accepted, torch.stack(chosen[:new])
 
 
-@pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
+@needs_kda
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_and_replay_give_the_plain_decode_tokens(k: int) -> None:
     w = weights_of(TINY_KIMI, 2)
@@ -362,6 +363,34 @@ def test_verify_and_replay_give_the_plain_decode_tokens(k: int) -> None:
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-9)
     stats = model.statistics()
     assert stats["replayed_tokens"] > 0 and stats["verify_tokens"] > 0
+
+
+@needs_kda
+def test_a_verify_step_leaves_the_kda_state_alone_and_the_replay_catches_up() -> None:
+    w = weights_of(TINY_KIMI, 0)
+    model, plain = _model(w, TINY_KIMI), _model(w, TINY_KIMI)
+    table = _table(1)
+    for m in (model, plain):
+        m.step([SequenceInput([1, 2, 3, 4, 5], 0, table, 1)])
+    cache = model.caches[0]
+    conv, ssm = cache.conv(0)[1].clone(), cache.ssm(4)[1].clone()
+    model.step([SequenceInput([6, 7, 8], 5, table, 1, verify=True, all_logits=True)])
+    assert torch.equal(cache.conv(0)[1], conv) and torch.equal(cache.ssm(4)[1], ssm)
+    assert int(cache.num_accepted[1]) == 0
+    model.accept(1, 2)
+    # the next step replays 6 and 7, then decodes 9 at position 7
+    model.step([SequenceInput([9], 7, table, 1)])
+    assert int(cache.num_accepted[1]) == 0
+    for t, p in ((6, 5), (7, 6), (9, 7)):
+        plain.step([SequenceInput([t], p, table, 1)])
+    for layer in TINY_KIMI.recurrent_layer_ids:
+        torch.testing.assert_close(cache.ssm(layer)[1], plain.caches[0].ssm(layer)[1], rtol=0, atol=1e-12)
+        torch.testing.assert_close(cache.conv(layer)[1], plain.caches[0].conv(layer)[1], rtol=0, atol=1e-12)
+    cache.num_accepted[1] = REPLAY + 1  # garbage in a resumed slot's count is refused, not replayed
+    with pytest.raises(ConfigError):
+        model.step([SequenceInput([10], 8, table, 1)])
+    with pytest.raises(ConfigError):
+        model.accept(1, REPLAY + 1)
 
 
 # --- bad input -------------------------------------------------------------------------------------------------
