@@ -109,6 +109,12 @@ class KimiLinearArgs:
     def norm_eps(self) -> float:
         return self.rms_norm_eps
 
+    @property
+    def float32_suffixes(self) -> tuple[str, ...]:
+        """Names of the tensors kept in float32 in a narrower model (transformers' ``_keep_in_fp32_modules_strict``:
+        the router's weight and bias, the forget gate's ``dt_bias``)."""
+        return (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias", ".forget_gate.dt_bias")
+
     # --- derived dims --------------------------------------------------------------------------------------
 
     @property

@@ -305,6 +305,13 @@ def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _cast_dtype(args: ModelArgs, name: str, dtype: torch.dtype) -> torch.dtype:
+    # transformers keeps some tensors in float32 whatever the model's dtype (_keep_in_fp32_modules_strict)
+    if dtype.itemsize < 4 and isinstance(args, KimiLinearArgs) and name.endswith(args.float32_suffixes):
+        return torch.float32
+    return dtype
+
+
 @frozen
 class ModelWeights:
     """A model's tensors by transformers state-dict name, validated against ``args`` (either family)."""
@@ -348,8 +355,12 @@ class ModelWeights:
         return self.embeddings if self.args.tie_word_embeddings else self.tensors["lm_head.weight"]
 
     def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> ModelWeights:
-        """The same weights cast to ``dtype`` (and moved to ``device``)."""
-        return ModelWeights(self.args, {k: v.to(dtype=dtype, device=device) for k, v in self.tensors.items()})
+        """The same weights cast to ``dtype`` (and moved to ``device``); the tensors the family keeps in float32
+        (KimiLinear's router and ``dt_bias``, as transformers does) stay float32 under a narrower ``dtype``."""
+        return ModelWeights(
+            self.args,
+            {k: v.to(dtype=_cast_dtype(self.args, k, dtype), device=device) for k, v in self.tensors.items()},
+        )
 
     @classmethod
     def from_state_dict(
@@ -369,7 +380,7 @@ class ModelWeights:
         wanted = _expected_shapes(args)
         tensors = {k: v.detach() for k, v in state_dict.items() if k in wanted}
         if dtype is not None:
-            tensors = {k: v.to(dtype) for k, v in tensors.items()}
+            tensors = {k: v.to(_cast_dtype(args, k, dtype)) for k, v in tensors.items()}
         return cls(args, tensors)
 
     @classmethod
@@ -450,7 +461,7 @@ class ModelWeights:
                 t[name] = randn(*shape, std=residual_scale / math.sqrt(shape[-1]))
             else:  # projections: fan-in scaled
                 t[name] = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
-        return cls(args, {k: v.to(dtype) for k, v in t.items()})
+        return cls(args, {k: v.to(_cast_dtype(args, k, dtype)) for k, v in t.items()})
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, dtype: torch.dtype | None = None) -> ModelWeights:

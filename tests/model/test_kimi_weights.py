@@ -212,3 +212,21 @@ def test_mla_moe_and_mlp_blocks_equal_transformers_modules(weights: ModelWeights
     torch.testing.assert_close(
         gated_mlp(weights.tensors, "model.layers.0.mlp.", h[0]), mlp[0], rtol=0, atol=1e-12
     )
+
+
+def test_a_narrower_dtype_keeps_the_router_and_dt_bias_in_float32(
+    weights: ModelWeights, tmp_path: Path
+) -> None:
+    # as transformers' from_pretrained does (_keep_in_fp32_modules_strict)
+    kept = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "forget_gate.dt_bias")
+    for narrow in (weights.to(torch.bfloat16), ModelWeights.seeded(ARGS, 5, torch.float16)):
+        assert narrow.dtype in (torch.bfloat16, torch.float16)
+        for name, tensor in narrow.tensors.items():
+            assert (tensor.dtype == torch.float32) == name.endswith(kept), name
+    assert all(t.dtype == torch.float64 for t in weights.to(torch.float64).tensors.values())
+    hf_model(weights).save_pretrained(tmp_path)
+    loaded = ModelWeights.from_checkpoint(tmp_path, torch.bfloat16)
+    reference = transformers.KimiLinearForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16
+    ).state_dict()
+    assert all(loaded[k].dtype == reference[k].dtype for k in loaded.tensors)
