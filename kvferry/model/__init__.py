@@ -1,5 +1,5 @@
 """The reference models run through kvferry's pools, NemotronH and KimiLinear: weights, drafter, tokenizer,
-tensor parallelism, and the attention, Mamba2, MLA and MoE maths.
+tensor parallelism, and the attention, Mamba2, KDA, MLA and MoE maths.
 
 Import direction: batch / attention / mamba2 -> kimi_args -> weights -> tensor_parallel -> nemotron_h -> mla /
 moe / kda -> kimi_linear -> family -> drafter; weights -> presets; device and tokenizer stand alone.
