@@ -126,13 +126,15 @@ def shard_kimi_weights(
             for leaf in ("gate.weight", "gate.e_score_correction_bias"):
                 out[m + leaf] = tensors[m + leaf]
             gate_up = tensors[m + "experts.gate_up_proj"]
-            out[m + "experts.gate_up_proj"] = torch.cat(
-                (
-                    gate_up[:, experts.first : experts.first + experts.count],
-                    gate_up[:, inter + experts.first : inter + experts.first + experts.count],
-                ),
-                dim=1,
-            ).contiguous()
+            if experts.count < inter:  # one rank holds the experts whole: no copy of the largest tensors
+                gate_up = torch.cat(
+                    (
+                        gate_up[:, experts.first : experts.first + experts.count],
+                        gate_up[:, inter + experts.first : inter + experts.first + experts.count],
+                    ),
+                    dim=1,
+                )
+            out[m + "experts.gate_up_proj"] = gate_up
             out[m + "experts.down_proj"] = _cols(
                 tensors[m + "experts.down_proj"], experts.first, experts.count
             )

@@ -438,3 +438,9 @@ def test_mismatched_weights_specs_and_caches_are_refused() -> None:
     assert model.decode_graphs is None
     with pytest.raises(ConfigError):
         model.rebind(_caches(MLA_ONLY, tp=2))
+
+
+def test_one_rank_holds_the_weights_without_copies() -> None:
+    w = weights_of(MLA_ONLY, 0)
+    shard = _model(w, MLA_ONLY).rank_tensors[0]
+    assert all(shard[name].data_ptr() == t.data_ptr() for name, t in w.tensors.items())
