@@ -211,3 +211,18 @@ async def test_tiny_kimi_rebalances_mid_run_keep_every_token(kimi_alone: list[li
     assert len(done) == len(sizes)
     assert results == expected
     assert built.engine.statistics().num_failed == 0
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("model", ["checkpoint", "tiny-kimi"])
+def test_a_kimi_engine_on_cuda_gives_the_cpu_tokens(model: str, checkpoint: Path) -> None:
+    if model == "tiny-kimi" and not HAS_KDA:
+        pytest.skip("the KDA block (kvferry.model.kda) is not here yet")
+    name: str | Path = checkpoint if model == "checkpoint" else model
+    cpu = anyio.run(run_all, build_engine(name, options()), PROMPTS[:4], MAX_TOKENS[:4])
+    built = build_engine(name, options(device="cuda"))
+    assert built.runner.model.device.type == "cuda" and built.runner.model.decode_graphs is None
+    assert anyio.run(run_all, built, PROMPTS[:4], MAX_TOKENS[:4]) == cpu
