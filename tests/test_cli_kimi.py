@@ -3,7 +3,6 @@ directory written by transformers; the generated tokens are the engine's (and so
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from kvferry.model.weights import ModelWeights
 from tests.engine.test_engine_kimi import MLA_ARGS
 from tests.engine.test_engine_kimi import model_greedy as greedy
 
-HAS_KDA = importlib.util.find_spec("kvferry.model.kda") is not None
-needs_kda = pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
 FAST = ["--dtype", "float64"]
 
 
@@ -51,7 +48,6 @@ def test_generate_on_a_kimi_checkpoint_gives_its_greedy_tokens(
     assert tokens == greedy(weights, spec.with_dtype("float64"), [int(i) for i in ids], 7)
 
 
-@needs_kda
 @pytest.mark.parametrize("spec_k", ["0", "3"])
 def test_generate_on_tiny_kimi_gives_the_engines_tokens(
     spec_k: str, capsys: pytest.CaptureFixture[str]
@@ -69,8 +65,6 @@ def test_generate_on_tiny_kimi_gives_the_engines_tokens(
 def test_demo_serves_a_kimi_model_identically_aggregated_and_disaggregated(
     model: str, checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if model == "tiny-kimi" and not HAS_KDA:
-        pytest.skip("the KDA block (kvferry.model.kda) is not here yet")
     name = str(checkpoint) if model == "checkpoint" else model
     argv = ["demo", "--model", name, "--transport", "local", "--requests", "3", "--spec-k", "2"]
     assert main([*argv, "--max-tokens", "4", "--json"]) == 0

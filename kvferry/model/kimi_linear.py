@@ -29,6 +29,7 @@ from attrs import define
 from kvferry.errors import ConfigError
 from kvferry.kernels.norms import rms_norm
 from kvferry.model.batch import Group, plan_groups
+from kvferry.model.kda import kda_block, shard_kda_weights
 from kvferry.model.kimi_args import KimiLinearArgs
 from kvferry.model.mla import mla_block
 from kvferry.model.moe import gated_mlp, moe_block
@@ -111,8 +112,6 @@ def shard_kimi_weights(
             v = args.v_head_dim
             out[a + "o_proj.weight"] = _cols(tensors[a + "o_proj.weight"], q.first * v, q.count * v)
         else:
-            from kvferry.model.kda import shard_kda_weights
-
             assert rank.kda_heads is not None
             # the KDA block reads the forget gate's tensors under self_attn (the checkpoint's names); the model
             # keeps transformers' module names (self_attn.forget_gate.*)
@@ -363,8 +362,6 @@ class KimiLinearModel:
         resumed: torch.Tensor,
         replay_counts: torch.Tensor,
     ) -> torch.Tensor:
-        from kvferry.model.kda import kda_block
-
         cache = rank.cache
         return kda_block(
             rank.tensors,

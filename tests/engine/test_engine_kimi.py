@@ -5,7 +5,6 @@ rebalances (KDA replay buffers follow the state pool)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,9 +30,6 @@ from tests.engine.test_engine import (
     run_all,
     submits_in_order,
 )
-
-HAS_KDA = importlib.util.find_spec("kvferry.model.kda") is not None
-needs_kda = pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
 
 #: an MLA-only KimiLinear (every layer full attention): runs without the KDA block
 MLA_ARGS = KimiLinearArgs(
@@ -122,13 +118,10 @@ def test_decode_graphs_are_refused_for_kimi_and_off_by_default(checkpoint: Path)
 @pytest.fixture(scope="module")
 def kimi_alone() -> list[list[int]]:
     """Each prompt on its own through tiny-kimi (sequential, no reuse): the reference of every batched run."""
-    if not HAS_KDA:
-        pytest.skip("the KDA block (kvferry.model.kda) is not here yet")
     built = build_engine("tiny-kimi", options(enable_reuse=False))
     return anyio.run(lambda: run_all(built, sequential=True))
 
 
-@needs_kda
 def test_tiny_kimi_engine_equals_its_model_and_transformers(kimi_alone: list[list[int]]) -> None:
     pytest.importorskip("transformers")
     from kvferry.model.weights import hf_generate, hf_model
@@ -140,7 +133,6 @@ def test_tiny_kimi_engine_equals_its_model_and_transformers(kimi_alone: list[lis
         assert kimi_alone[i] == hf_generate(hf_model(weights), PROMPTS[i], MAX_TOKENS[i])[0]
 
 
-@needs_kda
 @pytest.mark.anyio
 @pytest.mark.parametrize(("tp", "k"), [(1, 0), (2, 0), (1, 2), (2, 3)])
 async def test_tiny_kimi_batched_tensor_parallel_and_drafted_gives_the_same_tokens(
@@ -156,7 +148,6 @@ async def test_tiny_kimi_batched_tensor_parallel_and_drafted_gives_the_same_toke
     assert_all_free(built, initial)
 
 
-@needs_kda
 @pytest.mark.anyio
 @pytest.mark.parametrize(("k", "pages"), [(1, 40), (2, 14), (3, 13)])
 async def test_tiny_kimi_replay_state_survives_suspend_offload_and_resume_in_another_slot(
@@ -181,7 +172,6 @@ async def test_tiny_kimi_replay_state_survives_suspend_offload_and_resume_in_ano
     assert_all_free(built, initial)
 
 
-@needs_kda
 @pytest.mark.anyio
 async def test_tiny_kimi_rebalances_mid_run_keep_every_token(kimi_alone: list[list[int]]) -> None:
     built: BuiltEngine = build_engine("tiny-kimi", options(num_pages=40, max_spec_k=2))
@@ -219,8 +209,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 @pytest.mark.parametrize("model", ["checkpoint", "tiny-kimi"])
 def test_a_kimi_engine_on_cuda_gives_the_cpu_tokens(model: str, checkpoint: Path) -> None:
-    if model == "tiny-kimi" and not HAS_KDA:
-        pytest.skip("the KDA block (kvferry.model.kda) is not here yet")
     name: str | Path = checkpoint if model == "checkpoint" else model
     cpu = anyio.run(run_all, build_engine(name, options()), PROMPTS[:4], MAX_TOKENS[:4])
     built = build_engine(name, options(device="cuda"))

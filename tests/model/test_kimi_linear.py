@@ -2,12 +2,11 @@
 and speculative replay.
 
 Two specs: ``mla`` (tiny-kimi's dims, every layer full attention: MLA + dense MLP / MoE, legal in transformers)
-and ``tiny-kimi`` itself (KDA and MLA layers), which needs the KDA block (:mod:`kvferry.model.kda`).
+and ``tiny-kimi`` itself (KDA and MLA layers).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,9 @@ PAGES, SLOTS, REPLAY = 48, 6, 5
 TINY_KIMI = preset("tiny-kimi").with_dtype("float64")
 #: tiny-kimi's dims with every layer MLA
 MLA_ONLY = attrs.evolve(TINY_KIMI, layer_kinds=(LayerKind.ATTENTION,) * TINY_KIMI.num_layers, kda=None)
-HAS_KDA = importlib.util.find_spec("kvferry.model.kda") is not None
-needs_kda = pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet")
 SPECS = [
     pytest.param(MLA_ONLY, id="mla"),
-    pytest.param(
-        TINY_KIMI,
-        id="tiny-kimi",
-        marks=pytest.mark.skipif(not HAS_KDA, reason="the KDA block (kvferry.model.kda) is not here yet"),
-    ),
+    pytest.param(TINY_KIMI, id="tiny-kimi"),
 ]
 
 
@@ -340,7 +333,6 @@ def spec_decode(
     return tokens[:new], accepted, torch.stack(chosen[:new])
 
 
-@needs_kda
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_and_replay_give_the_plain_decode_tokens(k: int) -> None:
     w = weights_of(TINY_KIMI, 2)
@@ -365,7 +357,6 @@ def test_verify_and_replay_give_the_plain_decode_tokens(k: int) -> None:
     assert stats["replayed_tokens"] > 0 and stats["verify_tokens"] > 0
 
 
-@needs_kda
 def test_a_verify_step_leaves_the_kda_state_alone_and_the_replay_catches_up() -> None:
     w = weights_of(TINY_KIMI, 0)
     model, plain = _model(w, TINY_KIMI), _model(w, TINY_KIMI)
