@@ -1,0 +1,88 @@
+"""What one engine step asks of the :class:`~kvferry.engine.model_runner.ModelRunner`, for a plan of the scheduler.
+
+:func:`run_model` runs the drafter and the target over a plan and reads the greedy choice of every logits row;
+:func:`launch_model` launches a step of plain decodes and returns the wait for its choices instead, for a device
+that computes asynchronously (``EngineConfig.launch_on_loop``). A step of plain decodes (:func:`plain_decodes`)
+reaches the runner through its ``forward_decodes`` when it has one: three lists, no object per request.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
+from kvferry.engine.sampling import GreedyReadback, greedy_rows
+from kvferry.engine.scheduler import ItemKind, StepItem, StepPlan
+
+__all__ = ["forward_item", "launch_model", "plain_decodes", "run_model"]
+
+#: a step's drafts by request id, and its logits
+Launched = tuple[dict[int, tuple[int, ...]], torch.Tensor]
+
+
+def plain_decodes(plan: StepPlan) -> bool:
+    """Whether every item of ``plan`` is a plain decode: one token, no drafts, not speculating."""
+    decode = ItemKind.DECODE
+    return all(i.kind is decode and not i.num_drafts and not i.request.spec_k for i in plan.items)
+
+
+def forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
+    """The target's share of ``item``, with the drafts proposed for it."""
+    request = item.request
+    keep = request.spec_k > 0
+    if item.kind is ItemKind.PREFILL:
+        return ForwardItem(
+            request.request_id, item.token_ids, item.start, int(item.wants_logits), keep_hidden=keep
+        )
+    tokens = item.token_ids + drafts
+    return ForwardItem(
+        request.request_id, tokens, item.start, len(tokens), len(drafts), verify=keep, keep_hidden=keep
+    )
+
+
+def forward_plain(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
+    """The target step of a plan of plain decodes: the runner's ``forward_decodes`` when it has one."""
+    items = plan.items
+    fast = getattr(runner, "forward_decodes", None)
+    if fast is None:
+        return runner.forward([forward_item(item, ()) for item in items])
+    return fast(  # type: ignore[no-any-return]
+        [i.request.request_id for i in items], [i.token_ids[0] for i in items], [i.start for i in items]
+    )
+
+
+def run_model(
+    runner: ModelRunner, plan: StepPlan, plain: bool = False
+) -> tuple[dict[int, tuple[int, ...]], torch.Tensor, list[int]]:
+    """Drafter and target step, and the greedy choice of every logits row (reading it waits for an accelerator
+    to finish the step, so it belongs to the model's time, not the host's). ``plain``: the plan is
+    :func:`plain_decodes`."""
+    if plain:
+        logits = forward_plain(runner, plan)
+        return {}, logits, greedy_rows(logits)
+    speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
+    drafts: dict[int, tuple[int, ...]] = {}
+    if speculative:
+        proposals = runner.propose(
+            [DraftItem(i.request.request_id, i.token_ids[0], i.start, i.num_drafts) for i in speculative]
+        )
+        for item, proposal in zip(speculative, proposals, strict=True):
+            drafts[item.request.request_id] = tuple(proposal)
+    logits = runner.forward(
+        [forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
+    )
+    return drafts, logits, greedy_rows(logits)
+
+
+def launch_model(
+    runner: ModelRunner, plan: StepPlan, spin_seconds: float
+) -> tuple[Launched, Callable[[], Awaitable[list[int]]]]:
+    """A step of plain decodes launched (on the event loop): no drafts, its logits, and the wait for their greedy
+    choices (:meth:`GreedyReadback.wait <kvferry.engine.sampling.GreedyReadback.wait>`, polled from the loop for
+    up to ``spin_seconds`` while the device computes)."""
+    logits = forward_plain(runner, plan)
+    readback = GreedyReadback(logits)
+    return ({}, logits), functools.partial(readback.wait, spin_seconds)
