@@ -11,17 +11,20 @@ times, each with a fresh engine: every figure is the median of the runs' medians
 ``[min, max]``. ``host_us_p90``: the 90th percentile over a run's measured steps. Goal: host under 1 ms per step
 at 256 requests, p90 under 2 ms.
 
-Each size runs in every mode of ``--mode`` (default all three). ``loop``: the model step runs on the event loop
+Each size runs in every mode of ``--mode`` (default all four). ``loop``: the model step runs on the event loop
 (``step_in_thread=False``), everything else between steps. ``thread``: the step runs in its worker thread, nothing
 overlapped. ``overlap`` (``EngineOptions.overlap``, the default of ``build_engine``): the step runs in its worker
 thread and the loop hands the last step's commits to the manager and grows the next step's decodes meanwhile;
 ``overlapped_us`` is that work (not in ``host_us``: it runs under the model step), and the streams take the step's
-tokens meanwhile too. ``between_us``: the loop's time from one step's end to the next one's start, outside
-``host_us`` (the streams taking their tokens, unless overlapped; reaping cancels). What stays between steps in
+tokens meanwhile too (a worker thread even on CUDA). ``launched`` (``EngineOptions.launch_on_loop``, the default on
+CUDA): as ``overlap``, but a step of plain decodes is launched from the loop itself, the loop's work runs while
+the device computes and the step's tokens are polled; no worker thread (on the CPU the launch computes the step
+before it returns, so only the hand-off's cost shows). ``between_us``: the loop's time from one step's end to the
+next one's start, outside ``host_us`` (the streams taking their tokens, unless overlapped; reaping cancels). What stays between steps in
 every mode: planning (which requests, their tokens) and sampling, which need the step's tokens.
 
     python benchmarks/host_overhead.py [--sizes 1 64 256] [--steps 32] [--spec-k 0] [--device cpu|cuda]
-        [--mode overlap thread loop] [--repeat 3] [--decode-graphs] [--arithmetic run|replay]
+        [--mode launched overlap thread loop] [--repeat 3] [--decode-graphs] [--arithmetic run|replay]
         [--json benchmarks/results/<machine>/host_overhead.json] [--plot FILE.png]
 
 ``--decode-graphs`` runs the decode rows through the decode path (on the CPU eagerly, with the torch forms of its
@@ -97,7 +100,8 @@ async def measure(
         max_spec_k=spec_k,
         enable_reuse=True,
         step_in_thread=mode != "loop",
-        overlap=mode == "overlap",
+        overlap=mode in ("overlap", "launched"),
+        launch_on_loop=mode == "launched",
         decode_graphs=decode_graphs,
     )
     built = build_engine("tiny", options)
@@ -197,8 +201,8 @@ def main() -> int:
     parser.add_argument(
         "--mode",
         nargs="+",
-        choices=["overlap", "thread", "loop"],
-        default=["overlap", "thread", "loop"],
+        choices=["launched", "overlap", "thread", "loop"],
+        default=["launched", "overlap", "thread", "loop"],
         help="how the loop runs the model step (see above)",
     )
     parser.add_argument("--dtype", default="float32")
