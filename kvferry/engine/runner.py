@@ -211,6 +211,10 @@ class LockstepCache:
     def block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.block_table(request_id))
 
+    def block_tables(self, request_ids: Sequence[int]) -> list[Sequence[int]]:
+        """Rank 0's live page lists of the requests (the same on every rank; do not mutate)."""
+        return self.primary.block_tables(request_ids)
+
     def draft_block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.draft_block_table(request_id))
 
@@ -358,8 +362,9 @@ class PagedRunner:
         if self._decode_rows is None or self._decode_rows.model is not self.model:
             self._decode_rows = DecodeBatch(self.model)
         self.cache.flush_num_accepted()  # a no-op after prepare_step
+        tables = self.cache.block_tables(request_ids)
         return self.model.step_decode(
-            self._decode_rows, request_ids, tokens, starts, self.cache.primary.block_table, self.cache.slot_id
+            self._decode_rows, request_ids, tokens, starts, tables, self.cache.slot_id
         )
 
     def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:

@@ -19,6 +19,7 @@ before anything is run, and the rows are then forgotten (the next step reads eve
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -85,13 +86,14 @@ class DecodeBatch:
         keys: Sequence[int],
         tokens: Sequence[int],
         positions: Sequence[int],
-        table_of: Callable[[int], Sequence[int]],
+        tables: Sequence[Sequence[int]],
         slot_of: Callable[[int], int],
     ) -> torch.Tensor:
-        """One decode step: sequence ``keys[i]`` feeds ``tokens[i]`` at ``positions[i]`` (> 0); its block table
-        and slot come from ``table_of(key)`` / ``slot_of(key)`` (the table is asked every step, and read only
-        where it is new or grew; the slot only when the row enters). Logits ``[n, vocab]``, valid until the
-        model's next step.
+        """One decode step: sequence ``keys[i]`` feeds ``tokens[i]`` at ``positions[i]`` (> 0) with block table
+        ``tables[i]`` and slot ``slot_of(keys[i])``. A table is read only where it is another object than the
+        row's last one (then the slot is asked for too) or where the position reaches pages not read yet: a
+        caller's table object may only grow, and must be replaced when its pages or slot change. Logits
+        ``[n, vocab]``, valid until the model's next step.
 
         :raises ~kvferry.errors.ConfigError: a bad input (nothing run; the rows are forgotten).
         """
@@ -105,7 +107,7 @@ class DecodeBatch:
         if self._host.shape != (graphs.buckets[-1], graphs.width):
             self._allocate()  # inputs widened by another caller's step, or a new decode path
         try:
-            width = self._update(keys, tokens, positions, table_of, slot_of)
+            width = self._update(keys, tokens, positions, tables, slot_of)
         except BaseException:
             self._allocate()
             raise
@@ -117,10 +119,11 @@ class DecodeBatch:
         keys: Sequence[int],
         tokens: Sequence[int],
         positions: Sequence[int],
-        table_of: Callable[[int], Sequence[int]],
+        tables: Sequence[Sequence[int]],
         slot_of: Callable[[int], int],
     ) -> int:
-        model = self.model
+        model, graphs = self.model, self.model.decode_graphs
+        assert graphs is not None
         n = len(keys)
         token_col = np.fromiter(tokens, dtype=np.int64, count=n)
         position_col = np.fromiter(positions, dtype=np.int64, count=n)
@@ -131,11 +134,12 @@ class DecodeBatch:
         if keys != self._keys:
             self._relayout(keys)
         rows = self._rows
-        tables = [table_of(key) for key in keys]
+        if len(tables) != n:
+            raise ConfigError(f"{len(tables)} block tables for {n} decode rows")
         known = self._tables
-        entering = [i for i in range(n) if tables[i] is not known[i]]
-        if entering:
-            num_slots = model.num_slots
+        if not all(map(operator.is_, tables, known)):
+            entering = [i for i in range(n) if tables[i] is not known[i]]
+            num_slots = graphs.num_slots
             for i in entering:
                 slot = slot_of(keys[i])
                 if not 0 <= slot < num_slots:
@@ -147,13 +151,11 @@ class DecodeBatch:
             if np.unique(rows[:n, 2]).size != n:
                 raise ConfigError(f"a batch names the same slot twice: {rows[:n, 2].tolist()}")
             self._entered += len(entering)
-        num_pages = model.num_pages
+        num_pages = graphs.num_pages
         if num_pages:
             needed = position_col // model.spec.tokens_per_block + 1
             width = 3 + int(needed.max())
             if width > rows.shape[1]:
-                graphs = model.decode_graphs
-                assert graphs is not None
                 graphs.widen(width)
                 self._widen()
                 rows = self._rows

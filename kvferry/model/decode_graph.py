@@ -94,9 +94,13 @@ class DecodeGraphs:
     _widened: int = attrs.field(init=False, default=0)
     #: recorded after an asynchronous copy of pinned host rows (CUDA)
     _copied: Any = attrs.field(init=False, default=None)
+    #: the caches' page and slot counts (read through the arena's views, which costs; refreshed by reset)
+    num_pages: int = attrs.field(init=False, default=0)
+    num_slots: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.buckets = decode_buckets(self.max_batch)
+        self.num_pages, self.num_slots = self.model.num_pages, self.model.num_slots
         self._packed = self._inputs(INITIAL_TABLE_BLOCKS)
         self.capture = self.capture and self.model.device.type == "cuda"
         if self.use_triton is None:
@@ -126,11 +130,12 @@ class DecodeGraphs:
         """Drop the captured graphs (the next steps capture again); between steps only."""
         self._captured.clear()
         self._pool = None
+        self.num_pages, self.num_slots = self.model.num_pages, self.model.num_slots
         self._packed = self._inputs(self._packed.shape[1] - 3)
 
     def _inputs(self, blocks: int) -> torch.Tensor:
         # the packed input rows, with room for block tables of ``blocks`` pages (never more than the pool has)
-        blocks = max(1, min(blocks, self.model.num_pages))
+        blocks = max(1, min(blocks, self.num_pages))
         return torch.zeros(self.buckets[-1], 3 + blocks, dtype=torch.int64, device=self.model.device)
 
     @property
@@ -150,7 +155,7 @@ class DecodeGraphs:
         n = len(batch)
         bucket = self.bucket(n)
         tpb = self.model.spec.tokens_per_block
-        has_pages = self.model.num_pages > 0
+        has_pages = self.num_pages > 0
         width = 3 + (max(row.start for row in batch) // tpb + 1 if has_pages else 1)
         # one host tensor, one copy: rows as [token, position, slot, block table...], zero-padded; the padding
         # rows are all zeros (slot 0, page 0, position 0)
@@ -244,9 +249,7 @@ class DecodeGraphs:
         tables = packed[:, 3:]
         # where each row's new K/V goes, and how far it attends: the same for every attention layer
         pages = (
-            page_coordinates(tables, positions[:, None], spec.tokens_per_block)
-            if self.model.num_pages
-            else None
+            page_coordinates(tables, positions[:, None], spec.tokens_per_block) if self.num_pages else None
         )
         lengths = positions + 1
         weights = model.weights

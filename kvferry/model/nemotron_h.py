@@ -460,17 +460,17 @@ class Model:
         keys: Sequence[int],
         tokens: Sequence[int],
         positions: Sequence[int],
-        table_of: Callable[[int], Sequence[int]],
+        tables: Sequence[Sequence[int]],
         slot_of: Callable[[int], int],
     ) -> torch.Tensor:
         """One step of decode rows kept by the caller in ``rows`` (:class:`~kvferry.model.decode_batch.DecodeBatch`,
         see :meth:`DecodeBatch.step <kvferry.model.decode_batch.DecodeBatch.step>`): the same as :meth:`step` over
-        ``SequenceInput((tokens[i],), positions[i], table_of(keys[i]), slot_of(keys[i]))``, checked only where a
-        row is new or its table grew. Logits ``[n, vocab]``, valid until the next step.
+        ``SequenceInput((tokens[i],), positions[i], tables[i], slot_of(keys[i]))``, checked only where a row is
+        new or its table grew. Logits ``[n, vocab]``, valid until the next step.
 
         :raises ~kvferry.errors.ConfigError: on a bad input, before anything is written.
         """
-        logits = rows.step(keys, tokens, positions, table_of, slot_of)
+        logits = rows.step(keys, tokens, positions, tables, slot_of)
         self._steps += 1
         self._tokens += len(keys)
         return logits

@@ -48,8 +48,16 @@ SEQUENCES = {
 }
 
 
+#: every sequence's block table: one object each, as a cache manager keeps it while the pages stay
+TABLES = {key: tuple(range(first, first + 10)) for key, (_, _, first) in SEQUENCES.items()}
+
+
 def _table(key: int) -> tuple[int, ...]:
-    return tuple(range(SEQUENCES[key][2], SEQUENCES[key][2] + 10))
+    return TABLES[key]
+
+
+def _tables(keys: list[int]) -> list[tuple[int, ...]]:
+    return [TABLES[key] for key in keys]
 
 
 def _prefill(model: Model) -> dict[int, int]:
@@ -84,7 +92,7 @@ def test_decode_rows_give_the_general_steps_logits_as_rows_enter_leave_and_grow(
             keys,
             [tokens[k] for k in keys],
             [positions[k] for k in keys],
-            tables.__getitem__,
+            [tables[k] for k in keys],
             lambda k: SEQUENCES[k][1],
         )
         expected = reference.step(
@@ -118,6 +126,7 @@ def test_decode_rows_give_the_general_steps_logits_as_rows_enter_leave_and_grow(
         ("table too short", {"table": ()}),
         ("page outside the pool", {"table": (10**6, 2, 3)}),
         ("sequence named twice", {"key": 11}),
+        ("a table short of the rows", {"short": True}),
     ],
 )
 def test_bad_decode_rows_raise_a_typed_error_and_are_forgotten(case: str, change: dict[str, Any]) -> None:
@@ -128,7 +137,9 @@ def test_bad_decode_rows_raise_a_typed_error_and_are_forgotten(case: str, change
     keys = [10, 11]
     positions = [len(SEQUENCES[k][0]) for k in keys]
     # first a good step, so that the rows exist
-    fast.step_decode(rows, keys, [tokens[k] for k in keys], positions, _table, lambda k: SEQUENCES[k][1])
+    fast.step_decode(
+        rows, keys, [tokens[k] for k in keys], positions, _tables(keys), lambda k: SEQUENCES[k][1]
+    )
     reference.step(
         [
             SequenceInput([tokens[k]], p, _table(k), SEQUENCES[k][1])
@@ -148,10 +159,11 @@ def test_bad_decode_rows_raise_a_typed_error_and_are_forgotten(case: str, change
             [positions[0], positions[1], positions[1]],
         )
     with pytest.raises(ConfigError):
-        fast.step_decode(rows, bad_keys, bad_tokens, bad_positions, tables.__getitem__, slots.__getitem__)
+        bad_tables = [tables[k] for k in bad_keys][: 1 if change.get("short") else None]
+        fast.step_decode(rows, bad_keys, bad_tokens, bad_positions, bad_tables, slots.__getitem__)
     assert rows.statistics()["rows"] == 0, case  # forgotten: the next step reads every row anew
     # nothing ran: the next good step gives the general step's logits
-    logits = fast.step_decode(rows, keys, [1, 1], positions, _table, lambda k: SEQUENCES[k][1])
+    logits = fast.step_decode(rows, keys, [1, 1], positions, _tables(keys), lambda k: SEQUENCES[k][1])
     expected = reference.step(
         [SequenceInput([1], p, _table(k), SEQUENCES[k][1]) for k, p in zip(keys, positions, strict=True)]
     )
@@ -179,7 +191,7 @@ def test_rows_widen_with_the_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
             keys,
             [tokens[k] for k in keys],
             [positions[k] for k in keys],
-            _table,
+            _tables(keys),
             lambda k: SEQUENCES[k][1],
         )
         expected = reference.step(
