@@ -48,8 +48,10 @@ class ModelRunner(Protocol):
 
     Optional: ``forward_decodes(request_ids, tokens, starts) -> logits``, the ``forward`` of a step of plain
     decodes (``ForwardItem(request_ids[i], (tokens[i],), starts[i], 1)`` each) from three lists, no object per
-    request; its logits need only stay valid until the next step. The engine uses it when a runner has it
-    (``PagedRunner`` keeps those rows on the model's decode path from step to step).
+    request; its logits need only stay valid until the next step. The engine uses it for a step of plain decodes
+    when a runner has it (``PagedRunner`` keeps those rows on the model's decode path from step to step), and for
+    the plain decodes of a mixed step, beside ``forward`` of the rest, when they are at most the runner's
+    ``decode_path_rows`` (0 or absent: never).
     """
 
     @property

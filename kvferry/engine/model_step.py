@@ -3,7 +3,8 @@
 :func:`run_model` runs the drafter and the target over a plan and reads the greedy choice of every logits row;
 :func:`launch_model` launches a step of plain decodes and returns the wait for its choices instead, for a device
 that computes asynchronously (``EngineConfig.launch_on_loop``). A step of plain decodes (:func:`plain_decodes`)
-reaches the runner through its ``forward_decodes`` when it has one: three lists, no object per request.
+reaches the runner through its ``forward_decodes`` when it has one: three lists, no object per request; so do
+the plain decodes of a mixed step, beside the rest of it.
 """
 
 from __future__ import annotations
@@ -71,10 +72,44 @@ def run_model(
         )
         for item, proposal in zip(speculative, proposals, strict=True):
             drafts[item.request.request_id] = tuple(proposal)
-    logits = runner.forward(
-        [forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
-    )
+    forward = [forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
+    decode = ItemKind.DECODE
+    plain_items = [
+        i
+        for i, item in enumerate(plan.items)
+        if item.kind is decode and not item.num_drafts and not item.request.spec_k
+    ]
+    # apart only where they take a path of their own (else one step of the general path over all of them)
+    apart = 0 < len(plain_items) <= getattr(runner, "decode_path_rows", 0)
+    logits = _forward_split(runner, forward, plain_items) if apart else runner.forward(forward)
     return drafts, logits, greedy_rows(logits)
+
+
+def _forward_split(runner: ModelRunner, forward: list[ForwardItem], plain: list[int]) -> torch.Tensor:
+    # A mixed step: its plain decodes through the runner's forward_decodes, the rest (prompt chunks, verify
+    # windows) through forward, first (a one-token chunk among them may run the decode path, whose outputs the
+    # plain decodes' logits are), then the logits in item order again
+    is_plain = [False] * len(forward)
+    for i in plain:
+        is_plain[i] = True
+    rest = [item for item, fast in zip(forward, is_plain, strict=True) if not fast]
+    rest_logits = runner.forward(rest)
+    plain_logits = runner.forward_decodes(  # type: ignore[attr-defined]
+        [forward[i].request_id for i in plain],
+        [forward[i].token_ids[0] for i in plain],
+        [forward[i].start for i in plain],
+    )
+    order: list[int] = []
+    rest_row, plain_row = 0, rest_logits.shape[0]
+    for item, fast in zip(forward, is_plain, strict=True):
+        if fast:
+            order.append(plain_row)
+            plain_row += 1
+        else:
+            order.extend(range(rest_row, rest_row + item.num_logits))
+            rest_row += item.num_logits
+    both = torch.cat((rest_logits, plain_logits))
+    return both[torch.tensor(order, device=both.device)]
 
 
 def launch_model(

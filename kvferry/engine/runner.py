@@ -346,6 +346,12 @@ class PagedRunner:
         """The plain decodes' rows on the model's decode path (None before the first such step)."""
         return self._decode_rows
 
+    @property
+    def decode_path_rows(self) -> int:
+        """The most plain decodes one step of the model's decode path takes (0: the model has none)."""
+        graphs = self.model.decode_graphs
+        return 0 if graphs is None else graphs.buckets[-1]
+
     def forward_decodes(
         self, request_ids: Sequence[int], tokens: Sequence[int], starts: Sequence[int]
     ) -> torch.Tensor:

@@ -271,6 +271,35 @@ async def test_decode_rows_in_the_engine_give_the_reference_tokens(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("kwargs", "spec_k"),
+    [({}, 0), ({"max_spec_k": 2}, 2), ({"tp": 2}, 0)],
+    ids=["plain", "speculative", "tp2"],
+)
+async def test_mixed_steps_run_their_plain_decodes_apart_with_the_same_tokens(
+    kwargs: dict[str, Any], spec_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prompts in chunks of 3: short prompts decode while long ones still prefill, in the same steps
+    extra: dict[str, Any] = {"max_prefill_chunk": 3, **kwargs}
+    reference = await run_all(build_engine("tiny", _options(step_in_thread=False, **extra)), spec_k=spec_k)
+    split: list[int] = []
+    forward_split = model_step._forward_split
+
+    def counted(runner: Any, forward: Any, plain: list[int]) -> torch.Tensor:
+        split.append(len(forward) - len(plain))
+        return forward_split(runner, forward, plain)
+
+    monkeypatch.setattr(model_step, "_forward_split", counted)
+    built = build_engine("tiny", _options(decode_graphs=True, **extra))
+    assert await run_all(built, spec_k=spec_k) == reference
+    if spec_k:
+        assert not split  # speculating requests decode as verify windows: no plain decodes
+        return
+    assert split and all(rest > 0 for rest in split)  # mixed steps, their plain decodes apart
+    assert _decode_rows(built)["entered"] > 0
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("launch_on_loop", [False, True], ids=["thread", "launched"])
 async def test_suspend_resume_and_rebalance_mid_decode_keep_the_tokens(launch_on_loop: bool) -> None:
     # a request suspended and resumed at one step boundary, then moved to the host and back by rebalances: its
