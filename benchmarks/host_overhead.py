@@ -27,6 +27,10 @@ every mode: planning (which requests, their tokens) and sampling, which need the
         [--mode launched overlap thread loop] [--repeat 3] [--decode-graphs] [--arithmetic run|replay]
         [--json benchmarks/results/<machine>/host_overhead.json] [--plot FILE.png]
 
+``step_own_us``: the model step's time less the loop's work done under it, per step: the step's own time where it
+runs on the loop (``loop``, ``launched``: with ``--arithmetic replay`` on the CPU, the host's time of the launch
+and the read-back); for the worker thread a lower bound only (the thread's Python and the loop's work interleave).
+
 ``--decode-graphs`` runs the decode rows through the decode path (on the CPU eagerly, with the torch forms of its
 kernels; on CUDA it is on anyway). ``--arithmetic replay`` (with it) measures the host's share of the model step
 alone: the decode step's arithmetic runs once per batch bucket and later steps hand back those outputs, as the
@@ -62,6 +66,7 @@ FIGURES = (
     "overlapped_us",
     "between_us",
     "model_ms",
+    "step_own_us",
     "host_fraction",
 )
 
@@ -140,6 +145,7 @@ async def measure(
         "overlapped_us": median_us([t.overlapped_seconds for t in decode_steps]),
         "between_us": median_us([t.between_seconds for t in decode_steps]),
         "model_ms": model_us / 1e3,
+        "step_own_us": median_us([t.model_seconds - t.overlapped_seconds for t in decode_steps]),
         "host_fraction": host_us / (host_us + model_us),
         "under_1ms": host_us < 1000.0,
     }
@@ -252,7 +258,8 @@ def main() -> int:
             f"(p90 {r['host_us_p90']:.1f}; schedule {r['schedule_us']:.1f}, apply {r['apply_us']:.1f}; "
             f"{r['host_us_per_request']:.2f} us/request; under the step {r['overlapped_us']:.1f}; between steps "
             f"{r['between_us']:.1f}), "
-            f"model {r['model_ms']:.2f} ms ({r['model_ms_spread'][0]:.2f}-{r['model_ms_spread'][1]:.2f}), host share {100 * r['host_fraction']:.1f}% (spread of host_us over "
+            f"model {r['model_ms']:.2f} ms ({r['model_ms_spread'][0]:.2f}-{r['model_ms_spread'][1]:.2f}), "
+            f"own {r['step_own_us']:.0f} us, host share {100 * r['host_fraction']:.1f}% (spread of host_us over "
             f"{r['runs']} runs: {r['host_us_spread'][0]:.1f}-{r['host_us_spread'][1]:.1f})"
         )
     config = {
