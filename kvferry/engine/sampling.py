@@ -148,7 +148,7 @@ class GreedyReadback:
         self._host = torch.empty(rows.shape[0], dtype=torch.int64, pin_memory=True)
         self._host.copy_(rows.argmax(dim=-1), non_blocking=True)
         self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(rows.device))  # the device of the logits
 
     def ready(self) -> bool:
         """Whether the tokens are on the host (the step ended)."""

@@ -204,7 +204,7 @@ class DecodeGraphs:
             self._packed[:bucket].copy_(host[:bucket], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.model.device))
         else:
             self._packed[:bucket, :width].copy_(host[:bucket, :width])
         if captured is not None:
