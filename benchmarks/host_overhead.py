@@ -78,10 +78,12 @@ def replay_arithmetic() -> None:
     forward = DecodeGraphs._forward
     outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def replayed(self: DecodeGraphs, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replayed(
+        self: DecodeGraphs, bucket: int, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(self), bucket)
         if key not in outputs:
-            outputs[key] = forward(self, bucket)
+            outputs[key] = forward(self, bucket, width)
         return outputs[key]
 
     DecodeGraphs._forward = replayed  # type: ignore[method-assign]

@@ -212,7 +212,7 @@ class DecodeGraphs:
             logits, hidden = captured.logits, captured.hidden
             self._replays += 1
         else:
-            logits, hidden = self._forward(bucket)
+            logits, hidden = self._forward(bucket, width)
             self._eager_steps += 1
         self._rows += n
         self._padded_rows += bucket - n
@@ -240,10 +240,12 @@ class DecodeGraphs:
 
     # --- the step's arithmetic (device work only) ---------------------------------------------------------
 
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # ``width``: only the inputs' first columns hold tables (an eager step reads no page past them; a graph
+        # is captured over every column)
         model = self.model
         spec = model.spec
-        packed = self._packed[:bucket]
+        packed = self._packed[:bucket, :width]
         tokens, positions = packed[:, 0], packed[:, 1]
         slots = packed[:, 2].contiguous()  # once per step: every kernel indexes it as a vector
         tables = packed[:, 3:]
