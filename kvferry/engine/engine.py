@@ -18,7 +18,8 @@ the loop and waits for it (shielded), as a task group of the caller's would. Eac
    every prompt chunk and every ``1 + k`` verify window in one batch. With ``step_in_thread`` (the default)
    this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
    ever touched from the loop. With ``overlap`` too, the loop works for the next step while this one runs
-   (below); otherwise it touches them only between steps;
+   (below); otherwise it touches them only between steps. With ``launch_on_loop`` (on CUDA) a step of plain
+   decodes is launched from the loop instead, and its tokens polled while the device computes;
 4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
    state, and wakes every waiting stream once (each reads its request's new tokens).
 
