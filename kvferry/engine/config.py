@@ -26,7 +26,8 @@ class EngineConfig:
     #: steps of plain decodes only (one token each, no speculation) are launched from the event loop instead of a
     #: worker thread, and their tokens polled while the device computes (for a device whose launches return
     #: before the work ends: CUDA; the loop keeps its own work going meanwhile, see ``overlap``). Other steps, and
-    #: every step of a device that computes as it is called, gain nothing from it: they keep ``step_in_thread``
+    #: every step of a device that computes as it is called, gain nothing from it: they keep ``step_in_thread``;
+    #: so does a step the runner says would not launch at once (a first graph capture: ``decode_path_ready``)
     launch_on_loop: bool = False
     #: how long such a step's tokens are polled between the loop's turns before the wait moves to a worker thread
     launch_spin_seconds: float = 0.005

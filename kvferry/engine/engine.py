@@ -58,7 +58,7 @@ from kvferry.engine.config import EngineConfig, EngineStatistics, StepTiming
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
 from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
-from kvferry.engine.model_step import launch_model, plain_decodes, run_model
+from kvferry.engine.model_step import launch_model, launch_ready, plain_decodes, run_model
 from kvferry.engine.moves import move_cache
 from kvferry.engine.overlap import OverlapWindow, run_launched, run_overlapped
 from kvferry.engine.request import Request, RequestState, SamplingParams
@@ -578,7 +578,7 @@ class Engine:
             if prepare is not None:
                 prepare()
             plain = plain_decodes(plan)
-            if plain and self.config.launch_on_loop:
+            if plain and self.config.launch_on_loop and launch_ready(self.runner, plan):
                 (drafts, logits), argmax = await run_launched(
                     functools.partial(launch_model, self.runner, plan, self.config.launch_spin_seconds),
                     functools.partial(self._overlap_work, plan) if overlap else None,

@@ -18,7 +18,7 @@ from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
 from kvferry.engine.sampling import GreedyReadback, greedy_rows
 from kvferry.engine.scheduler import ItemKind, StepItem, StepPlan
 
-__all__ = ["forward_item", "launch_model", "plain_decodes", "run_model"]
+__all__ = ["forward_item", "launch_model", "launch_ready", "plain_decodes", "run_model"]
 
 #: a step's drafts by request id, and its logits
 Launched = tuple[dict[int, tuple[int, ...]], torch.Tensor]
@@ -28,6 +28,14 @@ def plain_decodes(plan: StepPlan) -> bool:
     """Whether every item of ``plan`` is a plain decode: one token, no drafts, not speculating."""
     decode = ItemKind.DECODE
     return all(i.kind is decode and not i.num_drafts and not i.request.spec_k for i in plan.items)
+
+
+def launch_ready(runner: ModelRunner, plan: StepPlan) -> bool:
+    """Whether the plain decodes of ``plan`` launch at once on the runner (its ``decode_path_ready``; a runner
+    without it: they do). A step that would not (a first graph capture, a step that reads values back) goes to
+    the worker thread even with ``launch_on_loop``, so that it does not hold the event loop."""
+    ready = getattr(runner, "decode_path_ready", None)
+    return ready is None or bool(ready(len(plan.items)))
 
 
 def forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:

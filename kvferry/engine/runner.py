@@ -352,6 +352,13 @@ class PagedRunner:
         graphs = self.model.decode_graphs
         return 0 if graphs is None else graphs.buckets[-1]
 
+    def decode_path_ready(self, rows: int) -> bool:
+        """Whether a step of ``rows`` plain decodes would be a cheap, asynchronous launch: the model's decode path
+        takes them and has its graph captured (a first capture compiles and warms up; the general step reads
+        values back from the device)."""
+        graphs = self.model.decode_graphs
+        return graphs is not None and graphs.ready(rows)
+
     def forward_decodes(
         self, request_ids: Sequence[int], tokens: Sequence[int], starts: Sequence[int]
     ) -> torch.Tensor:

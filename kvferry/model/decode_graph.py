@@ -143,6 +143,12 @@ class DecodeGraphs:
         """Columns of an input row now: token, position, slot and the block-table room (grows, never shrinks)."""
         return int(self._packed.shape[1])
 
+    def ready(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs without capturing a graph first (captured already, or eager)."""
+        if rows > self.buckets[-1]:
+            return False
+        return not self.capture or self.bucket(rows) in self._captured
+
     def bucket(self, rows: int) -> int:
         """The batch bucket that runs ``rows`` rows (at most the largest bucket)."""
         return next(b for b in self.buckets if b >= rows)

@@ -332,6 +332,19 @@ async def test_suspend_resume_and_rebalance_mid_decode_keep_the_tokens(launch_on
     assert _decode_rows(built)["entered"] > len(PROMPTS)  # rows read anew after the moves
 
 
+@pytest.mark.anyio
+async def test_steps_that_would_not_launch_at_once_keep_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without the decode path a plain decode step reads values back from the device: not launched on the loop
+    reference = await run_all(build_engine("tiny", _options(step_in_thread=False)))
+    launches = _count_launches(monkeypatch)
+    built = build_engine("tiny", _options(launch_on_loop=True))
+    assert await run_all(built) == reference
+    assert not launches and not built.runner.decode_path_ready(1)
+    graphs = build_engine("tiny", _options(decode_graphs=True)).runner.model.decode_graphs
+    assert graphs is not None  # eager on the CPU: nothing to capture first
+    assert graphs.ready(1) and graphs.ready(8) and not graphs.ready(9)
+
+
 def test_launch_on_loop_follows_the_device_unless_asked() -> None:
     assert build_engine("tiny", _options()).engine.config.launch_on_loop is False
     assert build_engine("tiny", _options(launch_on_loop=True)).engine.config.launch_on_loop is True
@@ -399,6 +412,10 @@ async def test_cuda_launches_decode_steps_from_the_loop_with_the_oracle_tokens(
     assert built.engine.config.launch_on_loop is True  # the default on CUDA
     assert tokens == oracle
     assert launches and _decode_rows(built)["entered"] > 0
+    # each bucket's first step (its capture) ran in the worker thread, the later ones were launched
+    graphs = built.runner.model.decode_graphs
+    assert graphs is not None and graphs.statistics()["captured"]
+    assert all(graphs.ready(bucket) for bucket in graphs.statistics()["captured"])
     stats = built.runner.model.statistics()["decode_graphs"]
     assert stats["replays"] > 0 and stats["eager_steps"] == 0
 
