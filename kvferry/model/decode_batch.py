@@ -131,6 +131,8 @@ class DecodeBatch:
             raise ConfigError(f"token ids outside the vocabulary [0, {model.spec.vocab_size})")
         if int(position_col.min()) < 1:
             raise ConfigError("a decode row continues a cached sequence: position >= 1")
+        if not isinstance(keys, list):
+            keys = list(keys)  # compared with the last step's list in C
         if keys != self._keys:
             self._relayout(keys)
         rows = self._rows
