@@ -14,7 +14,7 @@ the model's FLOPs per token. See :mod:`kvferry.tools.decode_bench`.
     python benchmarks/decode.py [--device cpu|cuda] [--model tiny|nemotron-h-1b|nemotron-h-8b|DIR]
         [--dtype bfloat16] [--batch 1 32 128] [--prompt-tokens 128] [--new-tokens 64] [--repeat 3]
         [--prefill-tokens 8192] [--max-prefill-chunk 512] [--no-transformers]
-        [--json benchmarks/results/<machine>/decode.json] [--plot FILE.png]
+        [--decode-graphs auto|on|off] [--launch-on-loop auto|on|off] [--json benchmarks/results/<machine>/decode.json] [--plot FILE.png]
 """
 
 from __future__ import annotations

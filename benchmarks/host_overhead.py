@@ -11,17 +11,31 @@ times, each with a fresh engine: every figure is the median of the runs' medians
 ``[min, max]``. ``host_us_p90``: the 90th percentile over a run's measured steps. Goal: host under 1 ms per step
 at 256 requests, p90 under 2 ms.
 
-Each size runs in every mode of ``--mode`` (default all three). ``loop``: the model step runs on the event loop
+Each size runs in every mode of ``--mode`` (default all four). ``loop``: the model step runs on the event loop
 (``step_in_thread=False``), everything else between steps. ``thread``: the step runs in its worker thread, nothing
 overlapped. ``overlap`` (``EngineOptions.overlap``, the default of ``build_engine``): the step runs in its worker
 thread and the loop hands the last step's commits to the manager and grows the next step's decodes meanwhile;
 ``overlapped_us`` is that work (not in ``host_us``: it runs under the model step), and the streams take the step's
-tokens meanwhile too. ``between_us``: the loop's time from one step's end to the next one's start, outside
-``host_us`` (the streams taking their tokens, unless overlapped; reaping cancels). What stays between steps in
+tokens meanwhile too (a worker thread even on CUDA). ``launched`` (``EngineOptions.launch_on_loop``, the default on
+CUDA): as ``overlap``, but a step of plain decodes is launched from the loop itself, the loop's work runs while
+the device computes and the step's tokens are polled; no worker thread (on the CPU the launch computes the step
+before it returns, so only the hand-off's cost shows). ``between_us``: the loop's time from one step's end to the
+next one's start, outside ``host_us`` (the streams taking their tokens, unless overlapped; reaping cancels). What stays between steps in
 every mode: planning (which requests, their tokens) and sampling, which need the step's tokens.
 
     python benchmarks/host_overhead.py [--sizes 1 64 256] [--steps 32] [--spec-k 0] [--device cpu|cuda]
-        [--mode overlap thread loop] [--repeat 3] [--json benchmarks/results/<machine>/host_overhead.json] [--plot FILE.png]
+        [--mode launched overlap thread loop] [--repeat 3] [--decode-graphs] [--arithmetic run|replay]
+        [--json benchmarks/results/<machine>/host_overhead.json] [--plot FILE.png]
+
+``step_own_us``: the model step's time less the loop's work done under it, per step: the step's own time where it
+runs on the loop (``loop``, ``launched``: with ``--arithmetic replay`` on the CPU, the host's time of the launch
+and the read-back); for the worker thread a lower bound only (the thread's Python and the loop's work interleave).
+
+``--decode-graphs`` runs the decode rows through the decode path (on the CPU eagerly, with the torch forms of its
+kernels; on CUDA it is on anyway). ``--arithmetic replay`` (with it) measures the host's share of the model step
+alone: the decode step's arithmetic runs once per batch bucket and later steps hand back those outputs, as the
+replay of a captured graph costs the host almost nothing; ``model_ms`` is then the runner's, the model's and the
+read-back's Python around it (the tokens differ from a real run's: a benchmark of host time only).
 
 The scheduler hands a step's commits to the manager in one ``commit_many`` when the next step is scheduled,
 and grows every decode that needs a page with one ``grow_many``; ``num_accepted`` of verify windows is
@@ -52,11 +66,32 @@ FIGURES = (
     "overlapped_us",
     "between_us",
     "model_ms",
+    "step_own_us",
     "host_fraction",
 )
 
 
-async def measure(size: int, steps: int, spec_k: int, device: str, dtype: str, mode: str) -> dict[str, Any]:
+def replay_arithmetic() -> None:
+    """Make every decode step after a bucket's first hand back that step's outputs (host time only)."""
+    from kvferry.model.decode_graph import DecodeGraphs
+
+    forward = DecodeGraphs._forward
+    outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def replayed(
+        self: DecodeGraphs, bucket: int, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(self), bucket)
+        if key not in outputs:
+            outputs[key] = forward(self, bucket, width)
+        return outputs[key]
+
+    DecodeGraphs._forward = replayed  # type: ignore[method-assign]
+
+
+async def measure(
+    size: int, steps: int, spec_k: int, device: str, dtype: str, mode: str, decode_graphs: bool | None = None
+) -> dict[str, Any]:
     tpb = 4
     tokens_per_request = PROMPT_LEN + steps + 8 + 2 * (spec_k + 1)
     pages_per_request = -(-tokens_per_request // tpb) + 1
@@ -72,7 +107,9 @@ async def measure(size: int, steps: int, spec_k: int, device: str, dtype: str, m
         max_spec_k=spec_k,
         enable_reuse=True,
         step_in_thread=mode != "loop",
-        overlap=mode == "overlap",
+        overlap=mode in ("overlap", "launched"),
+        launch_on_loop=mode == "launched",
+        decode_graphs=decode_graphs,
     )
     built = build_engine("tiny", options)
     engine = built.engine
@@ -110,6 +147,7 @@ async def measure(size: int, steps: int, spec_k: int, device: str, dtype: str, m
         "overlapped_us": median_us([t.overlapped_seconds for t in decode_steps]),
         "between_us": median_us([t.between_seconds for t in decode_steps]),
         "model_ms": model_us / 1e3,
+        "step_own_us": median_us([t.model_seconds - t.overlapped_seconds for t in decode_steps]),
         "host_fraction": host_us / (host_us + model_us),
         "under_1ms": host_us < 1000.0,
     }
@@ -171,13 +209,20 @@ def main() -> int:
     parser.add_argument(
         "--mode",
         nargs="+",
-        choices=["overlap", "thread", "loop"],
-        default=["overlap", "thread", "loop"],
+        choices=["launched", "overlap", "thread", "loop"],
+        default=["launched", "overlap", "thread", "loop"],
         help="how the loop runs the model step (see above)",
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--repeat", type=int, default=3, help="runs per batch size (median and spread)")
+    parser.add_argument("--decode-graphs", action="store_true", help="decode rows through the decode path")
+    parser.add_argument(
+        "--arithmetic",
+        choices=["run", "replay"],
+        default="run",
+        help="replay: the decode step's outputs replayed after a bucket's first step (host time only)",
+    )
     parser.add_argument("--json", default=None, help="write the stamped result here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the result into this PNG (matplotlib)")
     args = parser.parse_args()
@@ -185,11 +230,24 @@ def main() -> int:
         parser.error("--repeat must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
+    if args.arithmetic == "replay":
+        if not args.decode_graphs:
+            parser.error("--arithmetic replay needs --decode-graphs")
+        replay_arithmetic()
     torch.set_num_threads(args.threads)
     results = [
         summarise(
             [
-                anyio.run(measure, size, args.steps, args.spec_k, args.device, args.dtype, mode)
+                anyio.run(
+                    measure,
+                    size,
+                    args.steps,
+                    args.spec_k,
+                    args.device,
+                    args.dtype,
+                    mode,
+                    True if args.decode_graphs else None,
+                )
                 for _ in range(args.repeat)
             ]
         )
@@ -202,7 +260,8 @@ def main() -> int:
             f"(p90 {r['host_us_p90']:.1f}; schedule {r['schedule_us']:.1f}, apply {r['apply_us']:.1f}; "
             f"{r['host_us_per_request']:.2f} us/request; under the step {r['overlapped_us']:.1f}; between steps "
             f"{r['between_us']:.1f}), "
-            f"model {r['model_ms']:.2f} ms, host share {100 * r['host_fraction']:.1f}% (spread of host_us over "
+            f"model {r['model_ms']:.2f} ms ({r['model_ms_spread'][0]:.2f}-{r['model_ms_spread'][1]:.2f}), "
+            f"own {r['step_own_us']:.0f} us, host share {100 * r['host_fraction']:.1f}% (spread of host_us over "
             f"{r['runs']} runs: {r['host_us_spread'][0]:.1f}-{r['host_us_spread'][1]:.1f})"
         )
     config = {
@@ -213,6 +272,8 @@ def main() -> int:
         "modes": args.mode,
         "steps": args.steps,
         "threads": args.threads,
+        "decode_graphs": args.decode_graphs,
+        "arithmetic": args.arithmetic,
         "repeat": args.repeat,
         "statistic": "per run the median over its pure decode steps; the median and [min, max] over --repeat runs",
         "ceiling": "the model's own step time in the same run (host_fraction = host / (host + model))",

@@ -75,6 +75,20 @@ def test_transformers_can_be_left_out(tmp_path: Path) -> None:
     assert "hf_tokens_per_s" not in result["rows"][0] and result["prefill"] is None
 
 
+def test_the_decode_path_and_the_launch_can_be_chosen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "decode.json"
+    argv = [*SMALL, "--prefill-tokens", "0", "--no-transformers", "--json", str(out)]
+    assert main([*argv, "--decode-graphs", "on", "--launch-on-loop", "on"]) == 0
+    assert "decode path on, steps launched from the loop" in capsys.readouterr().out
+    config = json.loads(out.read_text())["config"]
+    assert config["decode_graphs"] is True and config["launch_on_loop"] is True
+    assert main(argv) == 0  # the CPU's defaults: the general step, in a worker thread
+    config = json.loads(out.read_text())["config"]
+    assert config["decode_graphs"] is False and config["launch_on_loop"] is False
+
+
 def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert main([*SMALL, *argv]) == 2
     captured = capsys.readouterr()

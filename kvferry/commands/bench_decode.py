@@ -66,6 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="divide a NemotronH preset's widths by N (1: its real proportions)",
     )
+    parser.add_argument(
+        "--decode-graphs",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode rows through the decode path (auto: on CUDA; on the CPU it runs eagerly)",
+    )
+    parser.add_argument(
+        "--launch-on-loop",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="plain decode steps launched from the event loop, not a worker thread (auto: on CUDA)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     parser.add_argument("--plot", metavar="PATH", help="draw tokens/s against batch size into this PNG")
 
@@ -102,7 +114,13 @@ def config_of(args: argparse.Namespace) -> Any:
         transformers=not args.no_transformers,
         seed=args.weights_seed,
         preset_scale=args.preset_scale,
+        decode_graphs=_switch(args.decode_graphs),
+        launch_on_loop=_switch(args.launch_on_loop),
     )
+
+
+def _switch(value: str) -> bool | None:
+    return None if value == "auto" else value == "on"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,14 @@ class EngineConfig:
     #: with ``step_in_thread``: while a step's model runs, hand the last step's commits to the manager and grow
     #: the next step's decodes (the same tokens, less host time between steps; see ``Engine``)
     overlap: bool = False
+    #: steps of plain decodes only (one token each, no speculation) are launched from the event loop instead of a
+    #: worker thread, and their tokens polled while the device computes (for a device whose launches return
+    #: before the work ends: CUDA; the loop keeps its own work going meanwhile, see ``overlap``). Other steps, and
+    #: every step of a device that computes as it is called, gain nothing from it: they keep ``step_in_thread``;
+    #: so does a step the runner says would not launch at once (a first graph capture: ``decode_path_ready``)
+    launch_on_loop: bool = False
+    #: how long such a step's tokens are polled between the loop's turns before the wait moves to a worker thread
+    launch_spin_seconds: float = 0.005
     #: bytes of host memory for caches moved off the device (None: no bound); past it, the idle conversations
     #: on the host are dropped, least recently used first (their next turn recomputes them)
     host_memory: int | None = None

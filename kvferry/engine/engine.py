@@ -18,7 +18,8 @@ the loop and waits for it (shielded), as a task group of the caller's would. Eac
    every prompt chunk and every ``1 + k`` verify window in one batch. With ``step_in_thread`` (the default)
    this runs in a worker thread so the event loop stays responsive; the scheduler and the manager are only
    ever touched from the loop. With ``overlap`` too, the loop works for the next step while this one runs
-   (below); otherwise it touches them only between steps;
+   (below); otherwise it touches them only between steps. With ``launch_on_loop`` (on CUDA) a step of plain
+   decodes is launched from the loop instead, and its tokens polled while the device computes;
 4. samples, accepts drafts, commits the new tokens to the manager, records ``num_accepted`` for the replay
    state, and wakes every waiting stream once (each reads its request's new tokens).
 
@@ -57,12 +58,13 @@ from kvferry.engine.config import EngineConfig, EngineStatistics, StepTiming
 from kvferry.engine.conversation import Conversation, ConversationCache, drop_past_host_memory
 from kvferry.engine.generation import Generation
 from kvferry.engine.model_runner import DraftItem, ForwardItem, ModelRunner
+from kvferry.engine.model_step import launch_model, launch_ready, plain_decodes, run_model
 from kvferry.engine.moves import move_cache
-from kvferry.engine.overlap import OverlapWindow, run_overlapped
+from kvferry.engine.overlap import OverlapWindow, run_launched, run_overlapped
 from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
-from kvferry.engine.sampling import Draw, accept_drafts, greedy_rows, sample_many
-from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepItem, StepPlan
+from kvferry.engine.sampling import accept_drafts, sample_seeded
+from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepPlan
 from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
 
 __all__ = [
@@ -575,16 +577,23 @@ class Engine:
         try:
             if prepare is not None:
                 prepare()
-            if overlap:
+            plain = plain_decodes(plan)
+            if plain and self.config.launch_on_loop and launch_ready(self.runner, plan):
+                (drafts, logits), argmax = await run_launched(
+                    functools.partial(launch_model, self.runner, plan, self.config.launch_spin_seconds),
+                    functools.partial(self._overlap_work, plan) if overlap else None,
+                    window,
+                )
+            elif overlap:
                 drafts, logits, argmax = await run_overlapped(
-                    functools.partial(self._run_model, plan),
+                    functools.partial(run_model, self.runner, plan, plain),
                     functools.partial(self._overlap_work, plan),
                     window,
                 )
             elif self.config.step_in_thread:
-                drafts, logits, argmax = await anyio.to_thread.run_sync(self._run_model, plan)
+                drafts, logits, argmax = await anyio.to_thread.run_sync(run_model, self.runner, plan, plain)
             else:
-                drafts, logits, argmax = self._run_model(plan)
+                drafts, logits, argmax = run_model(self.runner, plan, plain)
             if finish is not None:
                 finish()
         except Exception as exc:
@@ -631,34 +640,6 @@ class Engine:
         self.scheduler.flush()
         self.scheduler.grow_ahead(plan)
 
-    def _run_model(self, plan: StepPlan) -> tuple[dict[int, tuple[int, ...]], torch.Tensor, list[int]]:
-        """Drafter and target step, and the greedy choice of every logits row (reading it waits for an
-        accelerator to finish the step, so it belongs to the model's time, not the host's)."""
-        speculative = [item for item in plan.items if item.kind is ItemKind.DECODE and item.num_drafts]
-        drafts: dict[int, tuple[int, ...]] = {}
-        if speculative:
-            proposals = self.runner.propose(
-                [DraftItem(i.request.request_id, i.token_ids[0], i.start, i.num_drafts) for i in speculative]
-            )
-            for item, proposal in zip(speculative, proposals, strict=True):
-                drafts[item.request.request_id] = tuple(proposal)
-        forward = [self._forward_item(item, drafts.get(item.request.request_id, ())) for item in plan.items]
-        logits = self.runner.forward(forward)
-        return drafts, logits, greedy_rows(logits)
-
-    @staticmethod
-    def _forward_item(item: StepItem, drafts: tuple[int, ...]) -> ForwardItem:
-        request = item.request
-        keep = request.spec_k > 0
-        if item.kind is ItemKind.PREFILL:
-            return ForwardItem(
-                request.request_id, item.token_ids, item.start, int(item.wants_logits), keep_hidden=keep
-            )
-        tokens = item.token_ids + drafts
-        return ForwardItem(
-            request.request_id, tokens, item.start, len(tokens), len(drafts), verify=keep, keep_hidden=keep
-        )
-
     def _apply(
         self, plan: StepPlan, drafts: dict[int, tuple[int, ...]], logits: torch.Tensor, argmax: list[int]
     ) -> None:
@@ -667,7 +648,7 @@ class Engine:
         decode, requests, scheduler = ItemKind.DECODE, self._requests, self.scheduler
         # plain greedy decodes that go on, committed together (in order: before any other commit)
         plain: list[Request] = []
-        sampled = self._sample_seeded(plan, logits) if self._num_seeded else {}
+        sampled = sample_seeded(plan.items, logits) if self._num_seeded else {}
         for index, item in enumerate(plan.items):
             request = item.request
             if (
@@ -752,25 +733,6 @@ class Engine:
         if plain:
             scheduler.commit_decodes(plain)
         self._counts["generated"] += generated
-
-    @staticmethod
-    def _sample_seeded(plan: StepPlan, logits: torch.Tensor) -> dict[int, list[int]]:
-        """The tokens of every seeded request's logits rows in the step, by item index (one batch, see
-        :func:`~kvferry.engine.sampling.sample_many`)."""
-        draws: list[Draw] = []
-        items: list[int] = []
-        offset = 0
-        for index, item in enumerate(plan.items):
-            request = item.request
-            if item.kind is ItemKind.DECODE:
-                rows = 1 + item.num_drafts
-            else:
-                rows = 1 if item.start + len(item.token_ids) == request.num_prompt else 0
-            if rows and request.sampling.seed is not None:
-                draws.append((request, offset, rows, len(request.output_ids)))
-                items.append(index)
-            offset += rows
-        return dict(zip(items, sample_many(draws, logits), strict=True))
 
     # --- introspection ------------------------------------------------------------------------------------
 

@@ -45,6 +45,13 @@ class ModelRunner(Protocol):
 
     ``propose`` and ``forward`` run together in one step (maybe in a worker thread); ``record_accepted`` and
     ``release`` run on the event loop between steps.
+
+    Optional: ``forward_decodes(request_ids, tokens, starts) -> logits``, the ``forward`` of a step of plain
+    decodes (``ForwardItem(request_ids[i], (tokens[i],), starts[i], 1)`` each) from three lists, no object per
+    request; its logits need only stay valid until the next step. The engine uses it for a step of plain decodes
+    when a runner has it (``PagedRunner`` keeps those rows on the model's decode path from step to step), and for
+    the plain decodes of a mixed step, beside ``forward`` of the rest, when they are at most the runner's
+    ``decode_path_rows`` (0 or absent: never).
     """
 
     @property

@@ -1,23 +1,26 @@
-"""Host work on the event loop while a model step runs in its worker thread (``EngineConfig.overlap``).
+"""Host work on the event loop while a model step runs (``EngineConfig.overlap``).
 
 :func:`run_overlapped` starts the step in a thread, then runs the loop's work for the next step (the last step's
-commits, the next step's grows) while the thread computes. The step always ends before it returns: a failure of
-the work is kept in the :class:`OverlapWindow` for the caller to raise once the step is accounted for, and a
-cancel waits for the thread as ``anyio.to_thread.run_sync`` does.
+commits, the next step's grows) while the thread computes. :func:`run_launched` launches the step on the loop
+itself (a device that computes asynchronously: the launch returns before the step ends, ``launch_on_loop``), runs
+the work, then waits for the step's tokens. Either way the step always ends before it returns: a failure of the
+work is kept in the :class:`OverlapWindow` for the caller to raise once the step is accounted for, and a cancel
+waits for the step (the thread, or the device) to end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
 from attrs import define
 
-__all__ = ["OverlapWindow", "run_overlapped"]
+__all__ = ["OverlapWindow", "run_launched", "run_overlapped"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @define
@@ -57,3 +60,22 @@ async def run_overlapped(step: Callable[[], T], work: Callable[[], None], window
     if failed:
         raise failed[0]
     return result[0]
+
+
+async def run_launched(
+    launch: Callable[[], tuple[T, Callable[[], Awaitable[R]]]],
+    work: Callable[[], None] | None,
+    window: OverlapWindow,
+) -> tuple[T, R]:
+    """``launch()`` on the loop, then ``work()`` (when given) while the launched step runs, then the step's
+    ``wait()``; ``launch``'s value and ``wait``'s. ``launch``'s exception is raised as itself; ``work``'s goes into
+    ``window.error``. ``wait`` must end the step even when cancelled."""
+    launched, wait = launch()
+    if work is not None:
+        start = time.perf_counter()
+        try:
+            work()
+        except Exception as exc:  # the caller raises it once the step ended
+            window.error = exc
+        window.seconds = time.perf_counter() - start
+    return launched, await wait()

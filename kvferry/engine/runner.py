@@ -23,6 +23,7 @@ from kvferry import wire
 from kvferry.engine.engine import DraftItem, Engine, EngineConfig, ForwardItem
 from kvferry.engine.scheduler import SchedulerConfig
 from kvferry.errors import ConfigError, KvferryError, UnknownRequest, WireFormatError
+from kvferry.model.decode_batch import DecodeBatch
 from kvferry.model.device import resolve_device
 from kvferry.model.drafter import Drafter, DrafterWeights, DraftInput
 from kvferry.model.family import PagedModel, build_model
@@ -218,6 +219,10 @@ class LockstepCache:
     def block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.block_table(request_id))
 
+    def block_tables(self, request_ids: Sequence[int]) -> list[Sequence[int]]:
+        """Rank 0's live page lists of the requests (the same on every rank; do not mutate)."""
+        return self.primary.block_tables(request_ids)
+
     def draft_block_table(self, request_id: int) -> tuple[int, ...]:
         return tuple(self.primary.draft_block_table(request_id))
 
@@ -290,6 +295,8 @@ class PagedRunner:
     _fed: dict[int, list[_Fed]] = attrs.field(factory=dict, init=False)
     #: the drafter's final KV ranges of the last step, handed to the managers by :meth:`finish_step`
     _draft_commits: list[tuple[int, int, int]] = attrs.field(factory=list, init=False)
+    #: the plain decodes' rows kept on the model's decode path from step to step (:meth:`forward_decodes`)
+    _decode_rows: DecodeBatch | None = attrs.field(default=None, init=False)
 
     @property
     def vocab_size(self) -> int:
@@ -342,6 +349,45 @@ class PagedRunner:
             return torch.empty(0, self.vocab_size, dtype=self.model.weights.dtype, device=self.model.device)
         return torch.cat(logits)
 
+    @property
+    def decode_rows(self) -> DecodeBatch | None:
+        """The plain decodes' rows on the model's decode path (None before the first such step)."""
+        return self._decode_rows
+
+    @property
+    def decode_path_rows(self) -> int:
+        """The most plain decodes one step of the model's decode path takes (0: the model has none)."""
+        graphs = self.model.decode_graphs
+        return 0 if graphs is None else graphs.buckets[-1]
+
+    def decode_path_ready(self, rows: int) -> bool:
+        """Whether a step of ``rows`` plain decodes would be a cheap, asynchronous launch: the model's decode path
+        takes them and has its graph captured (a first capture compiles and warms up; the general step reads
+        values back from the device)."""
+        graphs = self.model.decode_graphs
+        return graphs is not None and graphs.ready(rows)
+
+    def forward_decodes(
+        self, request_ids: Sequence[int], tokens: Sequence[int], starts: Sequence[int]
+    ) -> torch.Tensor:
+        """Plain decodes (one token each, no hidden state kept): the logits of ``forward`` over
+        ``ForwardItem(request_ids[i], (tokens[i],), starts[i], 1)``. With the model's decode path, through rows it
+        keeps from step to step (:class:`~kvferry.model.decode_batch.DecodeBatch`): per step only tokens and
+        positions are written, and a row's table and slot are read and checked when it enters or its table grows.
+        The logits are valid until the next step."""
+        graphs = self.model.decode_graphs
+        if graphs is None or len(request_ids) > graphs.buckets[-1]:
+            return self.forward(
+                [ForwardItem(r, (t,), s, 1) for r, t, s in zip(request_ids, tokens, starts, strict=True)]
+            )
+        if self._decode_rows is None or self._decode_rows.model is not self.model:
+            self._decode_rows = DecodeBatch(self.model)
+        self.cache.flush_num_accepted()  # a no-op after prepare_step
+        tables = self.cache.block_tables(request_ids)
+        return self.model.step_decode(
+            self._decode_rows, request_ids, tokens, starts, tables, self.cache.slot_id
+        )
+
     def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
         if self.drafter is None:
             raise ConfigError("speculative decoding needs a drafter; this engine has none")
@@ -393,6 +439,8 @@ class PagedRunner:
     def rebind(self, arenas: Sequence[CacheArena]) -> None:
         """Run the model (and the drafter) over new arenas, one per rank, from the next step on."""
         self.model.rebind(arenas)
+        if self._decode_rows is not None:
+            self._decode_rows.reset()
         if self.drafter is not None:
             self.drafter.rebind()
 
@@ -516,6 +564,9 @@ class EngineOptions:
     #: pure decode rows through fused kernels captured as CUDA graphs (None: on CUDA devices only; True on the
     #: CPU runs the same path eagerly)
     decode_graphs: bool | None = None
+    #: steps of plain decodes launched from the event loop, their tokens polled while the device computes, instead
+    #: of a worker thread (EngineConfig.launch_on_loop; None: on CUDA devices only, where a launch returns at once)
+    launch_on_loop: bool | None = None
     #: divide a NemotronH preset's widths by this (1: its real proportions; see kvferry.model.presets)
     preset_scale: int = 1
 
@@ -625,6 +676,11 @@ def build_engine(model: str | Path = "tiny", options: EngineOptions | None = Non
         ),
         step_in_thread=options.step_in_thread,
         overlap=options.overlap,
+        launch_on_loop=(
+            torch.device(options.device).type == "cuda"
+            if options.launch_on_loop is None
+            else options.launch_on_loop
+        ),
         host_memory=options.host_memory,
     )
     return BuiltEngine(Engine(runner, cache, config), runner, cache, tuple(arenas))

@@ -13,13 +13,24 @@ sample is kept, which is distributed as ``p`` restricted to tokens other than ``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import anyio
 import torch
 
 from kvferry.engine.request import Request
+from kvferry.engine.scheduler import ItemKind, StepItem
 
-__all__ = ["Draw", "accept_drafts", "greedy_rows", "sample_many", "sample_tokens"]
+__all__ = [
+    "Draw",
+    "GreedyReadback",
+    "accept_drafts",
+    "greedy_rows",
+    "sample_many",
+    "sample_seeded",
+    "sample_tokens",
+]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, position) over the 63-bit seed space
 
@@ -79,6 +90,25 @@ def sample_many(draws: Sequence[Draw], logits: torch.Tensor) -> list[list[int]]:
     return out
 
 
+def sample_seeded(items: Sequence[StepItem], logits: torch.Tensor) -> dict[int, list[int]]:
+    """The tokens of every seeded request's logits rows in a step of ``items``, by item index (one batch, see
+    :func:`sample_many`)."""
+    draws: list[Draw] = []
+    indices: list[int] = []
+    offset = 0
+    for index, item in enumerate(items):
+        request = item.request
+        if item.kind is ItemKind.DECODE:
+            rows = 1 + item.num_drafts
+        else:
+            rows = 1 if item.start + len(item.token_ids) == request.num_prompt else 0
+        if rows and request.sampling.seed is not None:
+            draws.append((request, offset, rows, len(request.output_ids)))
+            indices.append(index)
+        offset += rows
+    return dict(zip(indices, sample_many(draws, logits), strict=True))
+
+
 def accept_drafts(drafts: Sequence[int], target_tokens: Sequence[int]) -> int:
     """How many leading drafts match the target's own choices (``target_tokens`` has ``len(drafts) + 1``)."""
     n = 0
@@ -99,3 +129,48 @@ def greedy_rows(logits: torch.Tensor) -> list[int]:
             rows = rows.to(torch.float32)
         return rows.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
     return rows.argmax(dim=-1).tolist()
+
+
+class GreedyReadback:
+    """The greedy choice of every row of a step's logits, read back without blocking the host: on CUDA one argmax
+    on the device, its result copied to pinned host memory behind the step, and an event that says when it
+    arrived (:meth:`wait` polls it from the event loop). Elsewhere the choice is made at once."""
+
+    __slots__ = ("_event", "_host", "_tokens")
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._tokens: list[int] | None = None
+        rows = logits.detach()
+        if rows.device.type != "cuda" or rows.shape[0] == 0:
+            self._tokens = greedy_rows(rows)
+            return
+        self._host = torch.empty(rows.shape[0], dtype=torch.int64, pin_memory=True)
+        self._host.copy_(rows.argmax(dim=-1), non_blocking=True)
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(rows.device))  # the device of the logits
+
+    def ready(self) -> bool:
+        """Whether the tokens are on the host (the step ended)."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def result(self) -> list[int]:
+        """The tokens, one per row (waits for the device when not :meth:`ready`)."""
+        if self._tokens is None:
+            assert self._event is not None
+            self._event.synchronize()
+            self._tokens = self._host.tolist()
+        return self._tokens
+
+    async def wait(self, spin_seconds: float) -> list[int]:
+        """The tokens, yielding to the event loop while the device computes: polled between yields for up to
+        ``spin_seconds``, then waited for in a worker thread (a long step does not keep the loop spinning).
+        Not cancellable (as a step in a worker thread): the step's device work ends before this returns."""
+        with anyio.CancelScope(shield=True):
+            deadline = time.perf_counter() + spin_seconds
+            while not self.ready():
+                if time.perf_counter() > deadline:
+                    await anyio.to_thread.run_sync(self.result)
+                    break
+                await anyio.lowlevel.checkpoint()
+        return self.result()

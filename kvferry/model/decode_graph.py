@@ -96,9 +96,15 @@ class DecodeGraphs:
     _padded_rows: int = attrs.field(init=False, default=0)
     _constants: dict[tuple[str, int, int], torch.Tensor] = attrs.field(init=False, factory=dict)
     _widened: int = attrs.field(init=False, default=0)
+    #: recorded after an asynchronous copy of pinned host rows (CUDA)
+    _copied: Any = attrs.field(init=False, default=None)
+    #: the caches' page and slot counts (read through the arena's views, which costs; refreshed by reset)
+    num_pages: int = attrs.field(init=False, default=0)
+    num_slots: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.buckets = decode_buckets(self.max_batch)
+        self.num_pages, self.num_slots = self.model.num_pages, self.model.num_slots
         self._packed = self._inputs(INITIAL_TABLE_BLOCKS)
         self.capture = self.capture and self.model.device.type == "cuda"
         float64 = self.model.weights.dtype == torch.float64
@@ -134,12 +140,28 @@ class DecodeGraphs:
         """Drop the captured graphs (the next steps capture again); between steps only."""
         self._captured.clear()
         self._pool = None
+        self.num_pages, self.num_slots = self.model.num_pages, self.model.num_slots
         self._packed = self._inputs(self._packed.shape[1] - 3)
 
     def _inputs(self, blocks: int) -> torch.Tensor:
         # the packed input rows, with room for block tables of ``blocks`` pages (never more than the pool has)
-        blocks = max(1, min(blocks, self.model.num_pages))
+        blocks = max(1, min(blocks, self.num_pages))
         return torch.zeros(self.buckets[-1], 3 + blocks, dtype=torch.int64, device=self.model.device)
+
+    @property
+    def width(self) -> int:
+        """Columns of an input row now: token, position, slot and the block-table room (grows, never shrinks)."""
+        return int(self._packed.shape[1])
+
+    def ready(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs without capturing a graph first (captured already, or eager)."""
+        if rows > self.buckets[-1]:
+            return False
+        return not self.capture or self.bucket(rows) in self._captured
+
+    def bucket(self, rows: int) -> int:
+        """The batch bucket that runs ``rows`` rows (at most the largest bucket)."""
+        return next(b for b in self.buckets if b >= rows)
 
     def run(self, batch: Sequence[SequenceInput]) -> StepOutput:
         """One decode step for ``batch``: decode rows (:func:`is_decode_row`), at most the largest bucket, already
@@ -147,9 +169,9 @@ class DecodeGraphs:
         from kvferry.model.nemotron_h import RowViews, StepOutput
 
         n = len(batch)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self.bucket(n)
         tpb = self.model.spec.tokens_per_block
-        has_pages = self.model.num_pages > 0
+        has_pages = self.num_pages > 0
         width = 3 + (max(row.start for row in batch) // tpb + 1 if has_pages else 1)
         # one host tensor, one copy: rows as [token, position, slot, block table...], zero-padded; the padding
         # rows are all zeros (slot 0, page 0, position 0)
@@ -162,26 +184,57 @@ class DecodeGraphs:
             flat += zeros[: width - 3 - len(table)]
         flat += (0,) * ((bucket - n) * width)
         host = torch.tensor(flat, dtype=torch.int64).view(bucket, width)
-        if width > self._packed.shape[1]:
-            # a longer sequence than the inputs have room for: wider inputs (doubled), captured again
-            self._captured.clear()
-            self._pool = None
-            self._packed = self._inputs(max(width - 3, 2 * (self._packed.shape[1] - 3)))
-            self._widened += 1
+        logits, hidden = self.run_rows(host, n, width)
+        return StepOutput(logits=RowViews(logits), hidden=RowViews(hidden))
+
+    def inputs_copied(self) -> None:
+        """Wait until the last step's asynchronous copy of its host rows ended (they may change afterwards)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def widen(self, width: int) -> bool:
+        """Make room for input rows of ``width`` columns (doubled block-table room; the graphs are captured
+        again); whether it grew. Between steps only."""
+        if width <= self._packed.shape[1]:
+            return False
+        self._captured.clear()
+        self._pool = None
+        self._packed = self._inputs(max(width - 3, 2 * (self._packed.shape[1] - 3)))
+        self._widened += 1
+        return True
+
+    def run_rows(
+        self, host: torch.Tensor, n: int, width: int, *, clone: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over packed host rows: ``host`` holds at least the bucket's rows of ``n`` (rows ``n``
+        and on all zeros: padding) and ``width`` valid columns (validated by the caller). Logits and hidden
+        states ``[n, ...]``; with ``clone`` False they are the graph's own outputs, overwritten by the next step.
+
+        A host tensor as wide as the inputs and pinned is copied whole rows, asynchronously on CUDA: the caller
+        must not change it before the copy ran (:meth:`inputs_copied`)."""
+        bucket = self.bucket(n)
+        self.widen(width)
         # a first capture of the bucket runs on padding rows: before this step's rows are copied in
         captured = (self._captured.get(bucket) or self._capture(bucket)) if self.capture else None
-        self._packed[:bucket, :width].copy_(host)
+        if host.shape[1] == self._packed.shape[1] and host.is_pinned():
+            self._packed[:bucket].copy_(host[:bucket], non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied.record(torch.cuda.current_stream(self.model.device))
+        else:
+            self._packed[:bucket, :width].copy_(host[:bucket, :width])
         if captured is not None:
             captured.graph.replay()
             logits, hidden = captured.logits, captured.hidden
             self._replays += 1
         else:
-            logits, hidden = self._forward(bucket)
+            logits, hidden = self._forward(bucket, width)
             self._eager_steps += 1
-        logits, hidden = logits[:n].clone(), hidden[:n].clone()
         self._rows += n
         self._padded_rows += bucket - n
-        return StepOutput(logits=RowViews(logits), hidden=RowViews(hidden))
+        if clone:
+            return logits[:n].clone(), hidden[:n].clone()
+        return logits[:n], hidden[:n]
 
     def _capture(self, bucket: int) -> _Captured:
         # Warm up (Triton compiles its kernels) on padding rows only: slot 0, page 0.
@@ -203,18 +256,18 @@ class DecodeGraphs:
 
     # --- the step's arithmetic (device work only) ---------------------------------------------------------
 
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # ``width``: only the inputs' first columns hold tables (an eager step reads no page past them; a graph
+        # is captured over every column)
         model = self.model
         spec = model.spec
-        packed = self._packed[:bucket]
+        packed = self._packed[:bucket, :width]
         tokens, positions = packed[:, 0], packed[:, 1]
         slots = packed[:, 2].contiguous()  # once per step: every kernel indexes it as a vector
         tables = packed[:, 3:]
         # where each row's new K/V goes, and how far it attends: the same for every attention layer
         pages = (
-            page_coordinates(tables, positions[:, None], spec.tokens_per_block)
-            if self.model.num_pages
-            else None
+            page_coordinates(tables, positions[:, None], spec.tokens_per_block) if self.num_pages else None
         )
         lengths = positions + 1
         weights = model.weights

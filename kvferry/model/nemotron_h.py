@@ -20,7 +20,7 @@ Cache memory is whatever the caller hands in, one :class:`CacheViews` per tensor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -40,6 +40,7 @@ from kvferry.model.weights import ModelWeights, NemotronHArgs
 from kvferry.pools.spec import DRAFT_LAYER_SHIFT, LayerKind, ModelSpec, RankSpec, dtype_from_name
 
 if TYPE_CHECKING:
+    from kvferry.model.decode_batch import DecodeBatch
     from kvferry.model.decode_graph import DecodeGraphs
 
 __all__ = [
@@ -435,6 +436,28 @@ class Model:
         self._tokens += sum(len(s.token_ids) for s in batch)
         self._verify_tokens += sum(len(s.token_ids) for s in batch if s.verify)
         return out
+
+    @torch.no_grad()
+    def step_decode(
+        self,
+        rows: DecodeBatch,
+        keys: Sequence[int],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        slot_of: Callable[[int], int],
+    ) -> torch.Tensor:
+        """One step of decode rows kept by the caller in ``rows`` (:class:`~kvferry.model.decode_batch.DecodeBatch`,
+        see :meth:`DecodeBatch.step <kvferry.model.decode_batch.DecodeBatch.step>`): the same as :meth:`step` over
+        ``SequenceInput((tokens[i],), positions[i], tables[i], slot_of(keys[i]))``, checked only where a row is
+        new or its table grew. Logits ``[n, vocab]``, valid until the next step.
+
+        :raises ~kvferry.errors.ConfigError: on a bad input, before anything is written.
+        """
+        logits = rows.step(keys, tokens, positions, tables, slot_of)
+        self._steps += 1
+        self._tokens += len(keys)
+        return logits
 
     def enable_decode_graphs(
         self, max_batch: int, *, capture: bool = True, use_triton: bool | None = None

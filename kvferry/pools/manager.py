@@ -684,6 +684,18 @@ class CacheManager:
         """Attention page ids of the request, block by block (the manager's list: do not mutate)."""
         return self._get(request_id).pages
 
+    def block_tables(self, request_ids: Sequence[RequestId]) -> list[Sequence[int]]:
+        """:meth:`block_table` of each request, in one call (the manager's lists: do not mutate). A request's
+        list is the same object while its pages only grow; moving its cache replaces it.
+
+        :raises ~kvferry.errors.UnknownRequest: a request it does not hold."""
+        records = self._requests
+        try:
+            return [records[r].pages for r in request_ids]
+        except KeyError:
+            pass
+        return [find_record(records, r).pages for r in request_ids]  # raises for the one it does not hold
+
     def draft_block_table(self, request_id: RequestId) -> Sequence[int]:
         """Draft page ids of the request, block by block (``draft_tokens_per_block`` tokens each)."""
         return self._get(request_id).draft_pages

@@ -87,6 +87,9 @@ class DecodeBenchConfig:
     transformers: bool = True
     seed: int = 0
     preset_scale: int = 1
+    #: EngineOptions.decode_graphs / launch_on_loop (None: the engine's default for the device)
+    decode_graphs: bool | None = None
+    launch_on_loop: bool | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -308,6 +311,8 @@ def _options(config: DecodeBenchConfig, tokens_per_block: int) -> EngineOptions:
         max_prefill_chunk=config.max_prefill_chunk,
         enable_reuse=False,
         preset_scale=config.preset_scale,
+        decode_graphs=config.decode_graphs,
+        launch_on_loop=config.launch_on_loop,
     )
 
 
@@ -379,6 +384,8 @@ def run_decode_bench(config: DecodeBenchConfig, progress: Callable[[str], None])
             "transformers": config.transformers,
             "seed": config.seed,
             "preset_scale": config.preset_scale,
+            "decode_graphs": built.runner.model.decode_graphs is not None,
+            "launch_on_loop": built.engine.config.launch_on_loop,
             "timing": "engine step statistics of the pure decode steps (schedule + model + apply)",
         },
         "hardware": _hardware(device),
@@ -442,7 +449,9 @@ def table(result: dict[str, Any]) -> str:
     cfg, ceilings = result["config"], result["ceilings"]
     lines = [
         f"{cfg['model_name']} ({cfg['parameters'] / 1e9:.2f} B parameters, {cfg['dtype']}) on {cfg['device']}: "
-        f"prompt {cfg['prompt_tokens']}, {cfg['new_tokens']} new tokens, median of {cfg['repeat']} runs",
+        f"prompt {cfg['prompt_tokens']}, {cfg['new_tokens']} new tokens, median of {cfg['repeat']} runs; decode "
+        f"path {'on' if cfg.get('decode_graphs') else 'off'}, steps "
+        f"{'launched from the loop' if cfg.get('launch_on_loop') else 'in a worker thread'}",
         f"{'batch':>6}{'tok/s':>11}{'ms/step':>10}{'[min, max]':>20}{'roofline ms':>13}{'ratio':>8}"
         f"{'e2e tok/s':>11}{'hf tok/s':>10}{'vs hf':>7}",
     ]

@@ -46,3 +46,25 @@ def test_deferred_num_accepted_reaches_every_rank_at_flush() -> None:
     cache.flush_num_accepted()
     for arena in built.arenas:
         assert [int(arena.num_accepted[cache.slot_id(rid)]) for rid in (1, 2)] == [3, 1]
+
+
+def test_block_tables_are_the_live_lists_replaced_when_a_cache_moves() -> None:
+    from kvferry.errors import UnknownRequest
+
+    built = build_engine("tiny", EngineOptions(num_pages=32, max_running=4))
+    cache = built.cache
+    for rid in (1, 2):
+        cache.create(rid, [1, 2, 3, 4, 5])
+        cache.resume(rid)
+    first = cache.block_tables([2, 1])
+    assert [tuple(t) for t in first] == [cache.block_table(2), cache.block_table(1)]
+    cache.grow_many([(1, 16)])
+    grown = cache.block_tables([1])[0]
+    assert grown is first[1] and len(grown) == 4  # pages appended: the same list
+    cache.suspend(1)
+    cache.offload(1)
+    cache.resume(1)
+    moved = cache.block_tables([1])[0]
+    assert moved is not first[1]  # the cache moved to the host and back: another list
+    with pytest.raises(UnknownRequest):
+        cache.block_tables([1, 7])
