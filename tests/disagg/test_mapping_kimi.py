@@ -5,23 +5,33 @@ as for NemotronH; bit-exact against the slow reference of :mod:`tests.support.di
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable, Sequence
 
+import anyio
 import attrs
 import pytest
 import torch
 
+from kvferry.disagg.link import exchange_hello
 from kvferry.disagg.mapping import (
     BouncePolicy,
     MappingStatistics,
+    PeerMap,
     RankMap,
     RequestCache,
     TokenRange,
     elected,
 )
+from kvferry.disagg.mapping.compat import explain
+from kvferry.disagg.protocol import PeerInfo, PeerRole, check_pairing
+from kvferry.errors import PeerIncompatible
 from kvferry.pools.layout import LayerGroup, Role
 from kvferry.pools.pagetable import PageTable
+from kvferry.pools.spec import AttentionSpec, ModelSpec
+from kvferry.transports import Peer, Transport, get_transport
 from kvferry.transports.base import Fragments
-from tests.support.disagg_mapping import PROMPT, TP_PAIRS, Memory, build, check, kimi
+from tests.support.disagg_mapping import PROMPT, TP_PAIRS, Memory, arenas, build, check, kimi, tiny
 
 # --- bit-exact resharding ----------------------------------------------------------------------------------
 
@@ -189,3 +199,174 @@ def _locate(table: PageTable, group: LayerGroup, address: int) -> tuple[Role, in
             if start <= address < start + entry.nbytes:
                 return role, layer, address - start
     raise AssertionError(f"address {address:#x} is in no buffer")
+
+
+# --- pairs that cannot be resharded ------------------------------------------------------------------------
+
+
+def _tables(spec: ModelSpec, tp: int) -> list[PageTable]:
+    return [a.page_table() for a in arenas(spec, tp, num_pages=4)]
+
+
+def _gqa() -> ModelSpec:
+    """tiny-kimi with GQA attention layers (K/V pages) in place of MLA."""
+    return attrs.evolve(kimi(), mla=None, attention=AttentionSpec(4, 2, 16, dtype="float64"))
+
+
+def _wider_latent() -> ModelSpec:
+    spec = kimi()
+    assert spec.mla is not None
+    return attrs.evolve(spec, mla=attrs.evolve(spec.mla, kv_lora_rank=48))
+
+
+def _kda_heads(heads: int) -> ModelSpec:
+    spec = kimi()
+    assert spec.kda is not None
+    return attrs.evolve(spec, kda=attrs.evolve(spec.kda, num_heads=heads))
+
+
+REFUSED = [
+    pytest.param(
+        _gqa,
+        kimi,
+        (1, 2),
+        "layer 2 is GQA attention (K/V pages) on the sender, MLA attention (latent pages) on the receiver",
+        id="gqa-mla",
+    ),
+    pytest.param(
+        kimi,
+        _wider_latent,
+        (2, 2),
+        "MLA latent width: 40 on the sender, 56 on the receiver (layer 2)",
+        id="latent-width",
+    ),
+    pytest.param(
+        lambda: _kda_heads(6),
+        kimi,
+        (2, 4),
+        "KDA heads: 6 on the sender, 4 on the receiver (layer 0); tp 4 on the receiver cannot split 6 KDA heads",
+        id="kda-heads",
+    ),
+    pytest.param(
+        tiny, kimi, (1, 1), "layer 0 is Mamba2 on the sender, KDA on the receiver", id="nemotron-kimi"
+    ),
+]
+
+
+@pytest.mark.parametrize(("src_model", "dst_model", "tps", "why"), REFUSED)
+def test_pairs_that_cannot_be_resharded_are_refused_saying_why(
+    src_model: Callable[[], ModelSpec], dst_model: Callable[[], ModelSpec], tps: tuple[int, int], why: str
+) -> None:
+    src, dst = _tables(src_model(), tps[0]), _tables(dst_model(), tps[1])
+    for build_map in (lambda: PeerMap.build(src, dst), lambda: RankMap.build(src[0], dst[0])):
+        with pytest.raises(PeerIncompatible) as info:
+            build_map()
+        message = str(info.value)
+        assert message == f"cannot reshard: {why}" and "\n" not in message
+
+
+def _lying_tables() -> list[tuple[PageTable, str]]:
+    """Tables of tiny-kimi whose shards their TP size does not give (same model hash: only the shards tell)."""
+    tp2 = _tables(kimi(), 2)
+    tp4 = _tables(kimi(), 4)
+
+    def group(table: PageTable, name: str, **changes: object) -> PageTable:
+        groups = tuple(
+            attrs.evolve(g, **changes) if g.name == name else g  # type: ignore[arg-type]
+            for g in table.layer_groups
+        )
+        return attrs.evolve(table, layer_groups=groups)
+
+    kda = tp2[1].layer_group("kda")
+    latent = tp2[1].layer_group("attention")
+    return [
+        (attrs.evolve(tp4[1], tp_size=3), "tp 3 cannot split 4 "),
+        (attrs.evolve(tp4[3], tp_size=8, rank=7), "tp 8 cannot split 4 KDA heads"),
+        (group(tp2[1], "kda", heads=attrs.evolve(kda.heads, first=0)), "holds heads [0, 2) of 4, tp 2 gives"),
+        (
+            group(tp2[1], "attention", heads=attrs.evolve(latent.heads, replicas=1)),
+            "holds heads [0, 1) of 1, tp 2 gives [0, 1) of 1 x2",
+        ),
+        (
+            group(
+                tp2[1],
+                "kda",
+                conv_sections=(
+                    kda.conv_sections[0],
+                    *(attrs.evolve(s, first=0) for s in kda.conv_sections[1:]),
+                ),
+            ),
+            "conv section 1 [0, 32) of 64 is not rank 1's share",
+        ),
+    ]
+
+
+def test_shards_a_tp_size_does_not_give_are_refused() -> None:
+    """A table that claims shards its own TP size cannot give (a KDA head count the TP size cannot split, heads
+    of another rank, a latent held by fewer ranks than the TP size): resharding would trust them to elect one
+    writer per byte, so the mapping refuses them whatever the hash says."""
+    good = _tables(kimi(), 2)
+    for table, why in _lying_tables():
+        with pytest.raises(PeerIncompatible, match=re.escape(why)):
+            RankMap.build(good[0], table)
+        with pytest.raises(PeerIncompatible, match=re.escape(why)):
+            RankMap.build(table, good[0])
+
+
+# --- the same refusals in the handshake --------------------------------------------------------------------
+
+
+def _info(spec: ModelSpec, tp: int, role: PeerRole, tables: Sequence[PageTable] | None = None) -> PeerInfo:
+    tables = _tables(spec, tp) if tables is None else tables
+    return PeerInfo(role, "i", "local", "local://x:1", tp, tuple(tables))
+
+
+@pytest.mark.parametrize(("src_model", "dst_model", "tps", "why"), REFUSED)
+@pytest.mark.anyio
+async def test_the_handshake_says_why_a_peer_cannot_pair(
+    src_model: Callable[[], ModelSpec], dst_model: Callable[[], ModelSpec], tps: tuple[int, int], why: str
+) -> None:
+    """Each side of a handshake over a real transport refuses the other with the reason (its hash differs: the
+    body is decoded only to explain), and check_pairing says the same of two infos it is given."""
+    context = _info(src_model(), tps[0], PeerRole.CONTEXT)
+    generation = _info(dst_model(), tps[1], PeerRole.GENERATION)
+    # the context side names its model "here"; the generation side compares the other way round
+    mine = why.replace("on the sender", "here").replace("on the receiver", "on the peer")
+    theirs = explain(generation.page_tables[0], context.page_tables[0])
+    assert theirs is not None
+    factory = get_transport("local")
+    results: dict[str, object] = {}
+    async with factory() as t_ctx, factory() as t_gen:
+        to_gen = await t_ctx.connect(t_gen.address)
+        to_ctx = await t_gen.accept()
+
+        async def side(name: str, transport: Transport, peer: Peer, local: PeerInfo) -> None:
+            try:
+                results[name] = await exchange_hello(transport, peer, local)
+            except PeerIncompatible as exc:
+                results[name] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(side, "ctx", t_ctx, to_gen, context)
+                tg.start_soon(side, "gen", t_gen, to_ctx, generation)
+    assert isinstance(results["ctx"], PeerIncompatible) and isinstance(results["gen"], PeerIncompatible)
+    assert str(results["ctx"]).endswith(f"): {mine}") and "\n" not in str(results["ctx"])
+    assert str(results["gen"]).endswith(f"): {theirs}")
+    with pytest.raises(PeerIncompatible) as info:
+        check_pairing(context, generation)
+    pairing_why = why.replace("on the sender", "on the context side").replace(
+        "on the receiver", "on the generation side"
+    )
+    assert str(info.value) == f"the peers serve different models: {pairing_why}"
+
+
+def test_pairing_refuses_shards_the_tp_size_does_not_give() -> None:
+    good = _info(kimi(), 2, PeerRole.CONTEXT)
+    for table, why in _lying_tables():
+        tables = _tables(kimi(), table.tp_size) if table.tp_size in (1, 2, 4) else [table] * table.tp_size
+        tables = [table if t.rank == table.rank else t for t in tables]
+        lying = _info(kimi(), table.tp_size, PeerRole.GENERATION, tables)
+        with pytest.raises(PeerIncompatible, match=re.escape(why)) as info:
+            check_pairing(good, lying)
+        assert "on the generation side" in str(info.value)
