@@ -35,17 +35,18 @@ def _short(group: LayerGroup) -> str:
 
 def _shape(group: LayerGroup) -> dict[str, object]:
     """The whole-model shape of a group (what no TP size changes), by the name a message gives it."""
+    dtypes = "/".join(group.dtypes)  # per role: K/V, latent, conv/SSM
     if group.kind is GroupKind.PAGED:
         if group.roles == LATENT_ROLES:
-            return {"latent width": group.head_dim, "dtype": group.dtypes}
-        return {"kv heads": group.heads.total, "head dim": group.head_dim, "dtype": group.dtypes}
+            return {"latent width": group.head_dim, "dtype": dtypes}
+        return {"kv heads": group.heads.total, "head dim": group.head_dim, "dtypes": dtypes}
     return {
         "heads": group.heads.total,
         "head dim": group.head_dim,
         "state size": group.state_size,
         "conv kernel": group.conv_kernel,
-        "conv sections": tuple(s.total for s in group.conv_sections),
-        "dtypes": group.dtypes,
+        "conv channels": "|".join(str(s.total) for s in group.conv_sections),
+        "dtypes": dtypes,
     }
 
 
