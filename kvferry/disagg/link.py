@@ -55,7 +55,7 @@ async def exchange_hello(
         data = await transport.receive_message(peer)
     if scope.cancelled_caught:
         raise PeerTimeout(f"no handshake with the peer within {within} s")
-    return decode_hello(data, wire_version=wire.WIRE_VERSION, compat_hash=local.compat_hash)
+    return decode_hello(data, wire_version=wire.WIRE_VERSION, compat_hash=local.compat_hash, local=local)
 
 
 async def pump(

@@ -5,9 +5,10 @@ Everything is a frozen attrs class serialised by the one converter of :mod:`kvfe
 1. **Handshake.** Each side sends a :class:`Hello`: an envelope whose ``wire_version`` and ``compat_hash`` are
    decoded and compared *before* its body (a :class:`PeerInfo`: role, TP size, every rank's
    :class:`~kvferry.pools.pagetable.PageTable`, transport address) is decoded at all. A mismatch raises
-   :class:`~kvferry.errors.PeerIncompatible` for that peer only. Then :func:`check_pairing` compares what may
-   legitimately differ between peers and decides at run time whether they can pair: TP sizes, block sizes,
-   layouts, the drafter's presence.
+   :class:`~kvferry.errors.PeerIncompatible` for that peer only (a peer of our wire version that serves another
+   model has its body decoded after all, to name what differs). Then :func:`check_pairing` compares what may
+   legitimately differ between peers and decides at run time whether they can pair: TP sizes (and the head
+   shards each gives), block sizes, layouts, the drafter's presence.
 2. **Control messages** (:class:`Control` = kind + body): the router's context request and the context
    side's answer, the generation side's :class:`ReceiveRequest`, every writer's per-chunk
    :class:`ChunkResult` (also carried as the transport's write notification, delivered only after the chunk's
@@ -28,6 +29,7 @@ from typing import Any
 from attrs import frozen
 
 from kvferry import wire
+from kvferry.disagg.mapping.compat import check_shards, explain
 from kvferry.errors import PeerIncompatible, WireFormatError
 from kvferry.pools.layout import GroupKind
 from kvferry.pools.pagetable import PageTable
@@ -131,8 +133,15 @@ def encode_hello(info: PeerInfo) -> bytes:
     return wire.encode(Hello(table.wire_version, table.compat_hash, wire.encode(info)))
 
 
-def decode_hello(data: bytes, *, wire_version: int, compat_hash: str) -> PeerInfo:
+def decode_hello(
+    data: bytes, *, wire_version: int, compat_hash: str, local: PeerInfo | None = None
+) -> PeerInfo:
     """Decode a peer's handshake: the envelope, then the comparison, and only then the body.
+
+    A peer of our wire version that serves another model has its body decoded all the same when ``local`` (our
+    own info) is given, to name in the error what differs (:func:`~kvferry.disagg.mapping.compat.explain`: GQA
+    or MLA attention, head counts a TP size cannot split, latent widths, layer kinds); a body that does not
+    decode leaves the hash in the message.
 
     :raises ~kvferry.errors.PeerIncompatible: the peer speaks another wire version or serves another model.
     :raises ~kvferry.errors.WireFormatError: the bytes are malformed, or the body contradicts the envelope.
@@ -141,11 +150,25 @@ def decode_hello(data: bytes, *, wire_version: int, compat_hash: str) -> PeerInf
     if hello.wire_version != wire_version:
         raise PeerIncompatible(f"peer speaks wire version {hello.wire_version}, we speak {wire_version}")
     if hello.compat_hash != compat_hash:
-        raise PeerIncompatible(f"peer serves model hash {hello.compat_hash}, we serve {compat_hash}")
+        reason = None if local is None else _why_incompatible(local, hello.body)
+        raise PeerIncompatible(
+            f"peer serves another model (hash {hello.compat_hash}, ours {compat_hash})"
+            + ("" if reason is None else f": {reason}")
+        )
     info = wire.decode(hello.body, PeerInfo)
     if info.compat_hash != hello.compat_hash or info.page_tables[0].wire_version != hello.wire_version:
         raise WireFormatError("Hello: the page tables contradict the envelope")
     return info
+
+
+def _why_incompatible(local: PeerInfo, body: bytes) -> str | None:
+    """What differs between our model and the one a peer's hello body describes (None if it does not decode:
+    the peer is refused for its hash all the same)."""
+    try:
+        remote = wire.decode(body, PeerInfo)
+    except WireFormatError:
+        return None
+    return explain(local.page_tables[0], remote.page_tables[0])
 
 
 @frozen
@@ -165,14 +188,28 @@ def check_pairing(context: PeerInfo, generation: PeerInfo) -> Pairing:
 
     Both must already have passed :func:`decode_hello` (same model hash). Block sizes must match per paged
     group; every head split must be one the model allows on both TP sizes (the page tables were built from
-    the same spec, so they are); a drafter on only one side skips the draft group with one warning.
+    the same spec, so they are; a table whose shards are not its TP size's split is refused,
+    :func:`~kvferry.disagg.mapping.compat.check_shards`); a drafter on only one side skips the draft group with
+    one warning.
 
-    :raises ~kvferry.errors.PeerIncompatible: roles that do not pair, or block sizes that differ.
+    :raises ~kvferry.errors.PeerIncompatible: roles that do not pair, models that differ (the message says
+        how), head shards no TP size gives, or block sizes that differ.
     """
     if context.role is not PeerRole.CONTEXT or generation.role is not PeerRole.GENERATION:
         raise PeerIncompatible(f"a {context.role} peer cannot send to a {generation.role} peer")
+    reason = explain(
+        context.page_tables[0],
+        generation.page_tables[0],
+        here="on the context side",
+        there="on the generation side",
+    )
+    if reason is not None:
+        raise PeerIncompatible(f"the peers serve different models: {reason}")
     if context.compat_hash != generation.compat_hash:
         raise PeerIncompatible("the peers serve different models")
+    for side, info in (("on the context side", context), ("on the generation side", generation)):
+        for table in info.page_tables:
+            check_shards(table, side)
     src = {g.name: g for g in context.page_tables[0].layer_groups}
     dst = {g.name: g for g in generation.page_tables[0].layer_groups}
     groups: list[str] = []

@@ -265,3 +265,71 @@ def test_ctrl_c_ends_the_demo_and_its_context_process() -> None:
     # the context engine's process ended too (waited for by the demo: no zombie, no orphan)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+# --- KimiLinear (tiny-kimi: KDA state and MLA latent pages move between TP sizes) ---------------------------
+
+KIMI_PAIRS = [(c, g) for c in (1, 2, 4) for g in (1, 2, 4)]
+
+
+def run_kimi_demo(transport: str, ctx_tp: int, gen_tp: int, *args: str) -> dict[str, object]:
+    argv = ["demo", "--json", "--requests", "2", "--max-tokens", "4", "--model", "tiny-kimi"]
+    argv += ["--transport", transport, "--ctx-tp", str(ctx_tp), "--gen-tp", str(gen_tp), *args]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvferry", *argv],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, object] = json.loads(proc.stdout)
+    assert tuple(result) == JSON_KEYS
+    assert result["identical"] is True and result["mismatched_requests"] == []
+    assert (result["transport"], result["ctx_tp"], result["gen_tp"]) == (transport, ctx_tp, gen_tp)
+    assert isinstance(result["bytes_transferred"], int) and result["bytes_transferred"] > 0
+    return result
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("transport", "ctx_tp", "gen_tp"),
+    [
+        ("local", 1, 2),
+        ("local", 4, 2),
+        ("nixl", 2, 1),  # two OS processes
+        pytest.param("ucx", 1, 4, marks=pytest.mark.slow),
+    ],
+)
+def test_kimi_demo_with_and_without_draft_kv(transport: str, ctx_tp: int, gen_tp: int) -> None:
+    """tiny-kimi disaggregated across a TP mismatch: tokens and draft proposals equal aggregated serving's when
+    the draft KV travels, and the tokens still do in the pass that leaves it behind."""
+    result = run_kimi_demo(transport, ctx_tp, gen_tp)
+    assert result["draft_transfer"] is True and result["tokens_identical_without_draft_transfer"] is True
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("transport", "ctx_tp", "gen_tp", "flag"),
+    [
+        ("local", 2, 4, "--no-draft-transfer"),
+        ("local", 4, 1, "--spec-k=0"),
+        pytest.param("nixl", 4, 1, "--spec-k=0", marks=pytest.mark.slow),
+        pytest.param("ucx", 2, 4, "--no-draft-transfer", marks=pytest.mark.slow),
+    ],
+)
+def test_kimi_demo_without_draft_kv(transport: str, ctx_tp: int, gen_tp: int, flag: str) -> None:
+    """The draft KV left behind (its pass's tokens judged) or no speculation at all (no draft KV exists): the
+    latent pages and the KDA state are the whole transfer, and the tokens are aggregated serving's."""
+    result = run_kimi_demo(transport, ctx_tp, gen_tp, flag)
+    assert result["draft_transfer"] is False
+    assert result["spec_k"] == (0 if flag == "--spec-k=0" else 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), KIMI_PAIRS)
+def test_kimi_demo_two_processes(transport: str, ctx_tp: int, gen_tp: int) -> None:
+    result = run_kimi_demo(transport, ctx_tp, gen_tp)
+    assert result["tokens_identical_without_draft_transfer"] is True

@@ -167,7 +167,8 @@ async def transfer(
         for arena, m in zip(gen.arenas, gen.managers, strict=True):
             arena.fill_garbage("attention", list(m.block_table("g")), seed=99)
             arena.fill_garbage("draft", list(m.draft_block_table("g")), seed=98)
-            arena.fill_garbage("mamba2", [gen.slot("g")], seed=97)
+            state = "kda" if arena.layout.has_group("kda") else "mamba2"
+            arena.fill_garbage(state, [gen.slot("g")], seed=97)
         request = gen.receive_request(0, "r", "g", len(PROMPT))
         staging = None
         if rx_pool is not None:
@@ -194,10 +195,22 @@ def bounced_writers(ctx: Side, gen: Side) -> int:
     return sum(peer_map.writes(s, d) for s in range(ctx.tp) for d in peer_map.targets(s))
 
 
-@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 1), (2, 2), (1, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize(
+    ("ctx_tp", "gen_tp", "model"),
+    [
+        (1, 1, "tiny"),
+        (2, 2, "tiny"),
+        (1, 2, "tiny"),
+        (2, 1, "tiny"),
+        (4, 2, "tiny"),
+        # KimiLinear: KDA state, and latent pages every receiver rank gets whole from one sender rank
+        (1, 4, "tiny-kimi"),
+        (4, 2, "tiny-kimi"),
+    ],
+)
 @pytest.mark.anyio
-async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_tp: int) -> None:
-    spec = tiny_spec()
+async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_tp: int, model: str) -> None:
+    spec = tiny_spec(model=model)
     ctx, direct, bounced = make_side(spec, ctx_tp), make_side(spec, gen_tp), make_side(spec, gen_tp)
     ctx.fake_prefill("c", PROMPT, seed=11)
     before = bounced.free_counts()
@@ -220,14 +233,18 @@ async def test_bounce_and_direct_give_identical_receiver_bytes(ctx_tp: int, gen_
     assert bounced.free_counts() == before
 
 
-@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 2), (2, 1), (1, 1)])
+@pytest.mark.parametrize(
+    ("ctx_tp", "gen_tp", "model"), [(1, 2, "tiny"), (2, 1, "tiny"), (1, 1, "tiny"), (2, 4, "tiny-kimi")]
+)
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 @pytest.mark.parametrize("chunk", [512, 1 << 20])
 @pytest.mark.anyio
-async def test_half_bounces_give_identical_bytes(ctx_tp: int, gen_tp: int, side: str, chunk: int) -> None:
+async def test_half_bounces_give_identical_bytes(
+    ctx_tp: int, gen_tp: int, model: str, side: str, chunk: int
+) -> None:
     """Only one side stages: the writers pack into the receiver's pages (sender), or write their own runs into
     the receiver's areas, unpacked chunk by chunk as they land (receiver); several chunks or one."""
-    spec = tiny_spec()
+    spec = tiny_spec(model=model)
     ctx, gen = make_side(spec, ctx_tp), make_side(spec, gen_tp)
     ctx.fake_prefill("c", PROMPT, seed=13)
     rx_cap, tx_cap = (None, 1 << 20) if side == "sender" else (1 << 20, None)

@@ -11,14 +11,15 @@ from attrs import define
 
 from kvferry.disagg.protocol import BlockIds, PeerInfo, PeerRole, ReceiveRequest
 from kvferry.pools.arena import CacheArena
-from kvferry.pools.layout import CacheLayout, GroupKind
+from kvferry.pools.layout import CacheLayout, GroupKind, Role
 from kvferry.pools.manager import CacheManager
 from kvferry.pools.spec import ModelSpec, preset
 from kvferry.transports import Peer, Registration, Transport, get_transport
 
 
-def tiny_spec(*, drafter: bool = True) -> ModelSpec:
-    spec = preset("tiny")
+def tiny_spec(*, drafter: bool = True, model: str = "tiny") -> ModelSpec:
+    """A preset (the NemotronH reference ``tiny`` by default, or ``tiny-kimi``), with or without its drafter."""
+    spec = preset(model)
     return spec if drafter else spec.without_drafter()
 
 
@@ -59,13 +60,15 @@ class Side:
             m.resume(rid)
 
     def fake_prefill(self, rid: object, prompt: Sequence[int], seed: int) -> None:
-        """Allocate like a prefill and fill the request's pages and slot with seeded random bytes."""
+        """Allocate like a prefill and fill the request's pages and slot with seeded random bytes (each rank its
+        own, except MLA latent pages: every rank holds the same latent, as a real prefill leaves it)."""
         self.create(rid, prompt)
         for rank, (m, arena) in enumerate(zip(self.managers, self.arenas, strict=True)):
             for group in self.arenas[0].layout.pool_groups:
                 if group.kind is GroupKind.PAGED:
                     ids = m.draft_block_table(rid) if group.name == "draft" else m.block_table(rid)
-                    arena.fill_garbage(group.name, list(ids), seed=seed + rank)
+                    latent = Role.LATENT in arena.layout.layer_group(group.name).roles
+                    arena.fill_garbage(group.name, list(ids), seed=seed + (0 if latent else rank))
                 else:
                     slot = m.slot_id(rid)
                     assert slot is not None
@@ -141,8 +144,11 @@ async def connected(a: Side, b: Side, transport: str = "local") -> AsyncIterator
 
 def whole_cache(side: Side, rid: object, num_tokens: int, *, draft: bool = True) -> dict[str, torch.Tensor]:
     """The request's cache as the whole model sees it, assembled per element from every rank's head shard
-    (plain torch, independent of the mapping; values as same-size ints, so bits compare exactly): per attention/draft layer K and V ``[tokens, heads, dim]`` for
-    the first ``num_tokens`` tokens, per recurrent layer conv ``[channels, k-1]`` and SSM ``[heads, ...]``."""
+    (plain torch, independent of the mapping; values as same-size ints, so bits compare exactly): per
+    attention/draft layer K and V ``[tokens, heads, dim]`` for the first ``num_tokens`` tokens (an MLA layer:
+    its latent ``[tokens, 1, latent_dim]``, the first replica's; :func:`latents` gives every rank's), per
+    recurrent layer each conv section (``[x|B|C]`` or ``[q|k|v]``) ``[channels, k-1]`` and SSM
+    ``[heads, ...]``."""
     out: dict[str, torch.Tensor] = {}
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     sentinel = -12345  # garbage is random bits; compare bits, and check coverage by a sentinel in int space
@@ -159,7 +165,13 @@ def whole_cache(side: Side, rid: object, num_tokens: int, *, draft: bool = True)
                 ids = list(m.draft_block_table(rid) if group.name == "draft" else m.block_table(rid))
                 shard = group.heads
                 for layer in group.layer_ids:
-                    for role, t in zip(("k", "v"), arena.kv(layer), strict=True):
+                    if group.roles == (Role.LATENT,):
+                        views: tuple[tuple[str, torch.Tensor], ...] = (
+                            ("latent", arena.latent(layer).unsqueeze(1)),
+                        )
+                    else:
+                        views = tuple(zip(("k", "v"), arena.kv(layer), strict=True))
+                    for role, t in views:
                         pages = as_int(t)[ids]  # [nb, h_r, tpb, d]
                         flat = pages.permute(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[
                             :num_tokens
@@ -175,22 +187,35 @@ def whole_cache(side: Side, rid: object, num_tokens: int, *, draft: bool = True)
                 slot = m.slot_id(rid)
                 for layer in group.layer_ids:
                     conv = as_int(arena.conv(layer))[slot]
-                    total = sum(s.total for s in group.conv_sections)
-                    key = f"{layer}.conv"
-                    if key not in out:
-                        out[key] = torch.full((total, conv.shape[1]), sentinel, dtype=conv.dtype)
-                    local = global_ = 0
-                    for section in group.conv_sections:
+                    local = 0
+                    for i, section in enumerate(group.conv_sections):
+                        key = f"{layer}.conv{i}"
+                        if key not in out:
+                            out[key] = torch.full((section.total, conv.shape[1]), sentinel, dtype=conv.dtype)
                         if section.is_writer(rank):
-                            out[key][global_ + section.first : global_ + section.first + section.count] = (
-                                conv[local : local + section.count]
-                            )
+                            out[key][section.first : section.first + section.count] = conv[
+                                local : local + section.count
+                            ]
                         local += section.count
-                        global_ += section.total
                     ssm = as_int(arena.ssm(layer))[slot]
                     key = f"{layer}.ssm"
                     if key not in out:
                         out[key] = torch.full((group.heads.total, *ssm.shape[1:]), sentinel, dtype=ssm.dtype)
                     if group.heads.is_writer(rank):
                         out[key][group.heads.first : group.heads.first + group.heads.count] = ssm
+    return out
+
+
+def latents(side: Side, rid: object, num_tokens: int) -> list[dict[int, torch.Tensor]]:
+    """Per rank, per MLA layer: the request's latent ``[num_tokens, latent_dim]`` that rank holds, as raw bytes
+    (``uint8``, ``latent_dim * itemsize`` per token: garbage bits compare exactly, NaNs included)."""
+    out = []
+    for m, arena in zip(side.managers, side.arenas, strict=True):
+        group = arena.layout.layer_group("attention")
+        ids = list(m.block_table(rid))
+        per = {}
+        for layer in group.layer_ids:
+            pages = arena.latent(layer)[ids]
+            per[layer] = pages.reshape(-1, pages.shape[-1])[:num_tokens].view(torch.uint8).clone()
+        out.append(per)
     return out

@@ -57,6 +57,17 @@ def duplicated(tokens_per_block: int = 4) -> ModelSpec:
     )
 
 
+def kimi(tokens_per_block: int = 4, draft_tokens_per_block: int = 8, *, drafter: bool = True) -> ModelSpec:
+    """tiny-kimi (KDA state, MLA latent pages replicated on every rank, the tiny drafter) in float64."""
+    spec = preset("tiny-kimi").with_dtype("float64")
+    assert spec.drafter is not None
+    return attrs.evolve(
+        spec,
+        tokens_per_block=tokens_per_block,
+        drafter=attrs.evolve(spec.drafter, tokens_per_block=draft_tokens_per_block) if drafter else None,
+    )
+
+
 def arenas(spec: ModelSpec, tp: int, *, num_pages: int = NUM_PAGES) -> list[CacheArena]:
     out = []
     for rank in range(tp):
@@ -83,35 +94,58 @@ class Logical:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [tokens, kv_heads, head_dim]
     conv: dict[int, torch.Tensor]  # layer -> [conv_dim, k - 1]
     ssm: dict[int, torch.Tensor]  # layer -> [heads, head_dim, state]
+    latent: dict[int, torch.Tensor] = attrs.Factory(dict)  # MLA layer -> [tokens, latent_dim]
+
+
+def state_group(spec: ModelSpec) -> str:
+    """The name of the model's recurrent state group."""
+    return "kda" if spec.kda is not None else "mamba2"
 
 
 def logical(spec: ModelSpec, tokens: int, seed: int) -> Logical:
+    """A whole-model cache of ``tokens`` tokens: GQA K/V or MLA latents, Mamba2 or KDA state, draft K/V."""
     g = torch.Generator().manual_seed(seed)
-    att, m, d = spec.attention, spec.mamba2, spec.drafter
-    assert att is not None and m is not None and d is not None
+    att, mla, d = spec.attention, spec.mla, spec.drafter
+    assert d is not None
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    kv = {
-        layer: (rand(tokens, att.num_kv_heads, att.head_dim), rand(tokens, att.num_kv_heads, att.head_dim))
-        for layer in spec.attention_layer_ids
-    }
+    kv = {}
+    latent = {}
+    if att is not None:
+        kv = {
+            layer: (
+                rand(tokens, att.num_kv_heads, att.head_dim),
+                rand(tokens, att.num_kv_heads, att.head_dim),
+            )
+            for layer in spec.attention_layer_ids
+        }
+    if mla is not None:
+        latent = {layer: rand(tokens, mla.latent_dim) for layer in spec.attention_layer_ids}
     kv.update(
         {
             layer: (rand(tokens, d.num_kv_heads, d.head_dim), rand(tokens, d.num_kv_heads, d.head_dim))
             for layer in d.global_layer_ids
         }
     )
-    mamba = spec.layer_ids(LayerKind.MAMBA2)
-    conv = {layer: rand(m.conv_dim, m.conv_kernel - 1) for layer in mamba}
-    ssm = {layer: rand(m.num_heads, m.head_dim, m.state_size) for layer in mamba}
-    return Logical(kv, conv, ssm)
+    if spec.kda is not None:
+        k = spec.kda
+        layers = spec.layer_ids(LayerKind.KDA)
+        conv = {layer: rand(3 * k.num_heads * k.head_dim, k.conv_kernel - 1) for layer in layers}
+        ssm = {layer: rand(k.num_heads, k.head_dim, k.head_dim) for layer in layers}
+    else:
+        m = spec.mamba2
+        assert m is not None
+        layers = spec.layer_ids(LayerKind.MAMBA2)
+        conv = {layer: rand(m.conv_dim, m.conv_kernel - 1) for layer in layers}
+        ssm = {layer: rand(m.num_heads, m.head_dim, m.state_size) for layer in layers}
+    return Logical(kv, conv, ssm, latent)
 
 
 def conv_channels(arena: CacheArena) -> list[int]:
-    """Whole-model conv channel of each of this rank's conv rows (sections x, B, C in order)."""
-    group = arena.layout.layer_group("mamba2")
+    """Whole-model conv channel of each of this rank's conv rows (sections x, B, C or q, k, v in order)."""
+    group = arena.layout.layer_group(state_group(arena.layout.spec.model))
     out: list[int] = []
     section_start = 0
     for shard in group.conv_sections:
@@ -138,6 +172,11 @@ def write_reference(
         tpb, heads = group.tokens_per_block, group.heads
         lo = tokens.draft_start if name == "draft" else tokens.start
         for layer in group.layer_ids:
+            if layer in cache.latent:  # MLA: the whole latent on every rank
+                latent = arena.latent(layer)
+                for t in range(lo, tokens.end):
+                    latent[blocks[name][t // tpb], t % tpb, :] = cache.latent[layer][t, :]
+                continue
             views = arena.kv(layer)
             for role in range(2):
                 for t in range(lo, tokens.end):
@@ -145,7 +184,7 @@ def write_reference(
                     for i in range(heads.count):
                         views[role][page, i, pos, :] = cache.kv[layer][role][t, heads.first + i, :]
     if tokens.state:
-        group = layout.layer_group("mamba2")
+        group = layout.layer_group(state_group(layout.spec.model))
         channels = conv_channels(arena)
         for layer in group.layer_ids:
             conv, ssm = arena.conv(layer), arena.ssm(layer)
@@ -272,7 +311,7 @@ def run_transfer(
     """Fill senders by the reference and apply every pair's plan to the (poisoned) receivers. Returns the plans
     and the destination fragments per receiver rank."""
     for a in sc.src:
-        for name in ("attention", "draft", "mamba2"):
+        for name in ("attention", "draft", "mamba2", "kda"):
             if a.layout.has_group(name):
                 a.fill_garbage(name, range(a.layout.pool_group(name).num_slots), seed=7)
         write_reference(a, sc.cache, sc.src_blocks, sc.src_slot, attrs.evolve(tokens, start=0, draft_start=0))

@@ -23,9 +23,10 @@ SPEC_K = 2
 Result = tuple[list[list[int]], list[list[tuple[int, ...]]]]
 
 
-async def aggregated(prompts: list[list[int]]) -> Result:
-    """Tokens and draft proposals of aggregated serving for ``prompts``, one after another."""
-    built = build_engine("tiny", _options(1, SPEC_K, 0, "float64"))
+async def aggregated(prompts: list[list[int]], model: str = "tiny") -> Result:
+    """Tokens and draft proposals of aggregated serving of ``model`` (a preset) for ``prompts``, one after
+    another."""
+    built = build_engine(model, _options(1, SPEC_K, 0, "float64"))
     tokens, drafts = [], []
     async with built.engine:
         for p in prompts:
@@ -41,8 +42,8 @@ async def run_disaggregated(router: Any, parts: dict[str, Any]) -> tuple[Result,
     request's transfer. Returns once the generation engine is idle."""
     gen = parts["gen"]
     for arena in gen.arenas:
-        for group in ("attention", "draft", "mamba2"):
-            arena.fill_garbage(group, list(range(1, arena.layout.pool_group(group).num_slots)), seed=4)
+        for group in arena.layout.pool_groups:  # attention (K/V or latent), draft, mamba2 or kda
+            arena.fill_garbage(group.name, list(range(1, group.num_slots)), seed=4)
     routed = [router.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K) for p in PROMPTS]
     got: list[list[int]] = [[] for _ in PROMPTS]
 

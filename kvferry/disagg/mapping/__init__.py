@@ -21,7 +21,9 @@ The modules, in the order they build on each other:
 - :mod:`.pieces`: the pieces of a pair of layer groups (paged KV per head, state slots per section and head run);
 - :mod:`.layout`: the units of a token range in canonical order, and their addresses per request;
 - :mod:`.rank_map`: :class:`RankMap`, one (sender rank, receiver rank) pair;
-- :mod:`.peer_map`: :class:`PeerMap`, every rank pair of two engines.
+- :mod:`.peer_map`: :class:`PeerMap`, every rank pair of two engines;
+- :mod:`.compat`: why two engines' caches cannot be resharded (one line for a
+  :class:`~kvferry.errors.PeerIncompatible`), and the check that a table's shards are its TP size's split.
 
 Rules, all decided from the two tables alone:
 
@@ -29,9 +31,10 @@ Rules, all decided from the two tables alone:
   and a receiver rank *overlap* when their shares intersect (:func:`overlapping_ranks`). A receiver expects a
   result from every overlapping sender rank, including ranks that hold nothing it needs (an empty write).
 - Heads: the bytes of a head (kv head, SSM head, conv channel) that several ranks hold (duplicated when the TP
-  size exceeds the head count) are written by exactly one sender rank per receiver rank (:func:`elected`).
+  size exceeds the head count) are written by exactly one sender rank per receiver rank (:func:`elected`). An
+  MLA latent is one head every rank holds: each receiver rank gets it whole from one sender rank.
 - Groups: layer groups pair by their global layer ids; paired groups must agree on kind, roles, dtypes and
-  whole-model shapes (else :class:`~kvferry.errors.PeerIncompatible`); the page size (``tokens_per_block``) may
+  whole-model shapes (else :class:`~kvferry.errors.PeerIncompatible`, saying what differs, :mod:`.compat`); the page size (``tokens_per_block``) may
   differ: pages are mapped by token ranges. Draft groups (ids from ``DRAFT_LAYER_SHIFT``) that only one side has
   are skipped (the receiver's drafter then starts cold); a target layer only one side has is PeerIncompatible.
 - Tokens: target PAGED groups move ``[start, end)``, draft groups ``[draft_start, end)`` (default 0: the whole

@@ -10,11 +10,12 @@ import numpy as np
 import numpy.typing as npt
 from attrs import define
 
+from kvferry.disagg.mapping.compat import check_peer
 from kvferry.disagg.mapping.rank_map import RankMap, warn_skipped
 from kvferry.disagg.mapping.ranks import overlapping_ranks
 from kvferry.disagg.mapping.request import RequestCache, TokenRange
 from kvferry.errors import ConfigError, PeerIncompatible
-from kvferry.pools.pagetable import PageTable, check_compatible
+from kvferry.pools.pagetable import PageTable
 
 __all__ = ["PeerMap"]
 
@@ -60,8 +61,12 @@ class PeerMap:
         src_tp = next(iter(src.values())).tp_size
         dst_tp = next(iter(dst.values())).tp_size
         first = next(iter(src.values()))
-        for table in (*src.values(), *dst.values()):
-            check_compatible(first, table)
+        for table in src.values():
+            check_peer(
+                first, table, here=f"on sender rank {first.rank}", there=f"on sender rank {table.rank}"
+            )
+        for table in dst.values():
+            check_peer(first, table, here="on the sender", there="on the receiver")
         pairs: dict[tuple[int, int], RankMap] = {}
         skipped: list[str] = []
         for s, s_table in sorted(src.items()):

@@ -6,7 +6,7 @@ From the two ranks' page tables, each pair of layer groups is cut into *pieces*,
 - a PAGED group (attention or draft KV): one piece per (layer, role, kv head) the two ranks share and the sender
   is elected for; its length is the bytes of one head per token (pages are mapped token by token, so the page
   sizes of the two sides may differ);
-- a STATE group (Mamba2 conv and SSM state): one piece per (role, layer, conv section or SSM head run), role
+- a STATE group (Mamba2 or KDA conv and SSM state): one piece per (role, layer, conv section or SSM head run), role
   major (every layer's conv, then every layer's SSM) so runs stay inside one pool and merge; its length is the
   piece's bytes in the slot.
 

@@ -23,6 +23,7 @@ import numpy as np
 from attrs import define
 
 from kvferry.disagg.mapping.arrays import Int64Array
+from kvferry.disagg.mapping.compat import check_peer
 from kvferry.disagg.mapping.layout import (
     LAYOUTS_KEPT,
     Layout,
@@ -45,7 +46,7 @@ from kvferry.disagg.mapping.plans import (
 from kvferry.disagg.mapping.ranks import overlapping_ranks
 from kvferry.disagg.mapping.request import RequestCache, TokenRange
 from kvferry.errors import PeerIncompatible
-from kvferry.pools.pagetable import PageTable, check_compatible
+from kvferry.pools.pagetable import PageTable
 from kvferry.transports.base import Fragments
 from kvferry.transports.indexed import IndexedRows, IndexedWrite
 
@@ -102,11 +103,12 @@ class RankMap:
         Draft groups only one side has are skipped (listed in :attr:`skipped`; one warning unless ``warn`` is
         False).
 
-        :raises ~kvferry.errors.PeerIncompatible: on another wire version or model (compatibility hash), paired
-            groups whose shapes or dtypes differ, a target layer only one side holds, or head shards that do not
-            follow the tables' TP sizes (a non-overlapping pair that would exchange bytes).
+        :raises ~kvferry.errors.PeerIncompatible: on another wire version or model (the message names the first
+            difference, :func:`.compat.explain`), paired groups whose shapes or dtypes differ, a target layer
+            only one side holds, or head shards that do not follow the tables' TP sizes
+            (:func:`.compat.check_shards`).
         """
-        check_compatible(src, dst)
+        check_peer(src, dst, here="on the sender", there="on the receiver")
         groups: list[GroupMap] = []
         skipped: list[str] = []
         matched_dst: set[str] = set()
