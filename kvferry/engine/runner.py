@@ -375,18 +375,17 @@ class PagedRunner:
         keeps from step to step (:class:`~kvferry.model.decode_batch.DecodeBatch`): per step only tokens and
         positions are written, and a row's table and slot are read and checked when it enters or its table grows.
         The logits are valid until the next step."""
-        graphs = self.model.decode_graphs
-        if graphs is None or len(request_ids) > graphs.buckets[-1]:
+        model, graphs = self.model, self.model.decode_graphs
+        # only NemotronH has the decode path (a KimiLinear model's decode_graphs is always None)
+        if graphs is None or not isinstance(model, Model) or len(request_ids) > graphs.buckets[-1]:
             return self.forward(
                 [ForwardItem(r, (t,), s, 1) for r, t, s in zip(request_ids, tokens, starts, strict=True)]
             )
-        if self._decode_rows is None or self._decode_rows.model is not self.model:
-            self._decode_rows = DecodeBatch(self.model)
+        if self._decode_rows is None or self._decode_rows.model is not model:
+            self._decode_rows = DecodeBatch(model)
         self.cache.flush_num_accepted()  # a no-op after prepare_step
         tables = self.cache.block_tables(request_ids)
-        return self.model.step_decode(
-            self._decode_rows, request_ids, tokens, starts, tables, self.cache.slot_id
-        )
+        return model.step_decode(self._decode_rows, request_ids, tokens, starts, tables, self.cache.slot_id)
 
     def propose(self, items: Sequence[DraftItem]) -> list[tuple[int, ...]]:
         if self.drafter is None:

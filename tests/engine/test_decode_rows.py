@@ -35,8 +35,10 @@ def _models(max_running: int = 8) -> tuple[Model, Model]:
     # the same seeded weights: one model with the decode path (eager on the CPU), one without
     options = EngineOptions(dtype="float64", max_running=max_running, num_pages=64)
     fast = build_engine("tiny", options).runner.model
+    slow = build_engine("tiny", options).runner.model
+    assert isinstance(fast, Model) and isinstance(slow, Model)
     fast.enable_decode_graphs(max_running)
-    return fast, build_engine("tiny", options).runner.model
+    return fast, slow
 
 
 #: per sequence: prompt, slot, first page of its pages (4 tokens a page in tiny)
