@@ -214,3 +214,85 @@ def test_a_kimi_engine_on_cuda_gives_the_cpu_tokens(model: str, checkpoint: Path
     built = build_engine(name, options(device="cuda"))
     assert built.runner.model.device.type == "cuda" and built.runner.model.decode_graphs is None
     assert anyio.run(run_all, built, PROMPTS[:4], MAX_TOKENS[:4]) == cpu
+
+
+@cuda
+@pytest.mark.parametrize("spec_k", [0, 2])
+def test_a_kimi_engine_on_cuda_runs_fla_and_gives_the_torch_forms_tokens(
+    spec_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 on CUDA: with flash-linear-attention's kernels (prefill chunks, decode, verify windows and their
+    replay) the tokens are those of kvferry's torch forms on the same device."""
+    from kvferry.kernels import kda
+
+    if not kda.fla_available(torch.device("cuda")):
+        pytest.skip("flash-linear-attention (fla.ops.kda) does not import")
+    calls: list[bool] = []
+    scan = kda._fla_scan
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(bool(kwargs["chunked"]))
+        return scan(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kda, "_fla_scan", counted)
+    opts = options(device="cuda", dtype="float32", max_spec_k=spec_k, max_prefill_chunk=8)
+    with_fla = anyio.run(
+        lambda: run_all(build_engine("tiny-kimi", opts), PROMPTS[:4], MAX_TOKENS[:4], spec_k=spec_k)
+    )
+    assert True in calls and False in calls  # chunk_kda and fused_recurrent_kda both ran
+    monkeypatch.setattr(kda, "fla_available", lambda device: False)
+    calls.clear()
+    torch_forms = anyio.run(
+        lambda: run_all(build_engine("tiny-kimi", opts), PROMPTS[:4], MAX_TOKENS[:4], spec_k=spec_k)
+    )
+    assert not calls
+    assert with_fla == torch_forms
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("spec_k", [1, 2, 3])
+async def test_a_kimi_request_offloaded_with_acceptance_pending_replay_resumes_in_another_slot(
+    spec_k: int,
+) -> None:
+    """Suspended right after a verify step, when its KDA slot still lacks the accepted tokens (they wait in the
+    replay buffer, ``num_accepted`` > 0), moved to the host, its slot taken by another request, and resumed
+    into a new slot: the tokens are those of an uninterrupted run. A restore that dropped the replay state
+    (buffer or count) would lose the accepted tokens' conv and KDA state and change the tokens."""
+    prompt, other, max_tokens = PROMPTS[1], PROMPTS[2], 24
+    opts = options(max_spec_k=spec_k, max_running=2, num_pages=64)
+    expected = await run_all(build_engine("tiny-kimi", opts), [prompt], [max_tokens], spec_k=spec_k)
+    built = build_engine("tiny-kimi", opts)
+    manager = built.cache.managers[0]
+    initial = free_counts(built)
+    moved: list[tuple[int, int, int]] = []  # (num_accepted, slot before, slot after) per pending-replay move
+    tokens: list[int] = []
+    with anyio.fail_after(120):
+        async with built.engine:
+            generation = built.engine.generate(prompt, max_tokens=max_tokens, spec_k=spec_k)
+            resumed: tuple[int, int] | None = None  # (num_accepted, slot before) of the last move
+            async for token in generation:
+                tokens.append(token)
+                rid = generation.request.request_id
+                if resumed is not None:  # a token after the resume: the cache is back, in its new slot
+                    after = manager.slot_id(rid)
+                    assert after is not None and not manager.is_offloaded(rid)
+                    moved.append((*resumed, after))
+                    resumed = None
+                if len(tokens) < 2 or len(moved) >= 3 or len(tokens) >= max_tokens - spec_k - 1:
+                    continue
+                await generation.suspend()
+                manager.flush_num_accepted()
+                before = manager.slot_id(rid)
+                assert before is not None and manager.arena is not None
+                pending = int(manager.arena.num_accepted[before])
+                if pending > 0:
+                    await generation.offload()
+                    assert manager.is_offloaded(rid)
+                    # another request takes the freed slot meanwhile
+                    assert len(await built.engine.generate(other, max_tokens=3).collect()) == 3
+                    resumed = (pending, before)
+                generation.resume()
+    assert tokens == expected[0]
+    assert len(moved) >= 2, moved
+    assert any(before != after for _, before, after in moved), moved
+    assert_all_free(built, initial)

@@ -9,6 +9,7 @@ import torch
 from kvferry.errors import RebalanceRefused
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.layout import CacheLayout
+from kvferry.pools.manager import CacheManager
 from kvferry.pools.spec import preset
 from tests.support.pools_factories import STATE, make_manager, page_bytes, same, slot_bytes
 
@@ -48,3 +49,40 @@ def test_rebalance_refused_when_replay_buffers_cannot_grow() -> None:
     with pytest.raises(RebalanceRefused, match="replay buffers"):
         m.rebalance(num_slots=6, arena=CacheArena(stuck, "cpu"))
     assert m.debug_state() == before
+
+
+def _kimi_manager(num_slots: int) -> CacheManager:
+    layout = CacheLayout.build(
+        preset("tiny-kimi").shard(1, 0),
+        num_pages=8,
+        num_slots=num_slots,
+        num_draft_pages=4,
+        max_replay_tokens=3,
+    )
+    return CacheManager.for_arena(CacheArena(layout, "cpu"), max_batch_size=4)
+
+
+def test_kda_replay_buffers_grow_with_the_state_pool_or_the_rebalance_is_refused() -> None:
+    m = _kimi_manager(3)
+    m.create("a", list(range(6)))
+    m.resume("a")
+    slot = m.slot_id("a")
+    assert slot is not None and m.arena is not None
+    m.arena.fill_garbage("replay", [slot], seed=4)
+    m.set_num_accepted("a", 2)
+    expected = slot_bytes(m, slot)
+    m.suspend("a")
+    # replay buffers one slot short of the new state pool: refused, nothing changed
+    bigger = CacheLayout.build(
+        preset("tiny-kimi").shard(1, 0), num_pages=8, num_slots=6, num_draft_pages=4, max_replay_tokens=3
+    )
+    stuck = attrs.evolve(bigger, replay=attrs.evolve(bigger.replay, num_slots=5))
+    before = m.debug_state()
+    with pytest.raises(RebalanceRefused, match="replay buffers"):
+        m.rebalance(num_slots=6, arena=CacheArena(stuck, "cpu"))
+    assert m.debug_state() == before
+    m.rebalance(num_slots=6)
+    assert m.arena.layout.replay.num_slots == 6 and m.arena.layout.replay.max_tokens == 3
+    assert m.resume("a").restored
+    state, replay, accepted = slot_bytes(m, m.slot_id("a"))  # type: ignore[arg-type]
+    assert same(state, expected[0]) and torch.equal(replay, expected[1]) and accepted == 2
