@@ -28,13 +28,11 @@ Kernels import nothing from kvferry.model; the arithmetic is that of transformer
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 import torch.nn.functional as F
 
 from kvferry.errors import ConfigError
+from kvferry.kernels.fla import fla_ops, fla_runs
 from kvferry.kernels.mamba_decode import depthwise
 
 __all__ = [
@@ -58,18 +56,9 @@ __all__ = [
 L2NORM_EPS = 1e-6
 
 
-@functools.cache
-def _fla_imports() -> bool:
-    try:
-        importlib.import_module("fla.ops.kda")
-    except ImportError:
-        return False
-    return True
-
-
 def fla_available(device: torch.device) -> bool:
     """Whether flash-linear-attention's KDA kernels can run on ``device`` (a CUDA device where ``fla`` imports)."""
-    return device.type == "cuda" and _fla_imports()
+    return fla_runs("kda", device)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -243,7 +232,7 @@ def _fla_scan(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # fla's layouts are ours ([B, T, H, K], states [N, H, K, V] float32); g stays float32, beta in q's dtype,
     # as transformers hands them to the same kernels
-    ops = importlib.import_module("fla.ops.kda")  # optional: no stubs, imported only on CUDA
+    ops = fla_ops("kda")  # optional: no stubs, imported only on CUDA
     fn = ops.chunk_kda if chunked else ops.fused_recurrent_kda
     o, final_state = fn(
         q.contiguous(),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kvferry.errors import ConfigError
 from kvferry.kernels.mamba_decode import depthwise, discretize_dt, ssm_token
+from kvferry.kernels.ssd import fla_ssd, fla_ssd_runs
 
 __all__ = [
     "causal_conv1d",
@@ -125,19 +126,34 @@ def ssm_chunk_scan(
     dt_min: float,
     chunk_size: int,
     commit: bool = True,
+    use_fla: bool | None = None,
 ) -> torch.Tensor:
     """Chunked selective scan (Mamba2 SSD form) for prefill chunks, continuing from each slot's state.
 
     Same arguments and result as :func:`ssm_step`; inside each chunk of ``chunk_size`` tokens the scan is a
     masked matrix product, between chunks the state is carried. Equal to :func:`ssm_step` up to rounding.
+
+    :param use_fla: flash-linear-attention's ``chunk_simple_gla`` (:func:`kvferry.kernels.ssd.fla_ssd`, its own
+        chunking); None: where :func:`~kvferry.kernels.ssd.fla_ssd_runs` (CUDA, fla installed, not float64).
+    :raises ~kvferry.errors.ConfigError: a slot named twice, a chunk size under 1, or ``use_fla`` where fla does
+        not run; nothing written.
     """
     _check_unique(slots)
     if chunk_size <= 0:
         raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
     length, heads = x.shape[1], x.shape[2]
-    state = ssm_states[slots].to(x.dtype)  # [b,h,p,n]
+    runs = fla_ssd_runs(x.device, x.dtype, x.shape[3], B.shape[3])
+    if use_fla and not runs:
+        raise ConfigError(f"flash-linear-attention's chunked scan does not run here ({x.device}, {x.dtype})")
     dt_d = discretize_dt(dt, dt_bias, dt_min)  # [b,l,h]
     B_h, C_h = _expand_groups(B, heads), _expand_groups(C, heads)
+    if runs if use_fla is None else use_fla:
+        y, final = fla_ssd(x, dt_d, A, B_h, C_h, D, ssm_states[slots], final=commit)
+        if commit:
+            assert final is not None
+            ssm_states.index_copy_(0, slots, final.to(ssm_states.dtype))
+        return y
+    state = ssm_states[slots].to(x.dtype)  # [b,h,p,n]
     outputs = []
     for begin in range(0, length, chunk_size):
         end = min(begin + chunk_size, length)
