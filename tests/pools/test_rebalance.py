@@ -39,31 +39,29 @@ def test_rebalance_moves_suspended_requests_and_keeps_bytes() -> None:
     assert same(state, expected[1][0]) and torch.equal(replay, expected[1][1]) and accepted == expected[1][2]
 
 
-def test_rebalance_refused_when_replay_buffers_cannot_grow() -> None:
-    m = make_manager(num_pages=8, num_slots=3, num_draft_pages=4)
-    bigger = CacheLayout.build(
-        preset("tiny").shard(1, 0), num_pages=8, num_slots=6, num_draft_pages=4, max_replay_tokens=3
+def _layout(model: str, num_slots: int) -> CacheLayout:
+    return CacheLayout.build(
+        preset(model).shard(1, 0), num_pages=8, num_slots=num_slots, num_draft_pages=4, max_replay_tokens=3
     )
-    stuck = attrs.evolve(bigger, replay=attrs.evolve(bigger.replay, num_slots=3))
+
+
+def _refused_onto_short_replay_buffers(m: CacheManager, model: str, replay_slots: int) -> None:
+    """A rebalance to 6 slots onto an arena whose replay buffers hold only ``replay_slots``: refused, nothing
+    changed."""
+    bigger = _layout(model, 6)
+    stuck = attrs.evolve(bigger, replay=attrs.evolve(bigger.replay, num_slots=replay_slots))
     before = m.debug_state()
     with pytest.raises(RebalanceRefused, match="replay buffers"):
         m.rebalance(num_slots=6, arena=CacheArena(stuck, "cpu"))
     assert m.debug_state() == before
 
 
-def _kimi_manager(num_slots: int) -> CacheManager:
-    layout = CacheLayout.build(
-        preset("tiny-kimi").shard(1, 0),
-        num_pages=8,
-        num_slots=num_slots,
-        num_draft_pages=4,
-        max_replay_tokens=3,
-    )
-    return CacheManager.for_arena(CacheArena(layout, "cpu"), max_batch_size=4)
+def test_rebalance_refused_when_replay_buffers_cannot_grow() -> None:
+    _refused_onto_short_replay_buffers(make_manager(num_pages=8, num_slots=3, num_draft_pages=4), "tiny", 3)
 
 
 def test_kda_replay_buffers_grow_with_the_state_pool_or_the_rebalance_is_refused() -> None:
-    m = _kimi_manager(3)
+    m = CacheManager.for_arena(CacheArena(_layout("tiny-kimi", 3), "cpu"), max_batch_size=4)
     m.create("a", list(range(6)))
     m.resume("a")
     slot = m.slot_id("a")
@@ -72,15 +70,7 @@ def test_kda_replay_buffers_grow_with_the_state_pool_or_the_rebalance_is_refused
     m.set_num_accepted("a", 2)
     expected = slot_bytes(m, slot)
     m.suspend("a")
-    # replay buffers one slot short of the new state pool: refused, nothing changed
-    bigger = CacheLayout.build(
-        preset("tiny-kimi").shard(1, 0), num_pages=8, num_slots=6, num_draft_pages=4, max_replay_tokens=3
-    )
-    stuck = attrs.evolve(bigger, replay=attrs.evolve(bigger.replay, num_slots=5))
-    before = m.debug_state()
-    with pytest.raises(RebalanceRefused, match="replay buffers"):
-        m.rebalance(num_slots=6, arena=CacheArena(stuck, "cpu"))
-    assert m.debug_state() == before
+    _refused_onto_short_replay_buffers(m, "tiny-kimi", 5)  # one slot short of the new state pool
     m.rebalance(num_slots=6)
     assert m.arena.layout.replay.num_slots == 6 and m.arena.layout.replay.max_tokens == 3
     assert m.resume("a").restored
