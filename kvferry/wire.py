@@ -43,6 +43,7 @@ Versions of the disaggregation protocol (:data:`DISAGG_PROTOCOL_VERSION`):
   2 -- tuples of ints packed as little-endian int64 binary.
   3 -- control kind ``chunk_results``: several writers' reports in one message.
   4 -- page tables may hold MLA latent pages (a paged group of role ``latent``, replicated on every rank).
+  5 -- control kind ``tables_update``: a peer's new page tables after a pool rebalance.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ __all__ = [
 TRANSPORT_PROTOCOL_VERSION = 5
 #: The disaggregation protocol (page tables, disagg hellos and control messages); bumped on every change the
 #: previous version cannot read. Peers compare it in the disagg hello before anything else is decoded.
-DISAGG_PROTOCOL_VERSION = 4
+DISAGG_PROTOCOL_VERSION = 5
 #: The disaggregation protocol's version under the name page tables carry it as (``PageTable.wire_version``).
 WIRE_VERSION = DISAGG_PROTOCOL_VERSION
 

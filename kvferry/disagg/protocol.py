@@ -12,8 +12,8 @@ Everything is a frozen attrs class serialised by the one converter of :mod:`kvfe
 2. **Control messages** (:class:`Control` = kind + body): the router's context request and the context
    side's answer, the generation side's :class:`ReceiveRequest`, every writer's per-chunk
    :class:`ChunkResult` (also carried as the transport's write notification, delivered only after the chunk's
-   data landed), :class:`CancelTransfer`, and the context side's :class:`CancelAck` to a cancel of a transfer
-   it is not pushing.
+   data landed), :class:`CancelTransfer`, the context side's :class:`CancelAck` to a cancel of a transfer
+   it is not pushing, and either side's :class:`TablesUpdate` after a pool rebalance replaced its memory.
 
 Every decode raises :class:`~kvferry.errors.WireFormatError` on anything malformed; a peer's bad bytes cost
 that peer its session, nothing else.
@@ -53,7 +53,9 @@ __all__ = [
     "ReceiveRequest",
     "ReleaseContext",
     "StagingArea",
+    "TablesUpdate",
     "check_pairing",
+    "check_update",
     "decode_control",
     "decode_hello",
     "encode_control",
@@ -248,6 +250,7 @@ class ControlKind(enum.StrEnum):
     CHUNK_RESULTS = "chunk_results"
     CANCEL_TRANSFER = "cancel_transfer"
     CANCEL_ACK = "cancel_ack"
+    TABLES_UPDATE = "tables_update"
 
 
 @frozen
@@ -467,6 +470,39 @@ class CancelAck:
             raise _fail(type(self), "reason too long")
 
 
+@frozen
+class TablesUpdate:
+    """Either side -> its peer: a pool rebalance replaced this engine's memory; ``info`` holds its new page
+    tables (everything else in it is what the handshake said). ``epoch`` counts the engine's rebalances (1 for
+    the first): an update of an epoch not above the last one applied is stale and ignored.
+
+    The control channel is ordered: the update arrives before any message its sender sends after it (a receive
+    request into the new pages, a push from them)."""
+
+    epoch: int
+    info: PeerInfo
+
+    def validate(self) -> None:
+        _check_range(type(self), "epoch", self.epoch, 1, 1 << 62)
+        self.info.validate()  # nested objects are not validated by wire.decode
+
+
+def check_update(current: PeerInfo, update: PeerInfo) -> None:
+    """Refuse new page tables that change more than a rebalance can: the role, the instance, the transport and
+    its address, the TP size, the model, or the layers each table holds (only the pools' sizes and addresses
+    may change).
+
+    :raises ~kvferry.errors.PeerIncompatible: the update changes any of those (the peer keeps its old tables).
+    """
+    fixed = ("role", "instance_id", "transport", "transport_address", "tp_size", "compat_hash")
+    changed = [name for name in fixed if getattr(current, name) != getattr(update, name)]
+    old, new = current.page_tables, update.page_tables
+    if not changed and any(a.layer_groups != b.layer_groups for a, b in zip(old, new, strict=True)):
+        changed.append("layer groups")
+    if changed:
+        raise PeerIncompatible(f"a page-table update may not change {', '.join(changed)}")
+
+
 _BODIES: dict[ControlKind, type[Any]] = {
     ControlKind.CONTEXT_REQUEST: ContextRequest,
     ControlKind.CONTEXT_DONE: ContextDone,
@@ -476,6 +512,7 @@ _BODIES: dict[ControlKind, type[Any]] = {
     ControlKind.CHUNK_RESULTS: ChunkResults,
     ControlKind.CANCEL_TRANSFER: CancelTransfer,
     ControlKind.CANCEL_ACK: CancelAck,
+    ControlKind.TABLES_UPDATE: TablesUpdate,
 }
 _KINDS = {cls: kind for kind, cls in _BODIES.items()}
 
@@ -488,6 +525,7 @@ ControlBody = (
     | ChunkResults
     | CancelTransfer
     | CancelAck
+    | TablesUpdate
 )
 
 

@@ -65,7 +65,7 @@ from kvferry.engine.request import Request, RequestState, SamplingParams
 from kvferry.engine.resize import RebalanceCall, rebalance_pools
 from kvferry.engine.sampling import accept_drafts, sample_seeded
 from kvferry.engine.scheduler import CacheOps, ItemKind, Scheduler, StepPlan
-from kvferry.errors import ConfigError, EngineClosed, RebalanceRefused, RequestAborted
+from kvferry.errors import ConfigError, EngineClosed, RequestAborted
 
 __all__ = [
     "DraftItem",
@@ -123,8 +123,6 @@ class Engine:
     _to_cancel: list[Request] = attrs.field(factory=list, init=False)
     _conversations: dict[int, Conversation] = attrs.field(factory=dict, init=False)
     _rebalances: list[RebalanceCall] = attrs.field(factory=list, init=False)
-    #: why this engine's pools must keep their memory (None: a rebalance may replace it)
-    rebalance_forbidden: str | None = attrs.field(default=None, init=False)
     _rebalance_callbacks: list[Callable[[Sequence[Any]], None]] = attrs.field(factory=list, init=False)
     #: suspends (True) and resumes (False) asked for by requests' owners, done at the next step boundary
     _holds: list[tuple[Request, bool]] = attrs.field(factory=list, init=False)
@@ -326,8 +324,10 @@ class Engine:
         At the next step boundary every running request is suspended, every cache moves to the host (each is
         restored on its next resume; the prefix cache is dropped), the pools are rebuilt with the new sizes (the
         replay buffers grow with the state pool), the model and the drafter are bound to the new memory, the
-        callbacks of :meth:`on_rebalance` run (disaggregation registers the new memory with its peers there),
-        and the suspended requests are admitted again: their tokens are those of a run without a rebalance.
+        callbacks of :meth:`on_rebalance` run, and the suspended requests are admitted again: their tokens are
+        those of a run without a rebalance. A disaggregated engine's worker registers the new memory and sends
+        its peers the new page tables before it next transfers (:meth:`Worker.publish_tables
+        <kvferry.disagg.roles.worker.Worker.publish_tables>`).
 
         A cancel while waiting leaves the rebalance asked for (it still happens at the next step boundary).
 
@@ -341,8 +341,6 @@ class Engine:
             raise EngineClosed("the engine is not running (use it inside `async with engine:`)")
         if getattr(self.cache, "rebalance", None) is None or getattr(self.runner, "rebind", None) is None:
             raise ConfigError("this engine's cache or runner cannot be rebalanced")
-        if self.rebalance_forbidden is not None:
-            raise RebalanceRefused(self.rebalance_forbidden)
         call = RebalanceCall(
             {"num_pages": num_pages, "num_slots": num_slots, "num_draft_pages": num_draft_pages}
         )

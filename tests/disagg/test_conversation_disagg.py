@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from kvferry.engine.runner import build_engine
-from kvferry.errors import ConfigError, RebalanceRefused
+from kvferry.errors import ConfigError
 from tests.support.disagg_pair import counts, options, pair, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,11 +67,22 @@ async def test_turns_transfer_only_what_the_kept_cache_lacks(spec_k: int) -> Non
 
 
 @pytest.mark.anyio
-async def test_a_disaggregated_engine_refuses_a_rebalance_and_keeps_serving() -> None:
+@pytest.mark.parametrize("spec_k", [0, 2])
+async def test_a_conversation_keeps_its_turns_across_rebalances_of_both_engines(spec_k: int) -> None:
+    expected = await aggregated(spec_k)
     async with pair() as p:
-        for engine in (p.gen.engine, p.ctx.engine):
-            with pytest.raises(RebalanceRefused, match="registered with its peers"):
-                await engine.rebalance(num_pages=64)
-        with anyio.fail_after(60):
-            tokens = await p.router.generate(TURNS[0], max_tokens=4).collect()
-    assert tokens == (await aggregated(0))[0][:4]
+        got: list[list[int]] = []
+        with p.router.conversation(spec_k=spec_k) as conversation:
+            for turn, (prompt, max_tokens) in enumerate(zip(TURNS, MAX_TOKENS, strict=True)):
+                if turn:
+                    # the kept cache moves to the host and back into the new pools; the peer learns the tables
+                    grown = turn % 2
+                    for worker in (p.worker, p.context):
+                        await worker.rebalance(num_pages=512 + grown * 128, num_slots=33 + grown * 8)
+                before = p.worker.statistics()["reused_tokens"]
+                with anyio.fail_after(60):
+                    got.append(await conversation.turn(prompt, max_tokens=max_tokens).collect())
+                if turn:  # the kept turns were not sent again
+                    assert p.worker.statistics()["reused_tokens"] > before
+    assert got == expected
+    assert p.worker.epoch == p.context.epoch == len(TURNS) - 1

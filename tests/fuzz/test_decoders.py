@@ -415,6 +415,7 @@ CONTROL_SAMPLES: list[protocol.ControlBody] = [
     protocol.ChunkResults((_RESULT, attrs.evolve(_RESULT, writer=1, chunk=1))),
     protocol.CancelTransfer(1, "r"),
     protocol.CancelAck(1, "r"),
+    protocol.TablesUpdate(2, PEER_INFO),
 ]
 CONTROL_KEYS = field_names(protocol.Control, *(type(m) for m in CONTROL_SAMPLES))
 _KIND_OF = {type(m): unpack(protocol.encode_control(m))["kind"] for m in CONTROL_SAMPLES}

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, cast
 import anyio
 import anyio.abc
 import attrs
-from attrs import define, frozen
+from attrs import define
 
 from kvferry.disagg.link import exchange_hello, pump
 from kvferry.disagg.mapping import PeerMap, RequestCache
@@ -44,7 +44,9 @@ from kvferry.disagg.protocol import (
     PeerRole,
     ReceiveRequest,
     ReleaseContext,
+    TablesUpdate,
     check_pairing,
+    check_update,
     encode_control,
 )
 from kvferry.disagg.roles.worker import Worker, positive
@@ -52,7 +54,14 @@ from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
 from kvferry.engine.generation import Generation
 from kvferry.engine.runner import PagedRunner
-from kvferry.errors import ClosedResourceError, KvferryError, PeerDisconnected, PoolExhausted, TransportError
+from kvferry.errors import (
+    ClosedResourceError,
+    KvferryError,
+    PeerDisconnected,
+    PeerIncompatible,
+    PoolExhausted,
+    TransportError,
+)
 from kvferry.pools.manager import CacheState
 from kvferry.transports import Peer, Transport
 
@@ -125,15 +134,17 @@ class _Held:
         return _HoldEnd.PUSH
 
 
-@frozen(eq=False)
+@define(eq=False)
 class _Served:
-    """The generation peer being served: its connection, the rank mapping to it, its handshake, and the task
-    group its requests run in (cancelled when the peer is gone)."""
+    """The generation peer being served: its connection, the rank mapping to it, its handshake (its tables as
+    last updated, and that update's epoch), and the task group its requests run in (cancelled when the peer is
+    gone)."""
 
     peer: Peer
     peer_map: PeerMap
     remote: PeerInfo
-    tasks: anyio.abc.TaskGroup
+    tasks: anyio.abc.TaskGroup = attrs.field(init=False)
+    epoch: int = 0
 
 
 @define(eq=False)
@@ -187,6 +198,8 @@ class ContextWorker(Worker):
     #: and may touch only those
     _held: dict[tuple[Peer, str], _Held] = attrs.field(factory=dict, init=False)
     _sending: dict[tuple[Peer, int], SendSession] = attrs.field(factory=dict, init=False)
+    #: the peers served now
+    _served: list[_Served] = attrs.field(factory=list, init=False)
     _counts: dict[str, int] = attrs.field(
         factory=lambda: dict.fromkeys(
             ("prefilled", "pushed", "released", "cancelled", "failed", "bytes", "fragments", "bounced"), 0
@@ -200,14 +213,44 @@ class ContextWorker(Worker):
 
         :raises ~kvferry.errors.PeerIncompatible: the peer serves another model / wire version.
         """
-        await self.register()
-        remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
-        check_pairing(self.info(), remote)
-        peer_map = PeerMap.build(list(self.info().page_tables), list(remote.page_tables))
-        async with anyio.create_task_group() as tg:
-            served = _Served(peer, peer_map, remote, tg)
-            await pump(self.transport, peer, on_message=partial(self._on_message, served))
-            tg.cancel_scope.cancel()  # the peer is gone: stop prefills and pushes
+        async with self.tables_lock:  # a rebalance's update reaches this peer too: it is served before
+            await self.register()
+            await self.publish_locked()
+            remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
+            check_pairing(self.info(), remote)
+            served = _Served(
+                peer, PeerMap.build(list(self.info().page_tables), list(remote.page_tables)), remote
+            )
+            self._served.append(served)
+        try:
+            async with anyio.create_task_group() as tg:
+                served.tasks = tg
+                await pump(self.transport, peer, on_message=partial(self._on_message, served))
+                tg.cancel_scope.cancel()  # the peer is gone: stop prefills and pushes
+        finally:
+            self._served.remove(served)
+
+    def _peers(self) -> list[Peer]:
+        return [served.peer for served in self._served]
+
+    def _tables_applied(self) -> None:
+        for served in self._served:
+            served.peer_map = PeerMap.build(list(self.info().page_tables), list(served.remote.page_tables))
+
+    def _apply_update(self, served: _Served, update: TablesUpdate) -> None:
+        """The generation peer's pools were rebalanced: map to its new tables (an update that changes more than
+        a rebalance can, or pairs no more, is refused: the peer keeps the tables it had here, and its receive
+        requests into pages those do not hold fail)."""
+        if update.epoch <= served.epoch:
+            return
+        try:
+            check_update(served.remote, update.info)
+            check_pairing(self.info(), update.info)
+        except PeerIncompatible as exc:
+            log.warning("page-table update of %s refused: %s", served.remote.transport_address, exc)
+            return
+        served.remote, served.epoch = update.info, update.epoch
+        served.peer_map = PeerMap.build(list(self.info().page_tables), list(update.info.page_tables))
 
     async def _on_message(self, served: _Served, message: ControlBody) -> None:
         """One control message from the peer (in the order they came; reports never come here)."""
@@ -232,6 +275,8 @@ class ContextWorker(Worker):
                 held.release()
         elif isinstance(message, CancelTransfer):
             await self._cancel(served.peer, message)
+        elif isinstance(message, TablesUpdate):
+            self._apply_update(served, message)
 
     async def _cancel(self, peer: Peer, message: CancelTransfer) -> None:
         """The receiver cancelled session ``message.session_id``: stop its push, or say none can write."""
@@ -334,7 +379,7 @@ class ContextWorker(Worker):
         ``hold_timeout`` seconds), then push it if it is still wanted."""
         # the sender's side of the transfer, worked out while the receive request is on its way
         source = self._source(served.peer_map, rid, len(req.prompt))
-        ahead = self._placement(rid)
+        ahead, ahead_map = self._placement(rid), served.peer_map
         with anyio.move_on_after(self.hold_timeout):
             await held.ready.wait()
         end = held.end()
@@ -350,10 +395,13 @@ class ContextWorker(Worker):
                 served, held.request, f"request {req.key}: no room to bring its cache back"
             )
             return
+        # pinned: no rebalance from here to the push's end. One before it: the peer learns the new tables first
+        await self.publish_tables()
         if held.end() is not _HoldEnd.PUSH:  # cancelled or released while its cache came back
             self._counts["cancelled" if held.cancelled else "released"] += 1
             return
-        if self._placement(rid) != ahead:  # it was moved to the host and back: other pages, another slot
+        if self._placement(rid) != ahead or served.peer_map is not ahead_map:
+            # moved to the host and back (other pages, another slot), or either side's tables changed
             source = self._source(served.peer_map, rid, len(req.prompt))
         # no await from the check above until _push registers the session in _sending: a CancelTransfer finds
         # the session either here (cancelled before the push) or sending (cancelled during it)
@@ -421,7 +469,7 @@ class ContextWorker(Worker):
         try:
             return prepare_source(
                 peer_map,
-                range(len(self.built.arenas)),
+                range(len(self.arenas)),
                 self._blocks(rid),
                 manager.slot_id(rid),
                 prompt_tokens,
@@ -442,7 +490,7 @@ class ContextWorker(Worker):
         try:
             plan = plan_transfer(
                 served.peer_map,
-                range(len(self.built.arenas)),
+                range(len(self.arenas)),
                 self._blocks(rid) if source is None else source,
                 manager.slot_id(rid),
                 request,

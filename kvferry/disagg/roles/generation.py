@@ -22,6 +22,7 @@ fragmented (by its ``bounce`` policy) while its staging pool has room.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -45,15 +46,19 @@ from kvferry.disagg.protocol import (
     PeerRole,
     ReceiveRequest,
     ReleaseContext,
+    TablesUpdate,
     check_pairing,
+    check_update,
     encode_control,
 )
 from kvferry.disagg.roles.worker import DEFAULT_PREFILL_TIMEOUT, Worker, positive
 from kvferry.disagg.session import Receiver, TransferStatistics
 from kvferry.disagg.staging import ReceiveStaging
 from kvferry.disagg.transfer import ManagerHold, destinations, expected_writers, offer_staging
-from kvferry.errors import KvferryError, PeerDisconnected, PrefillTimeout, TransferError
+from kvferry.errors import KvferryError, PeerDisconnected, PeerIncompatible, PrefillTimeout, TransferError
 from kvferry.transports import Peer
+
+log = logging.getLogger("kvferry.disagg")
 
 __all__ = ["ContextLink", "GenerationWorker", "Handoff"]
 
@@ -88,6 +93,8 @@ class ContextLink:
     last_answer: float = attrs.field(factory=time.perf_counter)
     #: the task group its reader runs in (best-effort messages to the peer go out from it)
     tasks: anyio.abc.TaskGroup | None = None
+    #: the epoch of the peer's last page-table update applied (0: its handshake's tables)
+    epoch: int = 0
 
     def __repr__(self) -> str:
         state = "gone" if self.gone else "up"
@@ -162,22 +169,50 @@ class GenerationWorker(Worker):
 
         :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
         """
-        await self.register()
-        remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
-        pairing = check_pairing(remote, self.info())
-        peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
-        receiver = Receiver(
-            self.transport,
-            peer,
-            expected_writers(peer_map),
-            self.stall_timeout,
-            control_timeout=self.control_timeout,
-            destinations=partial(destinations, peer_map),
-        )
-        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
-        self.links.append(link)
+        async with self.tables_lock:  # a rebalance's update reaches this peer too: it is a link before
+            await self.register()
+            await self.publish_locked()
+            remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
+            pairing = check_pairing(remote, self.info())
+            peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
+            receiver = Receiver(
+                self.transport,
+                peer,
+                expected_writers(peer_map),
+                self.stall_timeout,
+                control_timeout=self.control_timeout,
+                destinations=partial(destinations, peer_map),
+            )
+            link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
+            self.links.append(link)
         task_group.start_soon(self._read, link)
         return remote
+
+    def _peers(self) -> list[Peer]:
+        return [link.peer for link in self.links if not link.gone]
+
+    def _tables_applied(self) -> None:
+        for link in self.links:
+            self._remap(link)
+
+    def _remap(self, link: ContextLink) -> None:
+        """Map the link's ranks again from both sides' current tables."""
+        link.peer_map = PeerMap.build(list(link.remote.page_tables), list(self.info().page_tables))
+        link.receiver.destinations = partial(destinations, link.peer_map)
+
+    def _apply_update(self, link: ContextLink, update: TablesUpdate) -> None:
+        """The context peer's pools were rebalanced: map to its new tables (an update that changes more than a
+        rebalance can, or pairs no more, is refused: the link keeps the tables it had)."""
+        if update.epoch <= link.epoch:
+            return
+        try:
+            check_update(link.remote, update.info)
+            check_pairing(update.info, self.info())
+        except PeerIncompatible as exc:
+            log.warning("page-table update of %s refused: %s", link.remote.transport_address, exc)
+            return
+        link.remote, link.epoch = update.info, update.epoch
+        self._remap(link)
 
     async def _read(self, link: ContextLink) -> None:
         receiver = link.receiver
@@ -191,6 +226,8 @@ class GenerationWorker(Worker):
                     waiting[0].set()
             elif isinstance(message, CancelAck):
                 receiver.on_cancel_ack(message)  # no write of that session can land: release its pages
+            elif isinstance(message, TablesUpdate):
+                self._apply_update(link, message)
 
         try:
             await pump(self.transport, link.peer, receiver, on_message=on_message)
@@ -306,6 +343,9 @@ class GenerationWorker(Worker):
         the caller then cancels the request, whose close finds nothing left to free.
         """
         link = self.link(link)
+        await (
+            self.publish_tables()
+        )  # a rebalance since the last transfer: the peer learns the new pages first
         managers = self.cache.managers
         rx_staging: ReceiveStaging | None = None
         primary = managers[0]
@@ -318,7 +358,7 @@ class GenerationWorker(Worker):
             # stale bytes from recycled pages must never reach the drafter (the blocks before the draft match's
             # end are shared or zeroed already)
             first = start // primary.config.draft_tokens_per_block
-            for m, arena in zip(managers, self.built.arenas, strict=True):
+            for m, arena in zip(managers, self.arenas, strict=True):
                 arena.zero_pages("draft", list(m.draft_block_table(rid))[first:])
         blocks = [BlockIds("attention", tuple(primary.block_table(rid)))]
         if primary.config.has_draft and draft:
@@ -351,7 +391,7 @@ class GenerationWorker(Worker):
         if not start:
             return 0
         total = 0
-        for arena in self.built.arenas:
+        for arena in self.arenas:
             layout = arena.layout
             for group in ("attention", "draft"):
                 if layout.has_group(group):

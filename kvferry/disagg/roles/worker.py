@@ -2,28 +2,42 @@
 a bounded staging pool, memory registered once for the worker's life, the peer-facing description of both,
 and the deadlines every wait on the peer is bounded by.
 
-Memory registration: each worker registers its arenas and its staging buffer with its transport exactly once
-(:meth:`Worker.register`, called by ``serve`` / ``connect`` before the handshake) and never deregisters them
-while the transport lives: NIXL refuses the metadata of a region registered at device addresses that an earlier,
-deregistered region used on the same live connection.
+Memory registration: each worker registers its arenas and its staging buffer with its transport
+(:meth:`Worker.register`, called by ``serve`` / ``connect`` before the handshake).
+
+Rebalance: the engine may replace its pools while serving (:meth:`Worker.rebalance`, or
+:meth:`Engine.rebalance <kvferry.engine.engine.Engine.rebalance>` directly). The new arenas are then registered
+and every connected peer is sent a :class:`~kvferry.disagg.protocol.TablesUpdate` with the new page tables
+(:meth:`Worker.publish_tables`) before this side sends anything that refers to the new memory: the generation
+side before its next receive request, the context side before its next push (the control channel is ordered, so
+the peer has applied the update before it reads that message). The old arenas are deregistered once the update
+is out; no transfer touches them then, since the engine refuses a rebalance while one may. On CUDA, NIXL may refuse
+the metadata of a later region registered at a device address a deregistered one used (``cudaMalloc`` reuses
+addresses): NIXL writes into that region then fail with :class:`~kvferry.errors.RegionError` (CUDA IPC and host
+paths are not affected; see :mod:`kvferry.transports.nixl`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import anyio
 import attrs
 from attrs import define
 
 from kvferry.disagg.mapping import BouncePolicy
-from kvferry.disagg.protocol import PeerInfo, PeerRole
+from kvferry.disagg.protocol import PeerInfo, PeerRole, TablesUpdate, encode_control
 from kvferry.disagg.roles.handoff_cache import HandoffCache, install
 from kvferry.disagg.staging import StagingPool
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine
-from kvferry.errors import ConfigError
+from kvferry.errors import ConfigError, KvferryError, PeerDisconnected
+from kvferry.pools.arena import CacheArena
 from kvferry.pools.pagetable import PageTable
-from kvferry.transports import Registration, Transport
+from kvferry.transports import Peer, Registration, Transport
 
 __all__ = [
     "DEFAULT_CONTROL_TIMEOUT",
@@ -33,6 +47,8 @@ __all__ = [
     "Worker",
     "positive",
 ]
+
+log = logging.getLogger("kvferry.disagg")
 
 #: Bytes of each worker's staging pool (bounced transfers), on the arenas' device; 0 turns bouncing off.
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -89,35 +105,124 @@ class Worker:
     cache: HandoffCache = attrs.field(init=False)
     staging: StagingPool | None = attrs.field(init=False)
     registrations: tuple[Registration, ...] = attrs.field(default=(), init=False)
+    #: the registration of the arenas in use and the arenas it covers (None: not registered yet)
+    _arena_registration: Registration | None = attrs.field(default=None, init=False)
+    _registered: tuple[CacheArena, ...] = attrs.field(default=(), init=False)
+    #: rebalances published to the peers (the epoch of the last TablesUpdate sent)
+    epoch: int = attrs.field(default=0, init=False)
+    #: held while the registration or the peers' tables change (a handshake holds it too: no update is missed)
+    tables_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.staging = _staging_pool(self.built, self.staging_bytes)
         self.cache = install(self.built)
-        # peers write into (or read from) the arenas registered here, by the page tables of the handshake
-        self.built.engine.rebalance_forbidden = "a disaggregated engine's memory is registered with its peers; it cannot be replaced while it serves"
 
     @property
     def engine(self) -> Engine:
         return self.built.engine
 
+    @property
+    def arenas(self) -> tuple[CacheArena, ...]:
+        """The arenas the engine's pools live in now, one per rank (a rebalance replaces them)."""
+        arenas = tuple(m.arena for m in self.cache.managers)
+        return arenas if all(a is not None for a in arenas) else self.built.arenas
+
     async def register(self) -> None:
-        """Register the arenas and the staging buffer with the transport; once for the worker's life (later
-        calls do nothing; nothing is ever deregistered: the transport's close does it)."""
-        if self.registrations:
+        """Register the arenas in use and the staging buffer with the transport; once (later calls do nothing:
+        memory a rebalance puts in place is registered by :meth:`publish_tables`)."""
+        if self._arena_registration is not None:
             return
-        built = self.built
-        out = [await self.transport.register([t for a in built.arenas for t in a.pool_tensors().values()])]
+        await self._register_arenas()
         if self.staging is not None:
-            out.append(await self.transport.register(self.staging.buffer))
-        self.registrations = tuple(out)
+            self.registrations = (*self.registrations, await self.transport.register(self.staging.buffer))
+
+    async def _register_arenas(self) -> Registration | None:
+        """Register the arenas in use; the registration of the arenas they replace (None the first time)."""
+        arenas = self.arenas
+        registration = await self.transport.register([t for a in arenas for t in a.pool_tensors().values()])
+        old = self._arena_registration
+        self._arena_registration, self._registered = registration, arenas
+        self.registrations = (registration, *self.registrations[1:])
+        return old
+
+    def _current(self) -> bool:
+        """Whether the registered arenas are the ones in use."""
+        arenas = self.arenas
+        return len(arenas) == len(self._registered) and all(
+            a is b for a, b in zip(arenas, self._registered, strict=True)
+        )
+
+    def _peers(self) -> Sequence[Peer]:
+        """The connected peers that must hear of new page tables."""
+        return ()
+
+    def _tables_applied(self) -> None:
+        """This side's tables changed: rebuild what was derived from them (the rank maps to each peer)."""
+
+    async def publish_tables(self) -> bool:
+        """If a rebalance replaced the engine's pools since the last call, register the new memory, send every
+        connected peer a :class:`~kvferry.disagg.protocol.TablesUpdate` and rebuild this side's maps to them;
+        whether anything was published. Both roles call it before they send anything that refers to their
+        pools; :meth:`rebalance` calls it at once.
+
+        A peer that cannot be told (it went away, its send timed out) is skipped: it is gone, or its transfers
+        fail on the old tables with typed errors. Shielded from cancellation (a half-published update would
+        leave the peers' tables undefined).
+        """
+        if self._arena_registration is None or (self._current() and not self.tables_lock.locked()):
+            return False
+        # a publish under way (the arenas registered, the update not yet sent) is waited for
+        with anyio.CancelScope(shield=True):
+            async with self.tables_lock:
+                published = await self.publish_locked()
+        return published
+
+    async def publish_locked(self) -> bool:
+        """:meth:`publish_tables` for a caller that holds :attr:`tables_lock` (a handshake)."""
+        if self._arena_registration is None or self._current():
+            return False
+        old = await self._register_arenas()
+        self.epoch += 1
+        message = encode_control(TablesUpdate(self.epoch, self.info()))
+        peers = self._peers()
+        for peer in peers:
+            with (
+                anyio.move_on_after(self.handshake_timeout),
+                contextlib.suppress(PeerDisconnected, KvferryError),
+            ):
+                await self.transport.send_message(peer, message)
+        self._tables_applied()
+        if old is not None:
+            # nothing refers to the old arenas any more: the engine refused the rebalance while a transfer
+            # could touch them, and the peers learnt the new tables before anything that refers to those
+            await self.transport.deregister(old)
+        log.info("published the page tables of epoch %d to %d peers", self.epoch, len(peers))
+        return True
+
+    async def rebalance(
+        self,
+        *,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        num_draft_pages: int | None = None,
+    ) -> None:
+        """Resize the engine's pools while it serves (:meth:`Engine.rebalance
+        <kvferry.engine.engine.Engine.rebalance>`: refused with :class:`~kvferry.errors.RebalanceRefused` while
+        a transfer may touch them), then publish the new tables to every peer (:meth:`publish_tables`).
+
+        A cancel while waiting for the step boundary leaves the rebalance asked for; the tables are then
+        published before this side next sends anything that refers to its pools.
+        """
+        await self.engine.rebalance(num_pages=num_pages, num_slots=num_slots, num_draft_pages=num_draft_pages)
+        await self.publish_tables()
 
     def page_tables(self) -> tuple[PageTable, ...]:
         """Every rank's page table (one arena per rank)."""
-        return tuple(arena.page_table() for arena in self.built.arenas)
+        return tuple(arena.page_table() for arena in self.arenas)
 
     def pool_tensors(self) -> list[Any]:
         """Every rank's pool tensors (``CacheArena.pool_tensors()``), by rank."""
-        return [a.pool_tensors() for a in self.built.arenas]
+        return [a.pool_tensors() for a in self.arenas]
 
     def info(self) -> PeerInfo:
         """What the handshake tells the peer about this worker."""

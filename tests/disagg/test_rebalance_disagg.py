@@ -1,0 +1,195 @@
+"""A pool rebalance of either engine of disaggregated serving while it serves: the rebalanced side registers its
+new memory and sends its peer the new page tables before it next transfers, so every later transfer lands in (or
+is read from) the new pools. Tokens stay those of aggregated serving, a rebalance while a transfer touches the
+pools is refused and changes nothing, a page-table update that changes more than a rebalance can is refused,
+and after rebalancing back every page is free again. Over the local transport, over NIXL between two agents of
+this process (both sides rebalanced), and with the context engine in another process over NIXL and UCX."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from kvferry.disagg.protocol import TablesUpdate, encode_control
+from kvferry.disagg.roles import ContextWorker, GenerationWorker
+from kvferry.disagg.serve import disaggregated
+from kvferry.engine.runner import BuiltEngine
+from kvferry.errors import RebalanceRefused
+from kvferry.transports import available_transports
+from tests.support.disagg_pair import counts, options, pair, until
+from tests.support.disagg_reference import MAX_TOKENS, PROMPTS, SPEC_K, aggregated
+
+pytestmark = pytest.mark.timeout(180)
+
+#: the test engines' pool sizes (tests/support/disagg_pair.options) and the rebalanced ones
+PAGES, SLOTS = 512, 2 * options().max_running + 1
+
+
+async def expected() -> list[list[int]]:
+    tokens, _ = await aggregated(PROMPTS)
+    return tokens
+
+
+async def serve_all(router: Any) -> list[list[int]]:
+    """Every prompt through ``router`` at once; their tokens."""
+    got: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        got[i] = await router.generate(PROMPTS[i], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+    return got
+
+
+async def rebalanced(rebalance: Callable[[], Awaitable[None]]) -> int:
+    """Run ``rebalance`` until it is not refused (a transfer may touch the pools now); the refusals."""
+    refused = 0
+    with anyio.fail_after(60):
+        while True:
+            try:
+                await rebalance()
+            except RebalanceRefused:
+                refused += 1
+                await anyio.sleep(0.002)
+                continue
+            return refused
+
+
+def sizes(built: BuiltEngine) -> tuple[int, int]:
+    config = built.cache.primary.config
+    return config.num_pages, config.num_slots
+
+
+async def serve_while_rebalancing(
+    router: Any, workers: list[GenerationWorker | ContextWorker]
+) -> list[list[int]]:
+    """Every prompt at once while each worker's engine grows its pools once, mid-run."""
+    got: list[list[int]] = []
+
+    async def requests() -> None:
+        got.extend(await serve_all(router))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(requests)
+        await anyio.sleep(0.05)  # prefills and transfers under way
+        for worker in workers:
+            await rebalanced(lambda w=worker: w.rebalance(num_pages=PAGES + 96, num_slots=SLOTS + 8))
+    return got
+
+
+@pytest.mark.anyio
+async def test_both_engines_rebalanced_while_serving_give_aggregated_tokens_and_free_every_page() -> None:
+    want = await expected()
+    async with pair() as p:
+        before = counts(p.gen), counts(p.ctx)
+        first_tables = p.worker.info().page_tables
+        got = await serve_while_rebalancing(p.router, [p.worker, p.context])
+        assert got == want
+        assert sizes(p.gen) == sizes(p.ctx) == (PAGES + 96, SLOTS + 8)
+        assert p.worker.epoch == p.context.epoch == 1
+        # each side maps to the other's new tables: its link was updated by the peer's TablesUpdate
+        assert p.worker.links[0].remote.page_tables == p.context.info().page_tables
+        assert p.context._served[0].remote.page_tables == p.worker.info().page_tables != first_tables
+        assert await serve_all(p.router) == want  # the next transfers land in the new pools
+        for worker in (p.worker, p.context):
+            await rebalanced(lambda w=worker: w.rebalance(num_pages=PAGES, num_slots=SLOTS))
+        assert await serve_all(p.router) == want
+        for built in (p.gen, p.ctx):
+            await built.engine.wait_idle()
+            for m in built.cache.managers:
+                m.reset_prefix_cache()
+        await until(lambda: (counts(p.gen), counts(p.ctx)) == before, 10, lambda: (counts(p.gen), before))
+        assert p.worker.epoch == p.context.epoch == 2
+        assert p.worker.statistics()["failed"] == 0
+
+
+@pytest.mark.anyio
+async def test_a_rebalance_while_a_transfer_touches_the_pools_is_refused_and_changes_nothing() -> None:
+    want = await expected()
+    # every chunk of a push starts late: the transfer lasts while both sides are asked to rebalance
+    async with pair(context={"write_delay": 0.3, "max_chunk_bytes": 4096}) as p:
+        tables = p.worker.info().page_tables, p.context.info().page_tables
+        routed = p.router.generate(PROMPTS[2], max_tokens=MAX_TOKENS, spec_k=SPEC_K)
+        async with anyio.create_task_group() as tg:
+
+            async def collect() -> None:
+                with anyio.fail_after(60):
+                    assert await routed.collect() == want[2]
+
+            tg.start_soon(collect)
+            await until(lambda: p.gen.engine.scheduler.num_transferring > 0, 30, lambda: "no transfer")
+            with pytest.raises(RebalanceRefused, match="wait for their cache"):
+                await p.worker.rebalance(num_pages=PAGES + 32)
+            with pytest.raises(RebalanceRefused):  # the pushed cache is pinned for its transfer
+                await p.context.rebalance(num_pages=PAGES + 32)
+        assert (p.worker.info().page_tables, p.context.info().page_tables) == tables
+        assert sizes(p.gen) == sizes(p.ctx) == (PAGES, SLOTS)
+        assert p.worker.epoch == p.context.epoch == 0
+        assert await serve_all(p.router) == want
+
+
+@pytest.mark.anyio
+async def test_a_tables_update_that_changes_more_than_a_rebalance_can_is_refused() -> None:
+    want = await expected()
+    async with pair() as p:
+        served = p.context._served[0]
+        info = p.context.info()
+        link = p.worker.links[0]
+        for bad in (
+            attrs.evolve(info, instance_id="someone-else"),
+            attrs.evolve(info, transport_address="elsewhere:1"),
+        ):
+            await p.context.transport.send_message(served.peer, encode_control(TablesUpdate(7, bad)))
+        # a stale epoch is ignored, a good one applied
+        await p.context.transport.send_message(served.peer, encode_control(TablesUpdate(3, info)))
+        await p.context.transport.send_message(served.peer, encode_control(TablesUpdate(2, info)))
+        await until(lambda: link.epoch == 3, 5, lambda: link.epoch)
+        assert link.remote == info
+        assert await serve_all(p.router) == want
+
+
+def _real(transport: str) -> None:
+    if transport not in available_transports():
+        pytest.skip(f"{transport} is not installed")
+
+
+@pytest.mark.anyio
+async def test_both_sides_rebalanced_over_nixl_in_one_process() -> None:
+    _real("nixl")
+    want = await expected()
+    async with disaggregated(transport="nixl", separate_process=False, spec_k=SPEC_K) as (router, parts):
+        worker, context = parts["worker"], parts["context"]
+        got = await serve_while_rebalancing(router, [worker, context])
+        assert got == want
+        assert await serve_all(router) == want
+        assert worker.epoch == context.epoch == 1
+        assert worker.statistics()["failed"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+async def test_the_generation_engine_rebalanced_with_its_context_engine_in_another_process(
+    transport: str,
+) -> None:
+    _real(transport)
+    want = await expected()
+    async with disaggregated(transport=transport, spec_k=SPEC_K) as (router, parts):
+        worker = parts["worker"]
+        got = await serve_while_rebalancing(router, [worker])
+        assert got == want
+        for pages in (PAGES + 160, PAGES):  # grown, then back: each later transfer lands in the pools in use
+            await rebalanced(lambda n=pages: worker.rebalance(num_pages=n))
+            assert await serve_all(router) == want
+        # the engine rebalanced directly: the worker publishes the new tables before its next transfer
+        await rebalanced(lambda: parts["gen"].engine.rebalance(num_pages=PAGES + 64))
+        assert worker.epoch == 3
+        assert await serve_all(router) == want
+        assert worker.epoch == 4
+        assert worker.statistics()["failed"] == 0
