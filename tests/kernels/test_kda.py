@@ -267,6 +267,7 @@ def test_fla_call_convention_through_transformers_reference(monkeypatch: pytest.
     ``fla.ops.kda`` made of those reference functions checks the layouts, dtypes and state plumbing of the fla
     path without CUDA."""
     pytest.importorskip("transformers")
+    import inspect
     import sys
     import types
 
@@ -290,9 +291,11 @@ def test_fla_call_convention_through_transformers_reference(monkeypatch: pytest.
 
         return call
 
+    # transformers' torch forms: where fla is installed, its decorators hand the call to fla's kernels instead
+    chunk, recurrent = map(inspect.unwrap, (hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention))
     ops = types.ModuleType("fla.ops.kda")
-    ops.chunk_kda = checked("chunk", hf.chunk_kimi_delta_attention)  # type: ignore[attr-defined]
-    ops.fused_recurrent_kda = checked("recurrent", hf.recurrent_kimi_delta_attention)  # type: ignore[attr-defined]
+    ops.chunk_kda = checked("chunk", chunk)  # type: ignore[attr-defined]
+    ops.fused_recurrent_kda = checked("recurrent", recurrent)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
     monkeypatch.setitem(sys.modules, "fla.ops", types.ModuleType("fla.ops"))
     monkeypatch.setitem(sys.modules, "fla.ops.kda", ops)
