@@ -46,7 +46,6 @@ from kvferry.disagg.protocol import (
     ReleaseContext,
     TablesUpdate,
     check_pairing,
-    check_update,
     encode_control,
 )
 from kvferry.disagg.roles.worker import Worker, positive
@@ -58,7 +57,6 @@ from kvferry.errors import (
     ClosedResourceError,
     KvferryError,
     PeerDisconnected,
-    PeerIncompatible,
     PoolExhausted,
     TransportError,
 )
@@ -241,13 +239,7 @@ class ContextWorker(Worker):
         """The generation peer's pools were rebalanced: map to its new tables (an update that changes more than
         a rebalance can, or pairs no more, is refused: the peer keeps the tables it had here, and its receive
         requests into pages those do not hold fail)."""
-        if update.epoch <= served.epoch:
-            return
-        try:
-            check_update(served.remote, update.info)
-            check_pairing(self.info(), update.info)
-        except PeerIncompatible as exc:
-            log.warning("page-table update of %s refused: %s", served.remote.transport_address, exc)
+        if not self.accepts(served.remote, served.epoch, update):
             return
         served.remote, served.epoch = update.info, update.epoch
         served.peer_map = PeerMap.build(list(self.info().page_tables), list(update.info.page_tables))

@@ -22,7 +22,6 @@ fragmented (by its ``bounce`` policy) while its staging pool has room.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -48,17 +47,14 @@ from kvferry.disagg.protocol import (
     ReleaseContext,
     TablesUpdate,
     check_pairing,
-    check_update,
     encode_control,
 )
 from kvferry.disagg.roles.worker import DEFAULT_PREFILL_TIMEOUT, Worker, positive
 from kvferry.disagg.session import Receiver, TransferStatistics
 from kvferry.disagg.staging import ReceiveStaging
 from kvferry.disagg.transfer import ManagerHold, destinations, expected_writers, offer_staging
-from kvferry.errors import KvferryError, PeerDisconnected, PeerIncompatible, PrefillTimeout, TransferError
+from kvferry.errors import KvferryError, PeerDisconnected, PrefillTimeout, TransferError
 from kvferry.transports import Peer
-
-log = logging.getLogger("kvferry.disagg")
 
 __all__ = ["ContextLink", "GenerationWorker", "Handoff"]
 
@@ -203,13 +199,7 @@ class GenerationWorker(Worker):
     def _apply_update(self, link: ContextLink, update: TablesUpdate) -> None:
         """The context peer's pools were rebalanced: map to its new tables (an update that changes more than a
         rebalance can, or pairs no more, is refused: the link keeps the tables it had)."""
-        if update.epoch <= link.epoch:
-            return
-        try:
-            check_update(link.remote, update.info)
-            check_pairing(update.info, self.info())
-        except PeerIncompatible as exc:
-            log.warning("page-table update of %s refused: %s", link.remote.transport_address, exc)
+        if not self.accepts(link.remote, link.epoch, update):
             return
         link.remote, link.epoch = update.info, update.epoch
         self._remap(link)

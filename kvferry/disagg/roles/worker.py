@@ -29,12 +29,19 @@ import attrs
 from attrs import define
 
 from kvferry.disagg.mapping import BouncePolicy
-from kvferry.disagg.protocol import PeerInfo, PeerRole, TablesUpdate, encode_control
+from kvferry.disagg.protocol import (
+    PeerInfo,
+    PeerRole,
+    TablesUpdate,
+    check_pairing,
+    check_update,
+    encode_control,
+)
 from kvferry.disagg.roles.handoff_cache import HandoffCache, install
 from kvferry.disagg.staging import StagingPool
 from kvferry.engine.engine import Engine
 from kvferry.engine.runner import BuiltEngine
-from kvferry.errors import ConfigError, KvferryError, PeerDisconnected
+from kvferry.errors import ConfigError, KvferryError, PeerDisconnected, PeerIncompatible
 from kvferry.pools.arena import CacheArena
 from kvferry.pools.pagetable import PageTable
 from kvferry.transports import Peer, Registration, Transport
@@ -158,6 +165,23 @@ class Worker:
 
     def _tables_applied(self) -> None:
         """This side's tables changed: rebuild what was derived from them (the rank maps to each peer)."""
+
+    def accepts(self, remote: PeerInfo, epoch: int, update: TablesUpdate) -> bool:
+        """Whether a peer's page-table update applies: its epoch is above ``epoch`` (the last applied), it
+        changes only what a rebalance can (:func:`~kvferry.disagg.protocol.check_update` against ``remote``,
+        the peer's tables now) and the peers still pair. A refusal is logged; the caller keeps the old tables."""
+        if update.epoch <= epoch:
+            return False
+        try:
+            check_update(remote, update.info)
+            if self.ROLE is PeerRole.CONTEXT:
+                check_pairing(self.info(), update.info)
+            else:
+                check_pairing(update.info, self.info())
+        except PeerIncompatible as exc:
+            log.warning("page-table update of %s refused: %s", remote.transport_address, exc)
+            return False
+        return True
 
     async def publish_tables(self) -> bool:
         """If a rebalance replaced the engine's pools since the last call, register the new memory, send every
