@@ -2,11 +2,13 @@
 new memory and sends its peer the new page tables before it next transfers, so every later transfer lands in (or
 is read from) the new pools. Tokens stay those of aggregated serving, a rebalance while a transfer touches the
 pools is refused and changes nothing, a page-table update that changes more than a rebalance can is refused,
-and after rebalancing back every page is free again. Over the local transport, over NIXL between two agents of
+and after rebalancing back every page is free again, also after a loaded run with random rebalances of both
+engines and conversations kept, offloaded or dropped between turns. Over the local transport, over NIXL between two agents of
 this process (both sides rebalanced), and with the context engine in another process over NIXL and UCX."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 from kvferry.disagg.protocol import TablesUpdate, encode_control
 from kvferry.disagg.roles import ContextWorker, GenerationWorker
 from kvferry.disagg.serve import disaggregated
-from kvferry.engine.runner import BuiltEngine
+from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import RebalanceRefused
 from kvferry.transports import available_transports
 from tests.support.disagg_pair import counts, options, pair, until
@@ -193,3 +195,83 @@ async def test_the_generation_engine_rebalanced_with_its_context_engine_in_anoth
         assert await serve_all(router) == want
         assert worker.epoch == 4
         assert worker.statistics()["failed"] == 0
+
+
+def load_plan(seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Plain prompts, and the turns of a few conversations."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 40))] for _ in range(16)]
+    chats = [[[rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(3)] for _ in range(3)]
+    return prompts, chats
+
+
+async def undisturbed(
+    prompts: list[list[int]], chats: list[list[list[int]]]
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    built = build_engine("tiny", options(enable_reuse=False))
+    async with built.engine:
+        plain = [
+            await built.engine.generate(p, max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect() for p in prompts
+        ]
+        turns = []
+        for chat in chats:
+            with built.engine.conversation(spec_k=SPEC_K) as conversation:
+                turns.append([await conversation.turn(t, max_tokens=MAX_TOKENS).collect() for t in chat])
+    return plain, turns
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", [3, 4])
+async def test_a_loaded_run_with_random_rebalances_offloads_and_drops_keeps_every_token(seed: int) -> None:
+    prompts, chats = load_plan(seed)
+    expected_plain, expected_turns = await undisturbed(prompts, chats)
+    rng = random.Random(seed)
+    plain: dict[int, list[int]] = {}
+    turns: dict[int, list[list[int]]] = {}
+    small = options(num_pages=160, max_running=6)  # room for the load, not for much more
+    async with pair(gen_options=small, ctx_options=small) as p:
+        before = counts(p.gen), counts(p.ctx)
+        base = sizes(p.gen)
+
+        async def one(i: int) -> None:
+            await anyio.sleep(rng.random() * 0.05)
+            plain[i] = await p.router.generate(prompts[i], max_tokens=MAX_TOKENS, spec_k=SPEC_K).collect()
+
+        async def chat(c: int) -> None:
+            got = []
+            with p.router.conversation(spec_k=SPEC_K) as conversation:
+                for turn, prompt in enumerate(chats[c]):
+                    if turn:  # the kept cache stays, moves to the host, or is dropped (recomputed)
+                        between = rng.choice(["keep", "offload", "drop"])
+                        if between == "offload":
+                            await conversation.conversation.offload()
+                        elif between == "drop":
+                            conversation.conversation.drop()
+                    got.append(await conversation.turn(prompt, max_tokens=MAX_TOKENS).collect())
+            turns[c] = got
+
+        async def disturb() -> None:
+            for _ in range(6):
+                await anyio.sleep(rng.random() * 0.03)
+                worker = rng.choice([p.worker, p.context])
+                pages, slots = base[0] + rng.choice([0, 32, 64]), base[1] + rng.choice([0, 4])
+                await rebalanced(lambda w=worker, n=pages, s=slots: w.rebalance(num_pages=n, num_slots=s))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                for c in range(len(chats)):
+                    tg.start_soon(chat, c)
+                tg.start_soon(disturb)
+        for worker in (p.worker, p.context):
+            await rebalanced(lambda w=worker: w.rebalance(num_pages=base[0], num_slots=base[1]))
+        for built in (p.gen, p.ctx):
+            await built.engine.wait_idle()
+            for m in built.cache.managers:
+                m.reset_prefix_cache()
+        await until(lambda: (counts(p.gen), counts(p.ctx)) == before, 10, lambda: (counts(p.gen), before))
+        epochs = p.worker.epoch + p.context.epoch
+    assert [plain[i] for i in range(len(prompts))] == expected_plain
+    assert [turns[c] for c in range(len(chats))] == expected_turns
+    assert epochs >= 6 + 2  # six rebalances under load, and one back on each side
