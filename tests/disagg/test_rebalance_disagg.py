@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ import pytest
 from kvferry.disagg.protocol import TablesUpdate, encode_control
 from kvferry.disagg.roles import ContextWorker, GenerationWorker
 from kvferry.disagg.serve import disaggregated
+from kvferry.engine.autobalance import AutoBalancer, BalancePolicy
 from kvferry.engine.runner import BuiltEngine, build_engine
 from kvferry.errors import RebalanceRefused
 from kvferry.transports import available_transports
@@ -82,7 +84,7 @@ async def serve_while_rebalancing(
         tg.start_soon(requests)
         await anyio.sleep(0.05)  # prefills and transfers under way
         for worker in workers:
-            await rebalanced(lambda w=worker: w.rebalance(num_pages=PAGES + 96, num_slots=SLOTS + 8))
+            await rebalanced(partial(worker.rebalance, num_pages=PAGES + 96, num_slots=SLOTS + 8))
     return got
 
 
@@ -101,7 +103,7 @@ async def test_both_engines_rebalanced_while_serving_give_aggregated_tokens_and_
         assert p.context._served[0].remote.page_tables == p.worker.info().page_tables != first_tables
         assert await serve_all(p.router) == want  # the next transfers land in the new pools
         for worker in (p.worker, p.context):
-            await rebalanced(lambda w=worker: w.rebalance(num_pages=PAGES, num_slots=SLOTS))
+            await rebalanced(partial(worker.rebalance, num_pages=PAGES, num_slots=SLOTS))
         assert await serve_all(p.router) == want
         for built in (p.gen, p.ctx):
             await built.engine.wait_idle()
@@ -187,7 +189,7 @@ async def test_the_generation_engine_rebalanced_with_its_context_engine_in_anoth
         got = await serve_while_rebalancing(router, [worker])
         assert got == want
         for pages in (PAGES + 160, PAGES):  # grown, then back: each later transfer lands in the pools in use
-            await rebalanced(lambda n=pages: worker.rebalance(num_pages=n))
+            await rebalanced(partial(worker.rebalance, num_pages=pages))
             assert await serve_all(router) == want
         # the engine rebalanced directly: the worker publishes the new tables before its next transfer
         await rebalanced(lambda: parts["gen"].engine.rebalance(num_pages=PAGES + 64))
@@ -255,7 +257,7 @@ async def test_a_loaded_run_with_random_rebalances_offloads_and_drops_keeps_ever
                 await anyio.sleep(rng.random() * 0.03)
                 worker = rng.choice([p.worker, p.context])
                 pages, slots = base[0] + rng.choice([0, 32, 64]), base[1] + rng.choice([0, 4])
-                await rebalanced(lambda w=worker, n=pages, s=slots: w.rebalance(num_pages=n, num_slots=s))
+                await rebalanced(partial(worker.rebalance, num_pages=pages, num_slots=slots))
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
@@ -265,7 +267,7 @@ async def test_a_loaded_run_with_random_rebalances_offloads_and_drops_keeps_ever
                     tg.start_soon(chat, c)
                 tg.start_soon(disturb)
         for worker in (p.worker, p.context):
-            await rebalanced(lambda w=worker: w.rebalance(num_pages=base[0], num_slots=base[1]))
+            await rebalanced(partial(worker.rebalance, num_pages=base[0], num_slots=base[1]))
         for built in (p.gen, p.ctx):
             await built.engine.wait_idle()
             for m in built.cache.managers:
@@ -275,3 +277,39 @@ async def test_a_loaded_run_with_random_rebalances_offloads_and_drops_keeps_ever
     assert [plain[i] for i in range(len(prompts))] == expected_plain
     assert [turns[c] for c in range(len(chats))] == expected_turns
     assert epochs >= 6 + 2  # six rebalances under load, and one back on each side
+
+
+@pytest.mark.anyio
+async def test_the_auto_balancer_resizes_a_generation_engine_while_it_serves() -> None:
+    rng = random.Random(8)
+    long = [[rng.randrange(256) for _ in range(40)] for _ in range(12)]
+    short = [[rng.randrange(256) for _ in range(3)] for _ in range(24)]
+    built = build_engine("tiny", options(enable_reuse=False))
+    async with built.engine:
+        expected = [await built.engine.generate(q, max_tokens=MAX_TOKENS).collect() for q in long + short]
+    policy = BalancePolicy(min_interval=0.001, check_interval=0.005, min_requests=8, window=12)
+    async with pair(gen_options=options(num_pages=64, num_slots=17, max_running=8)) as p:
+        balancer = AutoBalancer(p.gen.engine, policy)
+        got: list[list[int]] = []
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(balancer.run)
+                for batch in (long, short):
+                    results: dict[int, list[int]] = {}
+
+                    async def one(
+                        i: int, batch: list[list[int]] = batch, results: dict[int, list[int]] = results
+                    ) -> None:
+                        results[i] = await p.router.generate(batch[i], max_tokens=MAX_TOKENS).collect()
+
+                    async with anyio.create_task_group() as work:
+                        for i in range(len(batch)):
+                            work.start_soon(one, i)
+                    got += [results[i] for i in range(len(batch))]
+                    await anyio.sleep(0.05)  # a few looks at what was observed
+                tg.cancel_scope.cancel()
+        assert got == expected
+        assert balancer.applied  # the split followed the lengths
+        assert p.worker.epoch >= 1  # and the context engine learnt each split's tables before its transfers
+        assert p.context._served[0].remote.page_tables == p.worker.info().page_tables
+        assert p.worker.statistics()["failed"] == 0

@@ -231,6 +231,10 @@ class ContextWorker(Worker):
     def _peers(self) -> list[Peer]:
         return [served.peer for served in self._served]
 
+    def _task_group(self) -> anyio.abc.TaskGroup | None:
+        # a peer's requests' group: cancelled when it goes away (the next peer's publish covers this one)
+        return next((served.tasks for served in self._served if hasattr(served, "tasks")), None)
+
     def _tables_applied(self) -> None:
         for served in self._served:
             served.peer_map = PeerMap.build(list(self.info().page_tables), list(served.remote.page_tables))

@@ -187,6 +187,9 @@ class GenerationWorker(Worker):
     def _peers(self) -> list[Peer]:
         return [link.peer for link in self.links if not link.gone]
 
+    def _task_group(self) -> anyio.abc.TaskGroup | None:
+        return next((link.tasks for link in self.links if not link.gone and link.tasks is not None), None)
+
     def _tables_applied(self) -> None:
         for link in self.links:
             self._remap(link)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import anyio
+import anyio.abc
 import attrs
 from attrs import define
 
@@ -123,6 +124,19 @@ class Worker:
     def __attrs_post_init__(self) -> None:
         self.staging = _staging_pool(self.built, self.staging_bytes)
         self.cache = install(self.built)
+        self.engine.on_rebalance(self._pools_replaced)
+
+    def _pools_replaced(self, arenas: Sequence[CacheArena]) -> None:
+        """(The engine's rebalance callback, at its step boundary.) Publish the new tables soon, in a task group
+        of a peer's (the next transfer would publish them anyway; this frees the old arenas sooner and keeps
+        the peers' view current)."""
+        tasks = self._task_group()
+        if tasks is not None:
+            tasks.start_soon(self.publish_tables)
+
+    def _task_group(self) -> anyio.abc.TaskGroup | None:
+        """A task group that lives as long as a connected peer (None: no peer)."""
+        return None
 
     @property
     def engine(self) -> Engine:
