@@ -473,8 +473,8 @@ class CancelAck:
 @frozen
 class TablesUpdate:
     """Either side -> its peer: a pool rebalance replaced this engine's memory; ``info`` holds its new page
-    tables (everything else in it is what the handshake said). ``epoch`` counts the engine's rebalances (1 for
-    the first): an update of an epoch not above the last one applied is stale and ignored.
+    tables (everything else in it is what the handshake said). ``epoch`` counts the sender's updates (1 for the
+    first): an update of an epoch not above the last one applied is stale and ignored.
 
     The control channel is ordered: the update arrives before any message its sender sends after it (a receive
     request into the new pages, a push from them)."""
@@ -489,16 +489,19 @@ class TablesUpdate:
 
 def check_update(current: PeerInfo, update: PeerInfo) -> None:
     """Refuse new page tables that change more than a rebalance can: the role, the instance, the transport and
-    its address, the TP size, the model, or the layers each table holds (only the pools' sizes and addresses
-    may change).
+    its address, the TP size, the model, a table's wire version or layer counts, or the layers each table holds
+    (only the pools' sizes and addresses may change).
 
     :raises ~kvferry.errors.PeerIncompatible: the update changes any of those (the peer keeps its old tables).
     """
     fixed = ("role", "instance_id", "transport", "transport_address", "tp_size", "compat_hash")
     changed = [name for name in fixed if getattr(current, name) != getattr(update, name)]
-    old, new = current.page_tables, update.page_tables
-    if not changed and any(a.layer_groups != b.layer_groups for a, b in zip(old, new, strict=True)):
-        changed.append("layer groups")
+    if not changed:  # the same TP size: as many tables
+        per_table = ("wire_version", "model", "num_layers", "num_draft_layers", "layer_groups")
+        for old, new in zip(current.page_tables, update.page_tables, strict=True):
+            changed += [
+                f"rank {old.rank}'s {name}" for name in per_table if getattr(old, name) != getattr(new, name)
+            ]
     if changed:
         raise PeerIncompatible(f"a page-table update may not change {', '.join(changed)}")
 

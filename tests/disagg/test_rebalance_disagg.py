@@ -128,11 +128,15 @@ async def test_a_rebalance_while_a_transfer_touches_the_pools_is_refused_and_cha
                     assert await routed.collect() == want[2]
 
             tg.start_soon(collect)
-            await until(lambda: p.gen.engine.scheduler.num_transferring > 0, 30, lambda: "no transfer")
+            # the push is under way: the generation side's request waits for its cache, the context side's cache
+            # is pinned for the push
+            await until(lambda: p.context.statistics()["sending"] > 0, 30, lambda: p.context.statistics())
+            assert p.gen.engine.scheduler.num_transferring == 1
             with pytest.raises(RebalanceRefused, match="wait for their cache"):
                 await p.worker.rebalance(num_pages=PAGES + 32)
-            with pytest.raises(RebalanceRefused):  # the pushed cache is pinned for its transfer
+            with pytest.raises(RebalanceRefused, match="may be in transfer"):
                 await p.context.rebalance(num_pages=PAGES + 32)
+            assert p.context.statistics()["sending"] == 1  # still pushing: nothing was disturbed
         assert (p.worker.info().page_tables, p.context.info().page_tables) == tables
         assert sizes(p.gen) == sizes(p.ctx) == (PAGES, SLOTS)
         assert p.worker.epoch == p.context.epoch == 0
@@ -146,9 +150,13 @@ async def test_a_tables_update_that_changes_more_than_a_rebalance_can_is_refused
         served = p.context._served[0]
         info = p.context.info()
         link = p.worker.links[0]
+        table = info.page_tables[0]
         for bad in (
             attrs.evolve(info, instance_id="someone-else"),
             attrs.evolve(info, transport_address="elsewhere:1"),
+            attrs.evolve(info, page_tables=(attrs.evolve(table, wire_version=table.wire_version + 1),)),
+            attrs.evolve(info, page_tables=(attrs.evolve(table, num_layers=table.num_layers + 1),)),
+            attrs.evolve(info, page_tables=(attrs.evolve(table, layer_groups=table.layer_groups[:1]),)),
         ):
             await p.context.transport.send_message(served.peer, encode_control(TablesUpdate(7, bad)))
         # a stale epoch is ignored, a good one applied
@@ -157,6 +165,26 @@ async def test_a_tables_update_that_changes_more_than_a_rebalance_can_is_refused
         await until(lambda: link.epoch == 3, 5, lambda: link.epoch)
         assert link.remote == info
         assert await serve_all(p.router) == want
+
+
+@pytest.mark.anyio
+async def test_a_rebalance_of_the_engine_alone_is_published_before_the_next_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    want = await expected()
+    async with pair() as p:
+        for worker in (p.worker, p.context):
+            monkeypatch.setattr(type(worker), "_task_group", lambda self: None)  # no publish right after it
+        old_gen, old_ctx = p.worker.info().page_tables, p.context.info().page_tables
+        await p.gen.engine.rebalance(num_pages=PAGES + 64)
+        await p.ctx.engine.rebalance(num_pages=PAGES + 32)
+        assert p.worker.epoch == p.context.epoch == 0  # nothing published yet: the peers know the old tables
+        assert p.worker.info().page_tables == old_gen and p.context.info().page_tables == old_ctx
+        # the generation side publishes before its receive request, the context side before its push
+        assert await serve_all(p.router) == want
+        assert p.worker.epoch == p.context.epoch == 1
+        assert p.context._served[0].remote.page_tables == p.worker.info().page_tables != old_gen
+        assert p.worker.links[0].remote.page_tables == p.context.info().page_tables != old_ctx
 
 
 def _real(transport: str) -> None:
@@ -191,9 +219,9 @@ async def test_the_generation_engine_rebalanced_with_its_context_engine_in_anoth
         for pages in (PAGES + 160, PAGES):  # grown, then back: each later transfer lands in the pools in use
             await rebalanced(partial(worker.rebalance, num_pages=pages))
             assert await serve_all(router) == want
-        # the engine rebalanced directly: the worker publishes the new tables before its next transfer
+        # the engine rebalanced directly: the worker publishes the new tables (at once, or before its next
+        # transfer at the latest)
         await rebalanced(lambda: parts["gen"].engine.rebalance(num_pages=PAGES + 64))
-        assert worker.epoch == 3
         assert await serve_all(router) == want
         assert worker.epoch == 4
         assert worker.statistics()["failed"] == 0

@@ -211,22 +211,26 @@ class ContextWorker(Worker):
 
         :raises ~kvferry.errors.PeerIncompatible: the peer serves another model / wire version.
         """
-        async with self.tables_lock:  # a rebalance's update reaches this peer too: it is served before
-            await self.register()
-            await self.publish_locked()
-            remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
-            check_pairing(self.info(), remote)
-            served = _Served(
-                peer, PeerMap.build(list(self.info().page_tables), list(remote.page_tables)), remote
-            )
-            self._served.append(served)
+        await self.register()
+        await self.publish_tables()  # a rebalance before this peer: the peers known so far are told first
+        told, info = self.epoch, self.info()
+        remote = await exchange_hello(self.transport, peer, info, within=self.handshake_timeout)
+        check_pairing(info, remote)
+        served = _Served(peer, PeerMap.build(list(info.page_tables), list(remote.page_tables)), remote)
         try:
+            async with (
+                self.tables_lock
+            ):  # from here every publish tells this peer; one during its hello catches up
+                self._served.append(served)
+                with anyio.CancelScope(shield=True):
+                    await self.joined(peer, told, partial(self._remap, served))
             async with anyio.create_task_group() as tg:
                 served.tasks = tg
                 await pump(self.transport, peer, on_message=partial(self._on_message, served))
                 tg.cancel_scope.cancel()  # the peer is gone: stop prefills and pushes
         finally:
-            self._served.remove(served)
+            if served in self._served:
+                self._served.remove(served)
 
     def _peers(self) -> list[Peer]:
         return [served.peer for served in self._served]
@@ -237,16 +241,21 @@ class ContextWorker(Worker):
 
     def _tables_applied(self) -> None:
         for served in self._served:
-            served.peer_map = PeerMap.build(list(self.info().page_tables), list(served.remote.page_tables))
+            self._remap(served)
+
+    def _peer_map(self, remote: PeerInfo) -> PeerMap:
+        return PeerMap.build(list(self.info().page_tables), list(remote.page_tables))
+
+    def _remap(self, served: _Served) -> None:
+        served.peer_map = self._peer_map(served.remote)
 
     def _apply_update(self, served: _Served, update: TablesUpdate) -> None:
         """The generation peer's pools were rebalanced: map to its new tables (an update that changes more than
-        a rebalance can, or pairs no more, is refused: the peer keeps the tables it had here, and its receive
+        a rebalance can, or does not map, is refused: the peer keeps the tables it had here, and its receive
         requests into pages those do not hold fail)."""
-        if not self.accepts(served.remote, served.epoch, update):
-            return
-        served.remote, served.epoch = update.info, update.epoch
-        served.peer_map = PeerMap.build(list(self.info().page_tables), list(update.info.page_tables))
+        peer_map = self._updated_map(served.remote, served.epoch, update)
+        if peer_map is not None:
+            served.remote, served.epoch, served.peer_map = update.info, update.epoch, peer_map
 
     async def _on_message(self, served: _Served, message: ControlBody) -> None:
         """One control message from the peer (in the order they came; reports never come here)."""

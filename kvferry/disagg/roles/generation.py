@@ -165,22 +165,31 @@ class GenerationWorker(Worker):
 
         :raises ~kvferry.errors.PeerIncompatible: another model / wire version (only this peer is affected).
         """
-        async with self.tables_lock:  # a rebalance's update reaches this peer too: it is a link before
-            await self.register()
-            await self.publish_locked()
-            remote = await exchange_hello(self.transport, peer, self.info(), within=self.handshake_timeout)
-            pairing = check_pairing(remote, self.info())
-            peer_map = PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
-            receiver = Receiver(
-                self.transport,
-                peer,
-                expected_writers(peer_map),
-                self.stall_timeout,
-                control_timeout=self.control_timeout,
-                destinations=partial(destinations, peer_map),
-            )
-            link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
+        await self.register()
+        await self.publish_tables()  # a rebalance before this peer: the peers known so far are told first
+        told, info = self.epoch, self.info()
+        remote = await exchange_hello(self.transport, peer, info, within=self.handshake_timeout)
+        pairing = check_pairing(remote, info)
+        peer_map = PeerMap.build(list(remote.page_tables), list(info.page_tables))
+        receiver = Receiver(
+            self.transport,
+            peer,
+            expected_writers(peer_map),
+            self.stall_timeout,
+            control_timeout=self.control_timeout,
+            destinations=partial(destinations, peer_map),
+        )
+        link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
+        async with (
+            self.tables_lock
+        ):  # from here every publish tells this peer; one during its hello catches up
             self.links.append(link)
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.joined(peer, told, partial(self._remap, link))
+            except BaseException:
+                link.gone = True  # no reader will run for it
+                raise
         task_group.start_soon(self._read, link)
         return remote
 
@@ -194,18 +203,22 @@ class GenerationWorker(Worker):
         for link in self.links:
             self._remap(link)
 
+    def _peer_map(self, remote: PeerInfo) -> PeerMap:
+        return PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
+
     def _remap(self, link: ContextLink) -> None:
         """Map the link's ranks again from both sides' current tables."""
-        link.peer_map = PeerMap.build(list(link.remote.page_tables), list(self.info().page_tables))
+        link.peer_map = self._peer_map(link.remote)
         link.receiver.destinations = partial(destinations, link.peer_map)
 
     def _apply_update(self, link: ContextLink, update: TablesUpdate) -> None:
         """The context peer's pools were rebalanced: map to its new tables (an update that changes more than a
-        rebalance can, or pairs no more, is refused: the link keeps the tables it had)."""
-        if not self.accepts(link.remote, link.epoch, update):
+        rebalance can, or does not map, is refused: the link keeps the tables it had)."""
+        peer_map = self._updated_map(link.remote, link.epoch, update)
+        if peer_map is None:
             return
-        link.remote, link.epoch = update.info, update.epoch
-        self._remap(link)
+        link.remote, link.epoch, link.peer_map = update.info, update.epoch, peer_map
+        link.receiver.destinations = partial(destinations, peer_map)
 
     async def _read(self, link: ContextLink) -> None:
         receiver = link.receiver
@@ -336,9 +349,8 @@ class GenerationWorker(Worker):
         the caller then cancels the request, whose close finds nothing left to free.
         """
         link = self.link(link)
-        await (
-            self.publish_tables()
-        )  # a rebalance since the last transfer: the peer learns the new pages first
+        # a rebalance since the last transfer: the peer learns the new pages first
+        await self.publish_tables()
         managers = self.cache.managers
         rx_staging: ReceiveStaging | None = None
         primary = managers[0]

@@ -1,6 +1,6 @@
 """What both engine roles share: an engine whose cache is swapped for a :class:`~.handoff_cache.HandoffCache`,
-a bounded staging pool, memory registered once for the worker's life, the peer-facing description of both,
-and the deadlines every wait on the peer is bounded by.
+a bounded staging pool, its memory's registration and the page tables its peers know (kept current across
+rebalances), the peer-facing description of both, and the deadlines every wait on the peer is bounded by.
 
 Memory registration: each worker registers its arenas and its staging buffer with its transport
 (:meth:`Worker.register`, called by ``serve`` / ``connect`` before the handshake).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -29,12 +29,11 @@ import anyio.abc
 import attrs
 from attrs import define
 
-from kvferry.disagg.mapping import BouncePolicy
+from kvferry.disagg.mapping import BouncePolicy, PeerMap
 from kvferry.disagg.protocol import (
     PeerInfo,
     PeerRole,
     TablesUpdate,
-    check_pairing,
     check_update,
     encode_control,
 )
@@ -79,6 +78,11 @@ def positive(instance: object, attribute: attrs.Attribute[float], value: float) 
         raise ConfigError(f"{attribute.name} must be > 0 seconds, got {value}")
 
 
+def _tensors(arenas: Sequence[CacheArena]) -> list[Any]:
+    """Every pool tensor of ``arenas``, rank by rank."""
+    return [t for a in arenas for t in a.pool_tensors().values()]
+
+
 def _staging_pool(built: BuiltEngine, nbytes: int) -> StagingPool | None:
     if nbytes < 0:
         raise ConfigError(f"staging_bytes must be >= 0, got {nbytes}")
@@ -112,14 +116,16 @@ class Worker:
     bounce: BouncePolicy = attrs.field(factory=BouncePolicy)
     cache: HandoffCache = attrs.field(init=False)
     staging: StagingPool | None = attrs.field(init=False)
-    registrations: tuple[Registration, ...] = attrs.field(default=(), init=False)
-    #: the registration of the arenas in use and the arenas it covers (None: not registered yet)
+    #: the registration of the arenas the peers know (None: not registered yet), and those arenas
     _arena_registration: Registration | None = attrs.field(default=None, init=False)
     _registered: tuple[CacheArena, ...] = attrs.field(default=(), init=False)
-    #: rebalances published to the peers (the epoch of the last TablesUpdate sent)
+    _staging_registration: Registration | None = attrs.field(default=None, init=False)
+    #: publishes so far (the epoch of the last TablesUpdate sent)
     epoch: int = attrs.field(default=0, init=False)
-    #: held while the registration or the peers' tables change (a handshake holds it too: no update is missed)
+    #: held while the registration or the peers' tables change, and while a new peer joins the peers told
     tables_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    #: a publish is under way (the new arenas may be registered before every peer was told)
+    _publishing: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.staging = _staging_pool(self.built, self.staging_bytes)
@@ -132,7 +138,13 @@ class Worker:
         the peers' view current)."""
         tasks = self._task_group()
         if tasks is not None:
-            tasks.start_soon(self.publish_tables)
+            tasks.start_soon(self._publish_soon)
+
+    async def _publish_soon(self) -> None:
+        try:
+            await self.publish_tables()
+        except KvferryError as exc:  # the publish before the next transfer tries again
+            log.warning("publishing the page tables after a rebalance failed: %s", exc)
 
     def _task_group(self) -> anyio.abc.TaskGroup | None:
         """A task group that lives as long as a connected peer (None: no peer)."""
@@ -148,23 +160,21 @@ class Worker:
         arenas = tuple(m.arena for m in self.cache.managers)
         return arenas if all(a is not None for a in arenas) else self.built.arenas
 
-    async def register(self) -> None:
-        """Register the arenas in use and the staging buffer with the transport; once (later calls do nothing:
-        memory a rebalance puts in place is registered by :meth:`publish_tables`)."""
-        if self._arena_registration is not None:
-            return
-        await self._register_arenas()
-        if self.staging is not None:
-            self.registrations = (*self.registrations, await self.transport.register(self.staging.buffer))
+    @property
+    def registrations(self) -> tuple[Registration, ...]:
+        """The registrations held: the arenas the peers know, and the staging buffer."""
+        return tuple(r for r in (self._arena_registration, self._staging_registration) if r is not None)
 
-    async def _register_arenas(self) -> Registration | None:
-        """Register the arenas in use; the registration of the arenas they replace (None the first time)."""
-        arenas = self.arenas
-        registration = await self.transport.register([t for a in arenas for t in a.pool_tensors().values()])
-        old = self._arena_registration
-        self._arena_registration, self._registered = registration, arenas
-        self.registrations = (registration, *self.registrations[1:])
-        return old
+    async def register(self) -> None:
+        """Register the arenas in use and the staging buffer with the transport (what is registered already is
+        left as it is: arenas a rebalance puts in place are registered by :meth:`publish_tables`). A cancel
+        leaves registered what was."""
+        if self._arena_registration is None:
+            arenas = self.arenas
+            self._arena_registration = await self.transport.register(_tensors(arenas))
+            self._registered = arenas
+        if self.staging is not None and self._staging_registration is None:
+            self._staging_registration = await self.transport.register(self.staging.buffer)
 
     def _current(self) -> bool:
         """Whether the registered arenas are the ones in use."""
@@ -180,62 +190,86 @@ class Worker:
     def _tables_applied(self) -> None:
         """This side's tables changed: rebuild what was derived from them (the rank maps to each peer)."""
 
-    def accepts(self, remote: PeerInfo, epoch: int, update: TablesUpdate) -> bool:
-        """Whether a peer's page-table update applies: its epoch is above ``epoch`` (the last applied), it
-        changes only what a rebalance can (:func:`~kvferry.disagg.protocol.check_update` against ``remote``,
-        the peer's tables now) and the peers still pair. A refusal is logged; the caller keeps the old tables."""
+    def _peer_map(self, remote: PeerInfo) -> PeerMap:
+        """The rank map between this side's tables and a peer's (senders first)."""
+        raise NotImplementedError
+
+    def _updated_map(self, remote: PeerInfo, epoch: int, update: TablesUpdate) -> PeerMap | None:
+        """The rank map to a peer's new tables, where its update applies: its epoch is above ``epoch`` (the last
+        applied), it changes only what a rebalance can (:func:`~kvferry.disagg.protocol.check_update` against
+        ``remote``, its tables now) and the new tables map. None otherwise (a stale update is ignored, a refusal
+        is logged); the caller then keeps the old tables."""
         if update.epoch <= epoch:
-            return False
+            return None
         try:
             check_update(remote, update.info)
-            if self.ROLE is PeerRole.CONTEXT:
-                check_pairing(self.info(), update.info)
-            else:
-                check_pairing(update.info, self.info())
-        except PeerIncompatible as exc:
+            return self._peer_map(update.info)
+        except (PeerIncompatible, ConfigError) as exc:
             log.warning("page-table update of %s refused: %s", remote.transport_address, exc)
-            return False
-        return True
+            return None
 
     async def publish_tables(self) -> bool:
         """If a rebalance replaced the engine's pools since the last call, register the new memory, send every
-        connected peer a :class:`~kvferry.disagg.protocol.TablesUpdate` and rebuild this side's maps to them;
-        whether anything was published. Both roles call it before they send anything that refers to their
-        pools; :meth:`rebalance` calls it at once.
+        connected peer a :class:`~kvferry.disagg.protocol.TablesUpdate`, rebuild this side's maps to them and
+        deregister the old arenas; whether anything was published. Both roles call it before they send anything
+        that refers to their pools; :meth:`rebalance` calls it at once, and a rebalance of the engine starts it.
 
-        A peer that cannot be told (it went away, its send timed out) is skipped: it is gone, or its transfers
-        fail on the old tables with typed errors. Shielded from cancellation (a half-published update would
-        leave the peers' tables undefined).
+        A publish under way is waited for. A cancel while waiting leaves nothing changed; the publish itself is
+        shielded (a half-published update would leave the peers' tables undefined). A peer that cannot be told
+        within ``handshake_timeout`` is closed (its link is gone; it would otherwise write by old tables).
         """
-        if self._arena_registration is None or (self._current() and not self.tables_lock.locked()):
+        if self._arena_registration is None or (self._current() and not self._publishing):
             return False
-        # a publish under way (the arenas registered, the update not yet sent) is waited for
-        with anyio.CancelScope(shield=True):
-            async with self.tables_lock:
-                published = await self.publish_locked()
+        published = False
+        async with self.tables_lock:
+            with anyio.CancelScope(shield=True):
+                published = await self._publish_locked()
         return published
 
-    async def publish_locked(self) -> bool:
-        """:meth:`publish_tables` for a caller that holds :attr:`tables_lock` (a handshake)."""
+    async def _publish_locked(self) -> bool:
+        """:meth:`publish_tables` for a caller that holds :attr:`tables_lock`."""
         if self._arena_registration is None or self._current():
             return False
-        old = await self._register_arenas()
-        self.epoch += 1
-        message = encode_control(TablesUpdate(self.epoch, self.info()))
-        peers = self._peers()
-        for peer in peers:
-            with (
-                anyio.move_on_after(self.handshake_timeout),
-                contextlib.suppress(PeerDisconnected, KvferryError),
-            ):
-                await self.transport.send_message(peer, message)
-        self._tables_applied()
-        if old is not None:
-            # nothing refers to the old arenas any more: the engine refused the rebalance while a transfer
-            # could touch them, and the peers learnt the new tables before anything that refers to those
+        self._publishing = True
+        try:
+            arenas = self.arenas
+            registration = await self.transport.register(_tensors(arenas))
+            old, self._arena_registration, self._registered = self._arena_registration, registration, arenas
+            self.epoch += 1
+            message = encode_control(TablesUpdate(self.epoch, self.info()))
+            peers = self._peers()
+            for peer in peers:
+                await self._tell(peer, message)
+            self._tables_applied()
+            # nothing refers to the old arenas any more: the engine refused the rebalance while a transfer could
+            # touch them, and the peers learnt the new tables before anything that refers to those
             await self.transport.deregister(old)
+        finally:
+            self._publishing = False
         log.info("published the page tables of epoch %d to %d peers", self.epoch, len(peers))
         return True
+
+    async def _tell(self, peer: Peer, message: bytes) -> None:
+        """Send a peer a page-table update; close it where that fails (it is gone, or would write by old tables)."""
+        with anyio.move_on_after(self.handshake_timeout) as scope:
+            try:
+                await self.transport.send_message(peer, message)
+                return
+            except PeerDisconnected:
+                return
+            except KvferryError as exc:
+                log.warning("cannot send new page tables to %s (%s): closing it", peer, exc)
+        if scope.cancelled_caught:
+            log.warning("no new page tables sent to %s within %s s: closing it", peer, self.handshake_timeout)
+        with contextlib.suppress(KvferryError, OSError):
+            await peer.aclose()
+
+    async def joined(self, peer: Peer, told: int, remap: Callable[[], None]) -> None:
+        """(Under :attr:`tables_lock`, once a new peer is among :meth:`_peers`.) Where a publish ran during its
+        handshake (its hello held the tables of epoch ``told``), send it the tables since, and ``remap``."""
+        if self.epoch != told:
+            await self._tell(peer, encode_control(TablesUpdate(self.epoch, self.info())))
+            remap()
 
     async def rebalance(
         self,
@@ -255,8 +289,9 @@ class Worker:
         await self.publish_tables()
 
     def page_tables(self) -> tuple[PageTable, ...]:
-        """Every rank's page table (one arena per rank)."""
-        return tuple(arena.page_table() for arena in self.arenas)
+        """Every rank's page table (one arena per rank) as the peers know them: of the registered arenas (the
+        arenas in use until the first registration)."""
+        return tuple(arena.page_table() for arena in (self._registered or self.arenas))
 
     def pool_tensors(self) -> list[Any]:
         """Every rank's pool tensors (``CacheArena.pool_tensors()``), by rank."""
