@@ -462,7 +462,7 @@ async def disaggregated(
 
     ``staging_bytes``: each side's staging pool; ``bounce`` (default :class:`~.mapping.BouncePolicy`): the
     policy of both sides (``BouncePolicy.always()`` bounces every writer with bytes while the pools have
-    room). Each worker registers its memory once, before its handshake, for the life of its transport.
+    room). Each worker registers its memory before its handshake (and again after a rebalance).
 
     The two sides authenticate each other with ``secret`` (a fresh random one by default); ``authenticate=False``
     runs them without (loopback only).

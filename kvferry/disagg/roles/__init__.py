@@ -5,8 +5,8 @@ change nothing inside it: each swaps the engine's cache for a :class:`HandoffCac
 *holds* a prefilled request for its push, the generation side *adopts* a transferred one).
 
 - :mod:`.handoff_cache`: :class:`HandoffCache`, the engine's cache with hold and adopt;
-- :mod:`.worker`: what both roles share (staging pool, memory registered once for life, the handshake's
-  description, the default deadlines);
+- :mod:`.worker`: what both roles share (staging pool, its memory's registration, kept current across
+  rebalances, the handshake's description, the default deadlines);
 - :mod:`.context`: :class:`ContextWorker`, which prefills, answers and pushes;
 - :mod:`.generation`: :class:`GenerationWorker`, which asks for prefills, receives and adopts.
 
