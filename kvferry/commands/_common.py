@@ -169,11 +169,12 @@ def check_model(model: str) -> None:
         raise ConfigError(f"--model {model}: not a directory (presets: {presets})")
 
 
-def check_device(device: str) -> None:
-    """Refuse a ``--device`` torch cannot use here (``cuda`` without a GPU), in one line (imports torch)."""
+def check_device(device: str, flag: str = "--device") -> None:
+    """Refuse a ``--device`` (or ``flag``) torch cannot use here (``cuda`` without a GPU), in one line (imports
+    torch)."""
     from kvferry.model.device import resolve_device
 
-    resolve_device(device)
+    resolve_device(device, flag=flag)
 
 
 def resolve_transport(name: str) -> tuple[str, bool]:

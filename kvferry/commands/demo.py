@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="where both engines' weights and caches live: cpu, cuda or cuda:N"
     )
     parser.add_argument(
+        "--ctx-device",
+        default=None,
+        metavar="DEVICE",
+        help="the context engine's device instead (cuda:0 here and --device cuda:1: one GPU each)",
+    )
+    parser.add_argument(
         "--dtype",
         choices=DTYPES,
         default="float64",
@@ -237,6 +243,7 @@ async def _disaggregated(
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        ctx_device=args.ctx_device,
         separate_process=separate_process,
         secret=args.secret,
     ) as (router, parts):
@@ -433,6 +440,8 @@ def run(args: argparse.Namespace) -> int:
     from kvferry.transports.handshake import load_secret
 
     check_device(args.device)
+    if args.ctx_device is not None:
+        check_device(args.ctx_device, "--ctx-device")
     check_model(args.model)
     check_tp(args.model, "--ctx-tp", args.ctx_tp)
     check_tp(args.model, "--gen-tp", args.gen_tp)

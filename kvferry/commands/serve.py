@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     disagg.add_argument(
         "--ctx-tp", type=positive_int, default=None, metavar="N", help="context engine TP ranks (default 1)"
     )
+    disagg.add_argument(
+        "--ctx-device",
+        default=None,
+        metavar="DEVICE",
+        help="the context engine's device (default: --device; cuda:0 here and --device cuda:1: one GPU each)",
+    )
     serve_roles.add_arguments(parser)
     disagg.add_argument(
         "--gen-tp",
@@ -137,10 +143,13 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
         for flag, value in (
             ("--transport", args.transport),
             ("--ctx-tp", args.ctx_tp),
+            ("--ctx-device", args.ctx_device),
             ("--gen-tp", args.gen_tp),
         )
         if value is not None
     ]
+    if args.ctx_device is not None:
+        check_device(args.ctx_device, "--ctx-device")
     if args.role == "generation":
         disagg_only = [flag for flag in disagg_only if flag != "--transport"]
     if not args.disagg and disagg_only:
@@ -161,7 +170,12 @@ def open_service_from_args(args: argparse.Namespace) -> AbstractAsyncContextMana
         )
     elif args.disagg:
         transport, separate = resolve_transport(args.transport or "auto")
-        options = DisaggOptions(transport=transport, ctx_tp=args.ctx_tp or 1, separate_process=separate)
+        options = DisaggOptions(
+            transport=transport,
+            ctx_tp=args.ctx_tp or 1,
+            separate_process=separate,
+            ctx_device=args.ctx_device,
+        )
     return open_service(args.model, engine=engine, disagg=options, max_queued=args.max_queued)
 
 
@@ -183,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         serve_roles.check(args)
         if args.gen_tp is not None or args.ctx_tp is not None:
             raise ConfigError("--role context: give its TP size with --tp")
+        if args.ctx_device is not None:
+            raise ConfigError("--role context: give its device with --device")
         anyio.run(serve_roles.run_context, args, engine_options(args, args.tp or 1))
         return 0
     anyio.run(_serve, args)

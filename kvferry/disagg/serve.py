@@ -433,6 +433,7 @@ async def disaggregated(
     model: str = "tiny",
     options: EngineOptions | None = None,
     ctx_num_pages: int = 0,
+    ctx_device: str | None = None,
     contexts: Sequence[str] = (),
     context_window: int = DEFAULT_CONTEXT_WINDOW,
     transport: str = "auto",
@@ -474,8 +475,9 @@ async def disaggregated(
     ``model``: a preset or a checkpoint directory, for both engines. ``options`` sizes the generation engine
     (its ``tp``, ``max_spec_k``, ``seed``, ``dtype`` and ``device`` then replace ``gen_tp``, ``spec_k``,
     ``seed``, ``dtype`` and ``device``; its steps always run on the event loop); the context engine gets the
-    same (device and dtype included, also in its own process) with ``ctx_tp`` ranks and ``ctx_num_pages`` pages
-    (0: the same number).
+    same (dtype included, also in its own process) with ``ctx_tp`` ranks, ``ctx_num_pages`` pages (0: the same
+    number) and its weights and caches on ``ctx_device`` (None: the generation engine's device; ``cuda:0`` for
+    the context engine and ``cuda:1`` for the generation engine put the two on their own GPUs).
 
     ``contexts``: the transport addresses of running context engines (:func:`serve_context`, ``kvferry serve
     --role context``) to connect to instead of starting one; requests are spread over them
@@ -495,7 +497,12 @@ async def disaggregated(
     if options is None:
         options = _options(gen_tp, spec_k, seed, dtype, device=device)
     spec_k, seed, dtype = options.max_spec_k, options.seed, options.dtype
-    ctx_options = attrs.evolve(options, tp=ctx_tp, num_pages=ctx_num_pages or options.num_pages)
+    ctx_options = attrs.evolve(
+        options,
+        tp=ctx_tp,
+        num_pages=ctx_num_pages or options.num_pages,
+        device=options.device if ctx_device is None else ctx_device,
+    )
     gen = build_engine(model, options)
     factory = get_transport(transport)
     context_process: ContextProcess | None = None

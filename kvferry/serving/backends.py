@@ -69,6 +69,8 @@ class DisaggOptions:
     secret: bytes | None = None
     #: context engine attention pages per rank (0: as many as the generation engine)
     ctx_num_pages: int = 0
+    #: where a context engine started here keeps its weights and caches (None: the generation engine's device)
+    ctx_device: str | None = None
     #: requests each context engine is asked to work on at once; the rest wait in arrival order
     context_window: int = 32
 
@@ -313,5 +315,6 @@ async def open_backend(
         separate_process=disagg.separate_process,
         secret=disagg.secret,
         ctx_num_pages=disagg.ctx_num_pages,
+        ctx_device=disagg.ctx_device,
     ) as (router, parts):
         yield DisaggregatedBackend(router, name, disagg, parts)

@@ -144,6 +144,15 @@ def test_no_draft_transfer_judges_the_tokens(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.timeout(180)
+def test_the_context_engine_on_a_device_of_its_own_gives_the_same_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--ctx-device`` places the context engine; on this host both are the CPU (two GPUs: tests/e2e)."""
+    code, result, _ = demo_in_process(capsys, "--ctx-device", "cpu", "--spec-k", "0")
+    assert code == 0 and result["identical"] is True and result["mismatched_requests"] == []
+
+
+@pytest.mark.timeout(180)
 def test_no_speculation_has_no_acceptance_rate(capsys: pytest.CaptureFixture[str]) -> None:
     code, result, _ = demo_in_process(capsys, "--spec-k", "0")
     assert code == 0 and result["identical"] is True and result["spec_k"] == 0
@@ -183,6 +192,8 @@ def test_a_typed_failure_is_one_line_and_exit_3(
         (["--max-tokens", "1"], "argument --max-tokens: must be at least 2"),
         (["--seed", "-1"], "argument --seed: a seed is an int in [0, 2**62), got -1"),
         (["--spec-k", "-1"], "argument --spec-k: must not be negative"),
+        (["--ctx-device", "gpu"], "error: --ctx-device 'gpu': expected cpu, cuda or cuda:N"),
+        (["--ctx-device", "cuda:64"], "error: --ctx-device cuda:64: "),  # no GPU, or fewer than 65
     ],
 )
 def test_bad_arguments_name_their_flag_before_anything_runs(

@@ -129,6 +129,10 @@ def test_contradictory_flags_and_a_busy_port_are_refused_in_one_line(
     assert "with --disagg give --gen-tp" in capsys.readouterr().err
     assert main(["serve", "--ctx-tp", "2", "--transport", "local"]) == 2
     assert "--transport, --ctx-tp only apply with --disagg" in capsys.readouterr().err
+    assert main(["serve", "--ctx-device", "cpu"]) == 2
+    assert "--ctx-device only apply with --disagg" in capsys.readouterr().err
+    assert main(["serve", "--disagg", "--ctx-device", "tpu"]) == 2
+    assert "--ctx-device 'tpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         assert main(["serve", "--port", str(port), "--dtype", DTYPE]) == 2
