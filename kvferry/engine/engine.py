@@ -325,8 +325,8 @@ class Engine:
         restored on its next resume; the prefix cache is dropped), the pools are rebuilt with the new sizes (the
         replay buffers grow with the state pool), the model and the drafter are bound to the new memory, the
         callbacks of :meth:`on_rebalance` run, and the suspended requests are admitted again: their tokens are
-        those of a run without a rebalance. A disaggregated engine's worker registers the new memory and sends
-        its peers the new page tables before it next transfers (:meth:`Worker.publish_tables
+        those of a run without a rebalance. A disaggregated engine's worker then registers the new memory and
+        sends its peers the new page tables, before it next transfers at the latest (:meth:`Worker.publish_tables
         <kvferry.disagg.roles.worker.Worker.publish_tables>`).
 
         A cancel while waiting leaves the rebalance asked for (it still happens at the next step boundary).

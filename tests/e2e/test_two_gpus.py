@@ -4,14 +4,11 @@ aggregated serving. Skips where torch sees fewer than two GPUs or the transport 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kvferry.transports.registry import available_transports
+from tests.disagg.test_demo import run_demo
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -27,35 +24,18 @@ def test_context_and_generation_engines_on_their_own_gpus_give_aggregated_tokens
 ) -> None:
     if transport not in available_transports():
         pytest.skip(f"{transport} is not installed")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvferry",
-            "demo",
-            "--json",
-            "--requests",
-            "4",
-            "--max-tokens",
-            "6",
-            "--dtype",
-            "float32",
-            "--transport",
-            transport,
-            "--ctx-tp",
-            str(ctx_tp),
-            "--gen-tp",
-            str(gen_tp),
-            "--ctx-device",
-            "cuda:0",
-            "--device",
-            "cuda:1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
+    result = run_demo(
+        "--dtype",
+        "float32",
+        "--transport",
+        transport,
+        "--ctx-tp",
+        str(ctx_tp),
+        "--gen-tp",
+        str(gen_tp),
+        "--ctx-device",
+        "cuda:0",
+        "--device",
+        "cuda:1",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
     assert result["identical"] is True and result["mismatched_requests"] == []

@@ -53,13 +53,7 @@ from kvferry.disagg.session import SendSession, send
 from kvferry.disagg.transfer import expected_writers, plan_transfer, prepare_source
 from kvferry.engine.generation import Generation
 from kvferry.engine.runner import PagedRunner
-from kvferry.errors import (
-    ClosedResourceError,
-    KvferryError,
-    PeerDisconnected,
-    PoolExhausted,
-    TransportError,
-)
+from kvferry.errors import ClosedResourceError, KvferryError, PeerDisconnected, PoolExhausted, TransportError
 from kvferry.pools.manager import CacheState
 from kvferry.transports import Peer, Transport
 
@@ -218,9 +212,8 @@ class ContextWorker(Worker):
         check_pairing(info, remote)
         served = _Served(peer, PeerMap.build(list(info.page_tables), list(remote.page_tables)), remote)
         try:
-            async with (
-                self.tables_lock
-            ):  # from here every publish tells this peer; one during its hello catches up
+            # from here every publish tells this peer; one during its hello catches up
+            async with self.tables_lock:
                 self._served.append(served)
                 with anyio.CancelScope(shield=True):
                     await self.joined(peer, told, partial(self._remap, served))

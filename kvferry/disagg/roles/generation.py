@@ -180,9 +180,8 @@ class GenerationWorker(Worker):
             destinations=partial(destinations, peer_map),
         )
         link = ContextLink(peer, remote, peer_map, receiver, pairing.draft, tasks=task_group)
-        async with (
-            self.tables_lock
-        ):  # from here every publish tells this peer; one during its hello catches up
+        # from here every publish tells this peer; one during its hello catches up
+        async with self.tables_lock:
             self.links.append(link)
             try:
                 with anyio.CancelScope(shield=True):
@@ -206,9 +205,9 @@ class GenerationWorker(Worker):
     def _peer_map(self, remote: PeerInfo) -> PeerMap:
         return PeerMap.build(list(remote.page_tables), list(self.info().page_tables))
 
-    def _remap(self, link: ContextLink) -> None:
-        """Map the link's ranks again from both sides' current tables."""
-        link.peer_map = self._peer_map(link.remote)
+    def _remap(self, link: ContextLink, peer_map: PeerMap | None = None) -> None:
+        """Map the link's ranks with ``peer_map`` (None: again from both sides' current tables)."""
+        link.peer_map = self._peer_map(link.remote) if peer_map is None else peer_map
         link.receiver.destinations = partial(destinations, link.peer_map)
 
     def _apply_update(self, link: ContextLink, update: TablesUpdate) -> None:
@@ -217,8 +216,8 @@ class GenerationWorker(Worker):
         peer_map = self._updated_map(link.remote, link.epoch, update)
         if peer_map is None:
             return
-        link.remote, link.epoch, link.peer_map = update.info, update.epoch, peer_map
-        link.receiver.destinations = partial(destinations, peer_map)
+        link.remote, link.epoch = update.info, update.epoch
+        self._remap(link, peer_map)
 
     async def _read(self, link: ContextLink) -> None:
         receiver = link.receiver
